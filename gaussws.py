@@ -1,0 +1,261 @@
+"""Gaussian weight sampling (GaussWS): pseudo-quantization training (PQT) of Linear weights.
+
+Each training step replaces a weight w by (Eq. 3, METHOD.md section 1)
+
+    w_hat = w + R * broadcast_bl(max_bl(|w|) * 2^(1 - b_t))
+
+with 32x32 blocks, a learnable bitwidth b_t per block, and noise R that is redrawn every optimizer
+step: round(N(0,1)/2) made from random bits (gaussws) or U(-1/2, 1/2) in BF16 (diffq, the
+baseline). w_hat is BF16; the matmul that follows is the ordinary one. The noise kernels live in
+kernels/; this file holds the math around them, the layer, and the seeds.
+
+Use on any model: swap nn.Linear for PQTLinear, call set_noise_seed(model, seed) once and
+set_step(model, step) before each optimizer step's forwards. See README.md.
+"""
+import math
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels import BL
+
+METHODS = ("bf16", "gaussws", "diffq")
+LAYERS = {
+    "gpt2": ("qkv", "out", "up", "down"),
+    "llama2": ("q", "k", "v", "out", "gate", "up", "down"),
+}
+GROUPS = {"all": None, "od": ("out", "down")}  # None: every layer of the arch
+
+
+def parse_method(spec, arch="gpt2"):
+    """'gaussws[od]' -> ('gaussws', frozenset({'out', 'down'})); 'bf16' -> ('bf16', frozenset())."""
+    if arch not in LAYERS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(LAYERS)}")
+    valid = LAYERS[arch]
+    hint = (f"expected bf16, or gaussws[...] / diffq[...] with a comma-separated list of "
+            f"{', '.join(valid)} or {', '.join(GROUPS)} inside the brackets, e.g. gaussws[od]")
+    match = re.fullmatch(r"\s*(\w+)\s*(?:\[([^\]]*)\])?\s*", str(spec))
+    if not match or match.group(1) not in METHODS:
+        raise ValueError(f"bad method {spec!r}: {hint}")
+    method, parts = match.group(1), match.group(2)
+    if method == "bf16":
+        if parts is not None:
+            raise ValueError(f"bad method {spec!r}: bf16 takes no layer list; {hint}")
+        return method, frozenset()
+    if parts is None or not parts.strip():
+        raise ValueError(f"bad method {spec!r}: say which layers get the method; {hint}")
+    layers = set()
+    for part in (p.strip() for p in parts.split(",")):
+        if part in GROUPS:
+            layers.update(GROUPS[part] or valid)
+        elif part in valid:
+            layers.add(part)
+        else:
+            raise ValueError(f"bad method {spec!r}: no layer {part!r} in {arch}; {hint}")
+    return method, frozenset(layers)
+
+
+def block_absmax(w):
+    """max_bl(|w|): FP32 max of |w| over each 32x32 block, shape (ceil(m/32), ceil(n/32))."""
+    m, n = w.shape
+    nbm, nbn = -(-m // BL), -(-n // BL)
+    a = w.detach().abs()
+    if (m % BL) or (n % BL):  # partial edge blocks: zeros never win a max of |w|
+        a = F.pad(a, (0, nbn * BL - n, 0, nbm * BL - m))
+    return a.view(nbm, BL, nbn, BL).amax(dim=(1, 3)).float()
+
+
+def _kernels(backend, device):
+    """The module that makes R: 'triton' (kernels/triton_noise.py) or 'torch' (kernels/torch_noise.py)."""
+    if backend == "auto":
+        backend = "triton" if torch.device(device).type == "cuda" else "torch"
+    if backend == "triton":
+        from kernels import triton_noise
+        return triton_noise
+    if backend == "torch":
+        from kernels import torch_noise
+        return torch_noise
+    raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'torch'")
+
+
+def _check_seed(seed):
+    seed = int(seed)
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2^63), got {seed}")
+    return seed
+
+
+def sample_r(shape, seed, method="gaussws", *, device="cpu", backend="auto"):
+    """The noise R (FP32) that pseudo_quantize(w, b_t, seed, method) adds for a w of this shape."""
+    m, n = shape
+    k = _kernels(backend, device)
+    r_store = k.gen(m * n, _check_seed(seed), method, device)
+    ones = torch.ones(-(-m // BL), -(-n // BL), device=device)
+    return k.apply(torch.zeros(m, n, device=device), r_store, ones, method).float()  # 0 + R * 1, exact
+
+
+# Eq. 3 as an opaque op, so torch.compile neither traces the kernels nor specialises on the seed
+# (a CPU int64 tensor): its value changes every step and must not trigger a recompile.
+@torch.library.custom_op("pqt::w_hat", mutates_args=())
+def _w_hat_op(w: torch.Tensor, scale_bl: torch.Tensor, seed: torch.Tensor, method: str, backend: str) -> torch.Tensor:
+    k = _kernels(backend, w.device)
+    r_store = k.gen(w.numel(), int(seed), method, w.device)
+    return k.apply(w.contiguous(), r_store, scale_bl.contiguous(), method)
+
+
+@_w_hat_op.register_fake
+def _(w, scale_bl, seed, method, backend):
+    return torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
+
+
+@torch.library.custom_op("pqt::block_sums", mutates_args=())
+def _block_sums_op(g: torch.Tensor, seed: torch.Tensor, method: str, backend: str) -> torch.Tensor:
+    """sum_bl(g * R) with R regenerated from the seed: never stored between forward and backward."""
+    k = _kernels(backend, g.device)
+    r_store = k.gen(g.numel(), int(seed), method, g.device)
+    return k.block_sums(g.contiguous(), r_store, method)
+
+
+@_block_sums_op.register_fake
+def _(g, seed, method, backend):
+    return g.new_empty((-(-g.shape[0] // BL), -(-g.shape[1] // BL)), dtype=torch.float32)
+
+
+def _w_hat_setup(ctx, inputs, output):
+    w, scale_bl, seed, method, backend = inputs
+    ctx.w_dtype = w.dtype
+    ctx.save_for_backward(seed)
+    ctx.method, ctx.backend = method, backend
+
+
+def _w_hat_backward(ctx, g):
+    # dL/dw = dL/dw_hat; dL/dscale_bl = sum_bl(dL/dw_hat * R). Autograd then carries the scale's
+    # gradient through scale_bl = max_bl(|w|) * 2^(1 - b_t), which gives Eq. 4 for b_t.
+    (seed,) = ctx.saved_tensors
+    grad_w = g.to(ctx.w_dtype) if ctx.needs_input_grad[0] else None
+    grad_scale = _block_sums_op(g, seed, ctx.method, ctx.backend) if ctx.needs_input_grad[1] else None
+    return grad_w, grad_scale, None, None, None
+
+
+_w_hat_op.register_autograd(_w_hat_backward, setup_context=_w_hat_setup)
+
+
+def pseudo_quantize(w, b_t, seed, method="gaussws", *, backend="auto"):
+    """Eq. 3: BF16 w_hat = w + R * broadcast(max_bl(|w|) * 2^(1 - b_t)); backward is Eq. 4.
+
+    Differentiable in w (dL/dw = dL/dw_hat) and b_t; max_bl(|w|) is a constant in the backward.
+    `seed` is an int in [0, 2^63) or a 0-dim int64 CPU tensor holding one.
+    """
+    if method not in ("gaussws", "diffq"):
+        raise ValueError(f"unknown noise method {method!r}; expected 'gaussws' or 'diffq'")
+    if w.dim() != 2:
+        raise ValueError(f"w must be 2-D, got shape {tuple(w.shape)}")
+    expected = (-(-w.shape[0] // BL), -(-w.shape[1] // BL))
+    if tuple(b_t.shape) != expected:
+        raise ValueError(f"b_t must have shape {expected} for w of shape {tuple(w.shape)}, got {tuple(b_t.shape)}")
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(_check_seed(seed), dtype=torch.int64)
+    scale_bl = block_absmax(w) * torch.exp2(1.0 - b_t.float())
+    return _w_hat_op(w, scale_bl, seed, method, backend)
+
+
+class PQTLinear(nn.Linear):
+    """nn.Linear whose weight is pseudo-quantized (Eq. 3) in training mode.
+
+    b_i is the internal bitwidth of each 32x32 block (Eq. 11), initialised to 1 so that
+    b_t = b_target + b_i * (b_init - b_target) starts at b_init; weight decay on b_i pulls b_t
+    toward b_target. In eval mode the layer is exactly nn.Linear (the BF16 baseline under autocast).
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, method="gaussws", b_init=6.0, b_target=4.0,
+                 backend="auto", device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if method not in ("gaussws", "diffq"):
+            raise ValueError(f"PQTLinear method must be 'gaussws' or 'diffq', got {method!r}")
+        self.method, self.b_init, self.b_target, self.backend = method, float(b_init), float(b_target), backend
+        self.b_i = nn.Parameter(torch.ones(-(-out_features // BL), -(-in_features // BL), device=device))
+        # Until set_noise_seed assigns one, a layer seed from torch's RNG keeps layers independent.
+        self.layer_seed = int(torch.randint(0, 2**62, ()).item())
+        self.step = 0
+        # The seed of this step's R: a CPU tensor, so changing it neither syncs a GPU nor recompiles.
+        self.noise_seed = torch.tensor(_step_seed(self.layer_seed, 0), dtype=torch.int64)
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if hasattr(self, "b_i"):
+            nn.init.ones_(self.b_i)
+
+    @property
+    def b_t(self):
+        """Eq. 11: the bitwidth of each block."""
+        return self.b_target + self.b_i * (self.b_init - self.b_target)
+
+    def forward(self, x):
+        if not self.training:
+            return super().forward(x)
+        w_hat = pseudo_quantize(self.weight, self.b_t, self.noise_seed, self.method, backend=self.backend)
+        if not torch.is_autocast_enabled(x.device.type):
+            w_hat = w_hat.to(x.dtype)  # exact: BF16 values are representable in FP32
+        return F.linear(x, w_hat, self.bias)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"
+
+
+# --- seeds (METHOD.md section 4) -------------------------------------------------------------
+# user seed -> one seed per layer -> one seed per (layer, optimizer step) for the device Philox.
+# Counter-based rather than stateful: the seed of any step is a pure function of (user seed,
+# layer, step), so forward and backward agree, every data-parallel rank draws the same R, and a
+# resumed run continues the identical sequence without saving any generator state.
+
+def _mix(x):
+    """splitmix64's finaliser: a bijection on 64-bit integers that scatters nearby inputs."""
+    x &= 2**64 - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return x ^ (x >> 31)
+
+
+def _layer_seed(seed, layer):
+    return _mix(_mix(seed) + 0x9E3779B97F4A7C15 * (layer + 1)) >> 1
+
+
+def _step_seed(layer_seed, step):
+    return _mix(layer_seed + 0x9E3779B97F4A7C15 * (step + 1)) >> 1  # >> 1: Philox seed in [0, 2^63)
+
+
+def pqt_layers(model):
+    return [m for m in model.modules() if isinstance(m, PQTLinear)]
+
+
+def set_noise_seed(model, seed):
+    """Give every PQTLinear of `model` its own layer seed, derived from `seed` and its position."""
+    seed = _check_seed(seed)
+    for i, layer in enumerate(pqt_layers(model)):
+        layer.layer_seed = _layer_seed(seed, i)
+        layer.noise_seed.fill_(_step_seed(layer.layer_seed, layer.step))
+
+
+def set_step(model, step):
+    """Select the noise of optimizer step `step`: call once per step, before its micro-steps."""
+    for layer in pqt_layers(model):
+        layer.step = int(step)
+        layer.noise_seed.fill_(_step_seed(layer.layer_seed, layer.step))
+
+
+def bitwidth_loss(model):
+    """Eq. 12 without lambda: sum over PQT layers of the mean |b_t - b_target| of their blocks."""
+    terms = [(layer.b_t - layer.b_target).abs().mean() for layer in pqt_layers(model)]
+    return torch.stack(terms).sum() if terms else torch.zeros(())
+
+
+@torch.no_grad()
+def bitwidth_stats(model):
+    """Mean, min and max of b_t over all PQT blocks of the model, or None without PQT layers."""
+    b_t = [layer.b_t.flatten() for layer in pqt_layers(model)]
+    if not b_t:
+        return None
+    b_t = torch.cat(b_t).float()
+    return {"mean": b_t.mean().item(), "min": b_t.min().item(), "max": b_t.max().item()}
