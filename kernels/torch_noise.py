@@ -109,6 +109,7 @@ class _Compiled:
         self.fn = fn
         self.compiled = None
 
+    @torch.no_grad()
     def __call__(self, *args):
         if self.compiled is None:
             try:
@@ -136,9 +137,9 @@ def gen(numel, seed, method, device):
 
 def apply(w, r_store, scale_bl, method):
     """Eq. 3: BF16(w + R * broadcast(scale_bl)), arithmetic in FP32."""
-    return _apply_c(w, r_store, scale_bl, method)
+    return _apply_c(w.detach(), r_store, scale_bl.detach(), method)
 
 
 def block_sums(g, r_store, method):
     """sum_bl(g * R) per 32x32 block, FP32 (the sum in Eq. 4)."""
-    return _block_sums_c(g, r_store, method)
+    return _block_sums_c(g.detach(), r_store, method)

@@ -1,0 +1,284 @@
+"""The method's properties (METHOD.md), each checked against an independent computation."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gaussws
+from kernels import torch_noise
+
+BACKENDS = ["torch", "triton"]
+
+# Eq. 10, exactly.
+P2 = 3 / 4 * 2**-9  # Pr(R = +2) = Pr(R = -2)
+P1 = (3 / 4) ** 2 * 2**-2 * (1 - 2 * P2)  # Pr(R = +1) = Pr(R = -1)
+P0 = 1 - 2 * P1 - 2 * P2
+
+
+def naive_eq3(w, b_t, r):
+    """Eq. 3 with Python loops over the 32x32 blocks, FP32 arithmetic, one BF16 cast."""
+    w32 = w.float()
+    out = torch.empty_like(w32)
+    for bi in range(b_t.shape[0]):
+        for bj in range(b_t.shape[1]):
+            blk = (slice(32 * bi, 32 * bi + 32), slice(32 * bj, 32 * bj + 32))
+            scale = w32[blk].abs().max() * 2.0 ** (1 - b_t[bi, bj].item())
+            out[blk] = w32[blk] + r[blk] * scale
+    return out.bfloat16()
+
+
+def naive_eq4(w, b_t, r, g):
+    """dL/db_t = -ln2 * max_bl(|w|) * 2^(1 - b_t) * sum_bl(g * R), block by block."""
+    out = torch.empty(b_t.shape, dtype=torch.float64)
+    for bi in range(b_t.shape[0]):
+        for bj in range(b_t.shape[1]):
+            blk = (slice(32 * bi, 32 * bi + 32), slice(32 * bj, 32 * bj + 32))
+            scale = w[blk].double().abs().max() * 2.0 ** (1 - b_t[bi, bj].double())
+            out[bi, bj] = -math.log(2) * scale * (g[blk].double() * r[blk].double()).sum()
+    return out
+
+
+def test_recipe_gives_exactly_the_probabilities_of_eq10():
+    # Every 16-bit input is equally likely, so counting patterns gives the exact distribution.
+    codes = torch_noise.nibble(torch.arange(2**16, dtype=torch.int64))
+    values = (codes & 7) * (1 - 2 * (codes >> 3))
+    counts = {v: (values == v).sum().item() for v in (-2, -1, 0, 1, 2)}
+    assert counts[2] == counts[-2] == P2 * 2**16
+    assert counts[1] == counts[-1] == P1 * 2**16
+    assert counts[0] == P0 * 2**16
+
+
+@pytest.mark.parametrize("seed", [0, 2**62 + 17])
+def test_r_has_the_frequencies_of_eq10(seed):
+    r = gaussws.sample_r((1024, 1024), seed, backend="torch")  # 2^20 draws
+    n = r.numel()
+    expected = {-2: P2, -1: P1, 0: P0, 1: P1, 2: P2}
+    observed = {v: (r == v).sum().item() for v in expected}
+    assert sum(observed.values()) == n
+    chi2 = sum((observed[v] - n * p) ** 2 / (n * p) for v, p in expected.items())
+    assert chi2 < 23.51  # chi-square, 4 degrees of freedom, p = 1e-4
+    sd = math.sqrt((4 * 2 * P2 + 2 * P1) / n)  # std of the sample mean
+    assert abs(r.mean().item()) < 5 * sd
+
+
+def test_diffq_r_is_uniform_on_minus_half_to_half():
+    r = gaussws.sample_r((512, 1024), 11, "diffq", backend="torch")
+    assert r.min() >= -0.5 and r.max() <= 0.5
+    n = r.numel()
+    counts = torch.histc(r, bins=16, min=-0.5, max=0.5)
+    chi2 = ((counts - n / 16) ** 2 / (n / 16)).sum().item()
+    assert chi2 < 44.26  # chi-square, 15 degrees of freedom, p = 1e-4
+    assert abs(r.mean().item()) < 5 * math.sqrt(1 / 12 / n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", ["gaussws", "diffq"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_is_eq3_and_backward_is_eq4(backend, method, dtype):
+    torch.manual_seed(0)
+    m, n = 70, 45  # partial edge blocks on both sides
+    w = (torch.randn(m, n) * 0.05).to(dtype).requires_grad_()
+    b_t = (3 + 6 * torch.rand(3, 2)).requires_grad_()
+    r = gaussws.sample_r((m, n), 1234, method, backend=backend)
+    w_hat = gaussws.pseudo_quantize(w, b_t, 1234, method, backend=backend)
+    assert w_hat.dtype == torch.bfloat16
+    assert torch.equal(w_hat, naive_eq3(w.detach(), b_t.detach(), r))
+    g = torch.randn(m, n).bfloat16()
+    w_hat.backward(g)
+    assert w.grad.dtype == dtype and torch.equal(w.grad, g.to(dtype))  # dL/dw = dL/dw_hat
+    torch.testing.assert_close(b_t.grad.double(), naive_eq4(w.detach(), b_t.detach(), r, g), rtol=1e-5, atol=1e-6)
+
+
+def test_eq4_is_the_derivative_of_eq3_by_finite_differences():
+    # Eq. 3 without the BF16 cast, in float64, differentiated numerically in b_t.
+    torch.manual_seed(1)
+    w = torch.randn(40, 40) * 0.1
+    b_t = torch.tensor([[4.3, 5.1], [6.0, 3.2]], requires_grad=True)
+    r = gaussws.sample_r(w.shape, 77, backend="torch").double()
+    c = torch.randn(40, 40).double()
+
+    def loss(b):
+        scale = gaussws.block_absmax(w).double() * 2.0 ** (1 - b)
+        return (c * (w.double() + r * scale.repeat_interleave(32, 0)[:40].repeat_interleave(32, 1)[:, :40])).sum()
+
+    numeric = torch.zeros(2, 2, dtype=torch.float64)
+    for i in range(2):
+        for j in range(2):
+            e = torch.zeros(2, 2, dtype=torch.float64)
+            e[i, j] = 1e-6
+            b = b_t.detach().double()
+            numeric[i, j] = (loss(b + e) - loss(b - e)) / 2e-6
+    gaussws.pseudo_quantize(w, b_t, 77, backend="torch").backward(c.bfloat16())
+    torch.testing.assert_close(b_t.grad.double(), numeric, rtol=2e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lemma1_no_gaussws_noise_underflows_in_bf16_below_9_bits(backend):
+    torch.manual_seed(2)
+    w_bf16 = (torch.randn(128, 96) * 0.02).bfloat16()
+    w_fp32 = torch.randn(128, 96) * 0.02
+    r = gaussws.sample_r(w_bf16.shape, 5, backend=backend)
+    for b in [1.0, 2.5, 4.0, 5.5, 7.0, 7.99, 8.5, 8.99]:
+        b_t = torch.full((4, 3), b)
+        w_hat = gaussws.pseudo_quantize(w_bf16, b_t, 5, backend=backend)
+        assert (w_hat != w_bf16)[r != 0].all(), b
+        if b < 8:  # an FP32 master weight keeps the guarantee one bit lower
+            w_hat = gaussws.pseudo_quantize(w_fp32, b_t, 5, backend=backend)
+            assert (w_hat != w_fp32.bfloat16())[r != 0].all(), b
+    # The bound is tight: above it some noise is lost.
+    w_hat = gaussws.pseudo_quantize(w_bf16, torch.full((4, 3), 10.0), 5, backend=backend)
+    assert (w_hat == w_bf16)[r != 0].any()
+
+
+def test_lemma1_uniform_noise_keeps_fewer_bits():
+    torch.manual_seed(3)
+    w = (torch.randn(256, 256) * 0.02).bfloat16()
+    # Uniform noise on a 1/16 grid (tau = -4): guaranteed only for b_t < 5.
+    grid = (torch.randint(-8, 9, w.shape) / 16).float()
+    lost = lambda r, b: ((naive_eq3(w, torch.full((8, 8), b), r) == w) & (r != 0)).float().sum() / (r != 0).sum()
+    assert lost(grid, 4.9) == 0
+    assert lost(grid, 6.0) > 0
+    # Uniform noise held in BF16 (diffq) loses a share at every b_t, growing with b_t.
+    r = gaussws.sample_r(w.shape, 9, "diffq", backend="torch")
+    shares = [lost(r, b).item() for b in (2.0, 4.0, 6.0, 8.0)]
+    assert shares[0] > 0 and shares == sorted(shares) and shares[-1] > 10 * shares[0]
+
+
+def test_b_t_is_eq11_and_starts_at_b_init():
+    layer = gaussws.PQTLinear(100, 70, b_init=6.0, b_target=4.0)
+    assert layer.b_i.shape == (3, 4)  # (ceil(70/32), ceil(100/32)): PyTorch keeps (out, in)
+    assert torch.equal(layer.b_t, torch.full((3, 4), 6.0))
+    with torch.no_grad():
+        layer.b_i.fill_(0.25)
+    assert torch.allclose(layer.b_t, torch.full((3, 4), 4.0 + 0.25 * 2.0))
+
+
+def test_pqt_linear_in_eval_mode_is_nn_linear():
+    torch.manual_seed(4)
+    layer = gaussws.PQTLinear(64, 48).eval()
+    plain = nn.Linear(64, 48)
+    plain.load_state_dict({k: v for k, v in layer.state_dict().items() if k != "b_i"})
+    x = torch.randn(5, 64)
+    assert torch.equal(layer(x), plain(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(layer(x), plain(x))
+
+
+def test_pqt_linear_training_forward_uses_eq3():
+    torch.manual_seed(5)
+    layer = gaussws.PQTLinear(64, 48, method="diffq", backend="torch")
+    gaussws.set_noise_seed(layer, 21)
+    gaussws.set_step(layer, 3)
+    x = torch.randn(5, 64)
+    r = gaussws.sample_r((48, 64), int(layer.noise_seed), "diffq", backend="torch")
+    w_hat = naive_eq3(layer.weight.detach(), layer.b_t.detach(), r)
+    torch.testing.assert_close(layer(x), x @ w_hat.float().T + layer.bias, rtol=1e-6, atol=1e-6)
+
+
+def _model(seed):
+    model = nn.Sequential(gaussws.PQTLinear(64, 64), nn.ReLU(), gaussws.PQTLinear(64, 64))
+    gaussws.set_noise_seed(model, seed)
+    return model
+
+
+def test_noise_depends_only_on_seed_layer_and_step():
+    a, b = _model(7), _model(7)  # e.g. two data-parallel ranks, or a run and its resumption
+    for step in (0, 1, 1000):
+        gaussws.set_step(a, step)
+        gaussws.set_step(b, step)
+        assert [int(m.noise_seed) for m in gaussws.pqt_layers(a)] == [int(m.noise_seed) for m in gaussws.pqt_layers(b)]
+    seeds = set()
+    for step in range(50):
+        gaussws.set_step(a, step)
+        seeds.update(int(m.noise_seed) for m in gaussws.pqt_layers(a))
+    assert len(seeds) == 100  # every (layer, step) its own Philox seed
+    assert all(0 <= s < 2**63 for s in seeds)
+    gaussws.set_noise_seed(b, 8)
+    assert int(gaussws.pqt_layers(b)[0].noise_seed) not in seeds
+
+
+def test_r_of_other_layers_and_steps_is_independent():
+    model = _model(3)
+    r = {}
+    for step in (0, 1):
+        gaussws.set_step(model, step)
+        for i, layer in enumerate(gaussws.pqt_layers(model)):
+            r[i, step] = gaussws.sample_r((512, 512), int(layer.noise_seed), backend="torch").flatten()
+    n = r[0, 0].numel()
+    for x, y in [((0, 0), (1, 0)), ((0, 0), (0, 1)), ((1, 0), (1, 1))]:
+        assert not torch.equal(r[x], r[y])
+        corr = torch.corrcoef(torch.stack([r[x], r[y]]))[0, 1].item()
+        assert abs(corr) < 5 / math.sqrt(n)
+        # Joint frequencies factorise: Pr(R_x != 0 and R_y != 0) = Pr(R_x != 0) Pr(R_y != 0).
+        both = ((r[x] != 0) & (r[y] != 0)).float().mean().item()
+        p = 1 - P0
+        assert abs(both - p * p) < 5 * math.sqrt(p * p * (1 - p * p) / n)
+
+
+def test_noise_is_fixed_within_a_step_and_redrawn_across_steps():
+    torch.manual_seed(6)
+    layer = gaussws.PQTLinear(64, 64)
+    x = torch.randn(8, 64)
+    gaussws.set_step(layer, 10)
+    y1, y2 = layer(x), layer(x)  # two micro-steps of one optimizer step
+    assert torch.equal(y1, y2)
+    gaussws.set_step(layer, 11)
+    assert not torch.equal(layer(x), y1)
+
+
+def test_compiled_layer_matches_eager_and_does_not_recompile_per_step():
+    torch.manual_seed(7)
+    torch._dynamo.reset()
+    layer = gaussws.PQTLinear(64, 96)
+    compiled = torch.compile(layer)
+    x = torch.randn(4, 64)
+    for step in range(4):
+        # Step 0 compiles; later steps only change the seed's value and must reuse that graph.
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            gaussws.set_step(layer, step)
+            y = compiled(x)
+            assert torch.equal(y, layer(x))
+            layer.zero_grad()
+            y.sum().backward()
+            assert layer.b_i.grad.abs().sum() > 0
+
+
+def test_bitwidth_loss_is_eq12():
+    model = _model(1)
+    with torch.no_grad():
+        for layer in gaussws.pqt_layers(model):
+            layer.b_i.uniform_(-1, 2)
+    want = sum((layer.b_t - layer.b_target).abs().sum() / layer.b_t.numel() for layer in gaussws.pqt_layers(model))
+    torch.testing.assert_close(gaussws.bitwidth_loss(model), want)
+    stats = gaussws.bitwidth_stats(model)
+    all_b_t = torch.cat([layer.b_t.flatten() for layer in gaussws.pqt_layers(model)])
+    assert stats == pytest.approx({"mean": all_b_t.mean().item(), "min": all_b_t.min().item(), "max": all_b_t.max().item()})
+
+
+@pytest.mark.parametrize("spec,arch,want", [
+    ("bf16", "gpt2", ("bf16", set())),
+    ("gaussws[all]", "gpt2", ("gaussws", {"qkv", "out", "up", "down"})),
+    ("diffq[od]", "gpt2", ("diffq", {"out", "down"})),
+    ("gaussws[qkv,up]", "gpt2", ("gaussws", {"qkv", "up"})),
+    ("gaussws[all]", "llama2", ("gaussws", {"q", "k", "v", "out", "gate", "up", "down"})),
+    ("diffq[q, v, od]", "llama2", ("diffq", {"q", "v", "out", "down"})),
+])
+def test_parse_method(spec, arch, want):
+    assert gaussws.parse_method(spec, arch) == (want[0], frozenset(want[1]))
+
+
+@pytest.mark.parametrize("spec,arch", [
+    ("gauss[all]", "gpt2"), ("gaussws", "gpt2"), ("gaussws[]", "gpt2"), ("bf16[all]", "gpt2"),
+    ("gaussws[q]", "gpt2"), ("gaussws[qkv]", "llama2"), ("gaussws[all", "gpt2"),
+])
+def test_bad_method_names_the_valid_ones(spec, arch):
+    with pytest.raises(ValueError, match=r"bad method .*bf16.*gaussws.*diffq.*out.*down"):
+        gaussws.parse_method(spec, arch)
+
+
+def test_bad_seed_and_shapes_are_refused():
+    with pytest.raises(ValueError, match="seed"):
+        gaussws.sample_r((4, 4), 2**63)
+    with pytest.raises(ValueError, match="b_t must have shape"):
+        gaussws.pseudo_quantize(torch.zeros(40, 40), torch.zeros(1, 1), 0)
