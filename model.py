@@ -218,15 +218,16 @@ class GPT(nn.Module):
         gpt2 = config.arch == "gpt2"
         linear = make_linear(config)
         block = Block if gpt2 else LlamaBlock
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
+        modules = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
+        if gpt2:
+            modules["wpe"] = nn.Embedding(config.block_size, config.n_embd)  # Llama2's positions are rotary
+        modules.update(
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([block(config, linear) for _ in range(config.n_layer)]),
             ln_f=(nn.LayerNorm(config.n_embd, bias=config.bias) if gpt2
                   else nn.RMSNorm(config.n_embd, eps=config.norm_eps)),
-        ))
-        if gpt2:
-            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        )
+        self.transformer = nn.ModuleDict(modules)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if gpt2:
             # Weight tying as GPT-2 (https://paperswithcode.com/method/weight-tying); Llama 2 unties.

@@ -6,7 +6,8 @@ documents are the top-level modules of the standard library (sysconfig's "stdlib
 and then the pydoc topics of the reference manual (pydoc_data.topics, sorted by topic), when that
 module is installed. Docstrings come with the source.
 
-Tokens are the UTF-8 bytes themselves (vocab 256). Split: document i (in the order above) goes to
+Tokens are the UTF-8 bytes themselves (vocab 256, "tokenizer": "bytes" in meta.json; sample.py
+decodes them). Split: document i (in the order above) goes to
 val when i % 20 == 0, else to train: about 5%, and the same on every run of the same Python.
 Writes train.bin and val.bin (uint16, like nanoGPT's other datasets, so train.py reads every
 dataset the same way) and meta.json. meta.json is written last: its presence means the data is
@@ -48,14 +49,6 @@ def documents():
         kept.append((name, text))
         total += len(text)
     return kept
-
-
-def encode(text):
-    return list(text.encode("utf-8"))
-
-
-def decode(tokens):
-    return bytes(tokens).decode("utf-8", errors="replace")
 
 
 def _write_atomic(path, data):

@@ -1,0 +1,159 @@
+"""Sample from a trained model.
+
+    python sample.py --out_dir=out --start="def " --num_samples=3 --max_new_tokens=200
+
+Reads <out_dir>/ckpt.pt (written by train.py) and decodes with the tokenizer that the checkpoint's
+dataset was prepared with (data/<dataset>/meta.json).
+"""
+import difflib
+import json
+import os
+import sys
+
+import torch
+
+from model import GPT, ModelConfig
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# -----------------------------------------------------------------------------
+out_dir = "out"  # the directory holding ckpt.pt
+start = "\n"  # the prompt; "FILE:prompt.txt" reads it from a file
+num_samples = 3  # number of samples to draw
+max_new_tokens = 200  # tokens generated per sample
+temperature = 0.8  # 1.0 samples the model's distribution, lower is more predictable, 0 takes the argmax
+top_k = 200  # sample only among the top_k most likely tokens; 0 keeps them all
+seed = 1337
+device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
+# -----------------------------------------------------------------------------
+CONFIG_KEYS = ("out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed", "device")
+
+
+class UsageError(Exception):
+    """Something the user can fix; reported as one line, no traceback."""
+
+
+def parse_overrides(argv, defaults):
+    """--key=value arguments, each converted to the type of its default; returns {key: value}."""
+    out = {}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise UsageError(f"expected --key=value, got {arg!r}")
+        key, value = arg[2:].split("=", 1)
+        if key not in defaults:
+            close = difflib.get_close_matches(key, defaults, n=3)
+            hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+            raise UsageError(f"unknown option --{key}{hint} (options: {', '.join(sorted(defaults))})")
+        kind = type(defaults[key])
+        try:
+            if kind is bool:
+                if value not in ("True", "False", "true", "false", "1", "0"):
+                    raise ValueError
+                out[key] = value in ("True", "true", "1")
+            else:
+                out[key] = kind(value)
+        except ValueError:
+            wanted = {bool: "True or False", int: "an integer", float: "a number"}[kind]
+            raise UsageError(f"--{key}={value!r} is not {wanted} (default: {defaults[key]!r})") from None
+    return out
+
+
+def load_tokenizer(meta):
+    """(encode, decode) for meta.json's "tokenizer": "bytes" (UTF-8 bytes) or "tiktoken:<encoding>"."""
+    name = meta.get("tokenizer")
+    if name == "bytes":
+        return (lambda s: list(s.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    if isinstance(name, str) and name.startswith("tiktoken:"):
+        import tiktoken
+        try:
+            enc = tiktoken.get_encoding(name.split(":", 1)[1])
+        except Exception as e:  # unknown name, or its BPE file cannot be downloaded
+            raise UsageError(f"cannot load tokenizer {name!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
+    raise UsageError(f"unknown tokenizer {name!r} in meta.json; expected 'bytes' or 'tiktoken:<encoding>'")
+
+
+def load_checkpoint(out_dir, device):
+    """(model in eval mode, checkpoint dict) from <out_dir>/ckpt.pt."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.isfile(path):
+        raise UsageError(f"no checkpoint at {path}: train one (python train.py --out_dir={out_dir}) "
+                         f"or point --out_dir at a directory that holds ckpt.pt")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise UsageError(f"cannot read {path} ({type(e).__name__}): it is damaged or not a checkpoint of train.py")
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+        raise UsageError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
+    try:
+        model = GPT(ModelConfig(**ckpt["model_args"]))
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"{path} is not a checkpoint of this project's model: {first}")
+    model.eval()  # also turns the PQT noise off: eval-mode PQTLinear is a plain Linear
+    return model.to(device), ckpt
+
+
+def load_meta(ckpt):
+    config = ckpt.get("config") or {}
+    dataset = config.get("dataset", "default")
+    path = os.path.join(ROOT, "data", str(dataset), "meta.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"no {path}, so the tokenizer of dataset {dataset!r} is unknown: "
+                         f"run python data/{dataset}/prepare.py")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {path} ({type(e).__name__}): prepare the dataset again")
+
+
+def main(argv):
+    cfg = {k: globals()[k] for k in CONFIG_KEYS}
+    cfg.update(parse_overrides(argv, cfg))
+    try:
+        dev = torch.device(cfg["device"])
+    except RuntimeError:
+        raise UsageError(f"--device={cfg['device']!r} is not a device; use cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device=cuda but this machine has no CUDA GPU; use --device=cpu")
+    if cfg["temperature"] < 0:
+        raise UsageError(f"--temperature must be >= 0, got {cfg['temperature']}")
+
+    model, ckpt = load_checkpoint(cfg["out_dir"], dev)
+    meta = load_meta(ckpt)
+    if meta.get("vocab_size", 0) > model.config.vocab_size:
+        raise UsageError(f"the dataset's vocab ({meta.get('vocab_size')}) is larger than the model's "
+                         f"({model.config.vocab_size}): the checkpoint was trained on other data")
+    encode, decode = load_tokenizer(meta)
+
+    prompt = cfg["start"]
+    if prompt.startswith("FILE:"):
+        try:
+            with open(prompt[5:], encoding="utf-8") as f:
+                prompt = f.read()
+        except OSError as e:
+            raise UsageError(f"cannot read the prompt file {prompt[5:]}: {e.strerror}")
+    ids = encode(prompt)
+    if not ids:
+        raise UsageError("the prompt is empty: pass --start=TEXT")
+    x = torch.tensor(ids, dtype=torch.long, device=dev)[None, ...]
+
+    torch.manual_seed(cfg["seed"])
+    # BF16 autocast on GPUs that have it, as in training; the CPU samples in FP32.
+    use_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
+    with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=use_bf16):
+        for _ in range(cfg["num_samples"]):
+            y = model.generate(x, cfg["max_new_tokens"], temperature=cfg["temperature"],
+                               top_k=cfg["top_k"] if cfg["top_k"] > 0 else None)
+            print(decode(y[0].tolist()))
+            print("---------------")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UsageError as e:
+        print(f"sample.py: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,82 @@
+"""data/default/prepare.py: the offline corpus is the standard library's text, byte for byte."""
+import importlib.util
+import json
+import math
+import os
+import sysconfig
+from collections import Counter
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("prepare_default", os.path.join(ROOT, "data", "default", "prepare.py"))
+prepare_default = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(prepare_default)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default")
+    meta = prepare_default.prepare(out_dir=str(out))
+    return out, meta
+
+
+def read(out, split):
+    return np.fromfile(out / f"{split}.bin", dtype=np.uint16)
+
+
+def stdlib_modules():
+    stdlib = sysconfig.get_paths()["stdlib"]
+    names = sorted(n for n in os.listdir(stdlib) if n.endswith(".py") and os.path.isfile(os.path.join(stdlib, n)))
+    return [(n, open(os.path.join(stdlib, n), "rb").read()) for n in names]
+
+
+def test_meta_json_counts_match_the_bins(prepared):
+    out, meta = prepared
+    on_disk = json.loads((out / "meta.json").read_text())
+    assert on_disk == meta
+    assert (meta["vocab_size"], meta["tokenizer"], meta["dtype"]) == (256, "bytes", "uint16")
+    train, val = read(out, "train"), read(out, "val")
+    assert meta["train_tokens"] == len(train) > 1_000_000
+    assert meta["val_tokens"] == len(val) > 50_000
+    assert 0.02 < len(val) / (len(train) + len(val)) < 0.10  # about 1 document in 20
+    assert train.max() < 256 and val.max() < 256
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]  # no temporary files left
+
+
+def test_unigram_entropy_is_that_of_the_train_bytes(prepared):
+    out, meta = prepared
+    counts = Counter(read(out, "train").astype(np.uint8).tobytes())
+    n = sum(counts.values())
+    h = -sum(c / n * math.log(c / n) for c in counts.values())
+    assert meta["unigram_entropy_nats"] == pytest.approx(h, rel=1e-9)
+    assert 2.5 < h < math.log(256)  # text, not noise
+
+
+def test_tokens_decode_to_the_stdlib_sources_split_one_file_in_twenty(prepared):
+    out, _ = prepared
+    train = read(out, "train").astype(np.uint8).tobytes()
+    val = read(out, "val").astype(np.uint8).tobytes()
+    train.decode("utf-8")  # whole files only: the bytes are valid UTF-8 text
+    modules = stdlib_modules()
+    assert val.startswith(modules[0][1]) and train.startswith(modules[1][1])
+    for i, (name, source) in enumerate(modules):
+        home, other = (val, train) if i % 20 == 0 else (train, val)
+        assert source in home, f"{name} (document {i}) missing from its split"
+        assert source not in other, f"{name} (document {i}) in both splits"
+
+
+def test_pydoc_topics_are_in_the_corpus(prepared):
+    topics = pytest.importorskip("pydoc_data.topics", reason="this Python ships without pydoc_data").topics
+    out, _ = prepared
+    corpus = read(out, "train").astype(np.uint8).tobytes() + read(out, "val").astype(np.uint8).tobytes()
+    assert topics["assert"].encode() in corpus
+
+
+def test_preparing_twice_gives_the_same_bytes(prepared, tmp_path):
+    out, meta = prepared
+    again = prepare_default.prepare(out_dir=str(tmp_path))
+    assert again == meta
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (tmp_path / name).read_bytes() == (out / name).read_bytes()
