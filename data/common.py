@@ -1,0 +1,208 @@
+"""
+What data/openwebtext/prepare.py and data/c4/prepare.py share: load documents (from the Hugging
+Face hub or local files), tokenize them with tiktoken in parallel processes, and write
+train.bin/val.bin (one end-of-text token after every document) and meta.json atomically.
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+from functools import partial
+
+import numpy as np
+from tqdm import tqdm
+
+EOT = "<|endoftext|>"
+# datasets' builder for each local file type; a .txt file is one document, as in OpenWebText's
+# own archives (one .txt per web page)
+BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+WRITE_BATCH = 4096  # documents per memmap write: big enough to be fast, small enough for RAM
+
+
+class DataError(Exception):
+    """Bad input or an unreachable source: main() prints it as one line and exits 1."""
+
+
+def reason(e):
+    """'Type: first line' of the innermost cause, which is the part a user can act on."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    line = (str(e).strip().splitlines() or [""])[0]
+    line = line if len(line) <= 120 else line[:120] + "..."
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
+
+
+def get_encoding(encoding):
+    """A tiktoken.Encoding, given one or a tiktoken encoding name (plugins included)."""
+    import tiktoken
+    if isinstance(encoding, tiktoken.Encoding):
+        enc = encoding
+    elif encoding not in tiktoken.list_encoding_names():
+        raise DataError(f"unknown tokenizer {encoding!r}; tiktoken knows {tiktoken.list_encoding_names()}")
+    else:
+        try:
+            enc = tiktoken.get_encoding(encoding)
+        except Exception as e:
+            cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or "/tmp/data-gym-cache"
+            raise DataError(f"could not download tiktoken's {encoding!r} BPE files ({reason(e)}); without network, "
+                            f"copy tiktoken's cache ({cache}) from a machine that has run get_encoding({encoding!r})")
+    if EOT not in enc.special_tokens_set:
+        raise DataError(f"tokenizer {enc.name!r} has no {EOT} token to separate documents")
+    return enc
+
+
+def load_hub(path, name=None, streaming=False, num_proc=None, offline="--data_files=path/to/*.jsonl"):
+    """The dataset's splits from the Hugging Face hub (a DatasetDict, or IterableDatasetDict if streaming);
+    offline: the flags that would read local files instead, for the error message."""
+    from datasets import load_dataset
+    print(f"loading {path}{f' ({name})' if name else ''} from the Hugging Face hub")
+    try:
+        return load_dataset(path, name, streaming=streaming, num_proc=None if streaming else num_proc)
+    except Exception as e:
+        raise DataError(f"could not load {path} from the Hugging Face hub ({reason(e)}); "
+                        f"to run offline on local files: {offline}") from e
+
+
+def find_files(data_files, flag="--data_files"):
+    """(datasets builder, paths) of comma-separated local paths or globs, checked before any slow work."""
+    paths = []
+    for pattern in str(data_files).split(","):
+        found = sorted(glob.glob(os.path.expanduser(pattern)))
+        if not found:
+            raise DataError(f"{flag}: no file matches {pattern!r}")
+        paths += found
+    kinds = set()
+    for p in paths:
+        if not os.path.isfile(p) or not os.access(p, os.R_OK):
+            raise DataError(f"{flag}: {p!r} is not a readable file")
+        stem, ext = os.path.splitext(p)
+        if ext in COMPRESSIONS:
+            ext = os.path.splitext(stem)[1]
+        if ext.lower() not in BUILDERS:
+            raise DataError(f"{flag}: {p!r} is not one of {', '.join(BUILDERS)} (optionally {'/'.join(COMPRESSIONS)})")
+        kinds.add(BUILDERS[ext.lower()])
+    if len(kinds) > 1:
+        raise DataError(f"{flag}: mixes file types {sorted(kinds)}; give files of one type")
+    return kinds.pop(), paths
+
+
+def load_local(files, streaming=False, flag="--data_files"):
+    """One split of documents from find_files' (builder, paths): field "text" of json/jsonl/parquet
+    records, or one document per .txt file."""
+    from datasets import load_dataset
+    kind, paths = files
+    try:
+        ds = load_dataset(kind, data_files=paths, split="train", streaming=streaming,
+                          **({"sample_by": "document"} if kind == "text" else {}))
+    except Exception as e:
+        raise DataError(f"{flag}: could not read {paths[0]!r}{' ...' if len(paths) > 1 else ''} ({reason(e)})") from e
+    if ds.column_names is not None and "text" not in ds.column_names:
+        raise DataError(f"{flag}: the files have no field 'text' (fields: {ds.column_names})")
+    return ds
+
+
+def _iterate(ds):
+    yield from ds
+
+
+def materialize(ds, max_docs, cache_dir):
+    """At most max_docs documents as a regular on-disk Dataset, so tokenizing can use num_proc.
+    A stream is read here, into cache_dir; that is where its download or read errors surface."""
+    from datasets import Dataset, Features, IterableDataset, Value
+    if not isinstance(ds, IterableDataset):
+        return ds.select(range(min(max_docs, len(ds)))) if max_docs else ds
+    if max_docs:
+        ds = ds.take(max_docs)
+    try:
+        return Dataset.from_generator(partial(_iterate, ds.select_columns(["text"])),
+                                      features=Features({"text": Value("string")}), cache_dir=cache_dir)
+    except Exception as e:
+        raise DataError(f"reading the stream failed ({reason(e)})") from e
+
+
+def write_bins(splits, encoding, out_dir, num_proc, source):
+    """Tokenize {"train": Dataset, "val": Dataset} (one eot after each document) and write
+    <split>.bin and meta.json into out_dir. Everything goes to .tmp files first and is renamed
+    only when all is written, so an interrupted run leaves earlier good files as they were."""
+    from datasets import Features, Sequence, Value
+    enc, eot = encoding, encoding.eot_token
+    dtype = np.uint16 if enc.n_vocab <= 2**16 else np.uint32
+    for split, ds in splits.items():
+        if len(ds) == 0:
+            raise DataError(f"the {split} split has no documents ({source})")
+
+    def process(batch):
+        ids = [enc.encode_ordinary(text) + [eot] for text in batch["text"]]  # ordinary: "<|endoftext|>" in a text stays text
+        return {"ids": ids, "len": [len(x) for x in ids]}
+
+    features = Features({"ids": Sequence(Value(np.dtype(dtype).name)), "len": Value("int64")})
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {"vocab_size": enc.n_vocab, "dtype": np.dtype(dtype).name, "tokenizer": f"tiktoken:{enc.name}",
+            "eot_token": eot}
+    final = {os.path.join(out_dir, f"{split}.bin"): None for split in splits}
+    final[os.path.join(out_dir, "meta.json")] = None
+    try:
+        for split, ds in splits.items():
+            tokenized = ds.map(process, batched=True, remove_columns=ds.column_names, features=features,
+                               num_proc=num_proc if num_proc > 1 else None, desc=f"tokenizing {split}")
+            n = int(np.sum(tokenized.with_format("numpy")["len"], dtype=np.uint64))
+            path = os.path.join(out_dir, f"{split}.bin")
+            final[path] = path + ".tmp"
+            arr = np.memmap(final[path], dtype=dtype, mode="w+", shape=(n,))
+            idx = 0
+            for batch in tqdm(tokenized.with_format("arrow").iter(batch_size=WRITE_BATCH),
+                              total=math.ceil(len(tokenized) / WRITE_BATCH), desc=f"writing {path}"):
+                ids = batch["ids"].combine_chunks().flatten().to_numpy()
+                arr[idx: idx + len(ids)] = ids
+                idx += len(ids)
+            arr.flush()
+            del arr
+            meta[f"{split}_tokens"], meta[f"{split}_docs"] = n, len(ds)
+        meta["source"] = source
+        path = os.path.join(out_dir, "meta.json")
+        final[path] = path + ".tmp"
+        with open(final[path], "w") as f:
+            json.dump(meta, f, indent=2)
+        for path, tmp in final.items():
+            os.replace(tmp, path)
+            final[path] = None
+    finally:
+        for tmp in final.values():
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)
+    print(f"wrote {', '.join(final)}: " + ", ".join(f"{s} {meta[f'{s}_tokens']:,} tokens" for s in splits))
+    return meta
+
+
+def argument_parser(doc, out_dir):
+    """The command line both scripts share; doc is the script's docstring."""
+    def positive(s):
+        if not s.isdigit() or int(s) < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+        return int(s)
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data_files", help="local files instead of the hub: comma-separated paths or globs of "
+                   ".json/.jsonl/.parquet (documents in field 'text', may be .gz) or .txt (one document each)")
+    p.add_argument("--out_dir", default=out_dir, help="where train.bin, val.bin and meta.json go (default: %(default)s)")
+    p.add_argument("--num_proc", type=positive, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="processes for loading and tokenizing (default: %(default)s)")
+    p.add_argument("--tokenizer", dest="encoding", default="gpt2", help="tiktoken encoding name (default: %(default)s)")
+    p.add_argument("--streaming", action="store_true",
+                   help="read documents as they arrive instead of downloading the whole dataset first")
+    p.add_argument("--max_docs", type=positive, help="use at most this many documents (per split where the "
+                   "dataset has its own val split)")
+    return p
+
+
+def run(prepare, **kwargs):
+    """Call prepare(**kwargs) for a command line: a DataError becomes one line on stderr and exit 1."""
+    from huggingface_hub.utils import logging as hub_logging
+    hub_logging.set_verbosity_error()  # one line on failure, not the hub client's retry log before it
+    try:
+        prepare(**kwargs)
+    except DataError as e:
+        sys.exit(f"error: {e}")
