@@ -166,7 +166,9 @@ def write_bins(splits, encoding, out_dir, num_proc, source):
         final[path] = path + ".tmp"
         with open(final[path], "w") as f:
             json.dump(meta, f, indent=2)
-        for path, tmp in final.items():
+        if os.path.exists(path):
+            os.remove(path)  # between the renames below the data counts as incomplete, as in data/default
+        for path, tmp in final.items():  # meta.json last
             os.replace(tmp, path)
             final[path] = None
     finally:
