@@ -1,0 +1,465 @@
+"""The paper's overhead measurements on this machine: the noise kernel (Figure 6) and training (Table 1).
+
+    python bench.py kernel [--shapes=512x2048,4096x4096] [--device=cpu|cuda] [--repeats=5] [--json=PATH]
+
+Figure 6: throughput of the forward of Eq. 3 (w -> BF16 w_hat) on an FP32 w of shape (M, N), in 10^9
+elements/s, for `torch` (plain eager PyTorch: randn, round(x/2), block max scale, add, BF16 cast),
+`bm` (Triton Box-Muller, GPU only), `ours` (gaussws.pseudo_quantize, backend auto: compiled PyTorch on
+CPU, Triton on GPU) and `diffq` (the same with U(-1/2, 1/2) noise). `copy` is a plain FP32 -> BF16
+copy of the same w: it reads and writes what Eq. 3 must, so it is the machine's limit for this op.
+
+    python bench.py train [--model=gpt2-124m] [--methods=bf16,gaussws[all],diffq[all]] [--batch_size=1]
+        [--block_size=1024] [--grad_accum=1,8] [--rounds=3] [--warmup=1] [--compile=False]
+        [--device=cpu|cuda] [--json=PATH] [--n_layer=12 ... any model.ModelConfig field]
+
+Table 1: tokens/s of one optimizer step (grad_accum micro-steps of batch_size x block_size random
+tokens, forward and backward under BF16 autocast, AdamW step, zero_grad; gaussws.set_step once per
+step as in training) for each method. One model per method, all with the same initial weights, run
+interleaved in one process: after `warmup` steps each, `rounds` rounds of one step per method.
+Reported: median tokens/s; overhead_pct = median over rounds of 100 * (1 - tokens/s of the method /
+tokens/s of bf16 in the same round), pairing the rounds so that drift of the machine cancels.
+Memory, extra_bytes_per_param = (memory of the method - memory of bf16) / (number of weight elements
+in the method's PQT layers):
+  - CUDA: the allocator's peak during one optimizer step (torch.cuda.max_memory_allocated) above what
+    was allocated before it;
+  - CPU (no allocator statistics): the bytes of the tensors autograd saves for the backward of one
+    micro-step, plus tensors that PQT layers hold as attributes (such as a cached w_hat), each storage
+    counted once, parameters excluded. Under autocast bf16 also saves a BF16 copy of every weight for
+    the backward, so a saved w_hat takes the place of that copy rather than adding to it.
+
+The full CPU measurement of issue 5 (GPT2-124M, 1 x 1024 tokens per micro-step):
+    python bench.py train --model=gpt2-124m --grad_accum=1 --rounds=5
+    python bench.py train --model=gpt2-124m --grad_accum=8 --rounds=3     # about half an hour on 2 cores
+Nothing here needs the network: the tokens are random (throughput does not depend on them).
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+import gaussws
+import model as model_lib
+from kernels import BL
+
+# --- small helpers ---------------------------------------------------------------------------------
+
+
+class BenchError(Exception):
+    """Bad input: main() prints it as one line and exits 2."""
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def say(*args):
+    print(*args, flush=True)  # progress must show while a long run goes on
+
+
+def write_json(path, records):
+    """Write atomically, so an interrupted run never leaves half a file where a good one was."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def markdown_table(header, rows):
+    """A table that reads well in a terminal and pastes into the README as it is."""
+    cells = [list(map(str, header))] + [list(map(str, r)) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    line = lambda row: "| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |"
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
+                     + [line(r) for r in cells[1:]])
+
+
+def machine_load():
+    """Threads we use and the load on the machine: other processes on these cores skew every figure."""
+    load = f", load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs" if hasattr(os, "getloadavg") else ""
+    return f"{torch.get_num_threads()} torch threads{load}"
+
+
+def time_per_call(fn, device, repeats, min_block_s=0.05):
+    """Median seconds per call of fn() over `repeats` timed blocks, after warm-up.
+
+    The first call compiles (torch.compile, Triton), so two untimed calls come first. A block holds
+    enough calls to last min_block_s, so the timer and, on GPU, the launch and synchronize costs do
+    not dominate small shapes.
+    """
+    fn()
+    fn()
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    single = time.perf_counter() - t
+    calls = max(1, min(10_000, math.ceil(min_block_s / max(single, 1e-9))))
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        times.append((time.perf_counter() - t) / calls)
+    return statistics.median(times)
+
+
+# --- kernel: Figure 6 ------------------------------------------------------------------------------
+
+CPU_SHAPES = [(512, 2048), (2048, 2048), (2048, 8192), (4096, 4096), (8192, 8192)]
+# On GPU also the shapes the paper names: Llama 3.2 1B's (2k, 0.5k) and Llama 3.1 405B's (16k, 1k)-(16k, 16k).
+CUDA_SHAPES = [(2048, 512)] + CPU_SHAPES + [(16384, 1024), (16384, 16384)]
+KERNEL_IMPLS = ("copy", "torch", "bm", "ours", "diffq")
+
+
+def torch_r(shape, generator):
+    """The `torch` baseline's noise: R = round(N(0,1) / 2) from torch.randn (Box-Muller inside)."""
+    return torch.round(torch.randn(shape, generator=generator, device=generator.device) / 2)
+
+
+def torch_w_hat(w, b_t, generator):
+    """Figure 6's `torch` baseline: Eq. 3 in plain eager PyTorch, one tensor pass per op."""
+    m, n = w.shape
+    r = torch_r(w.shape, generator)
+    scale_bl = gaussws.block_absmax(w) * torch.exp2(1.0 - b_t)
+    scale = scale_bl.repeat_interleave(BL, 0)[:m].repeat_interleave(BL, 1)[:, :n]
+    return (w + r * scale).to(torch.bfloat16)
+
+
+def kernel_impls(w, b_t, seed, device):
+    """{impl: (callable w -> w_hat, or None, reason it cannot run here)}, the callables the benchmark times."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    impls = {
+        "copy": (lambda: w.to(torch.bfloat16), None),
+        "torch": (lambda: torch_w_hat(w, b_t, generator), None),
+        "ours": (lambda: gaussws.pseudo_quantize(w, b_t, seed, "gaussws"), None),
+        "diffq": (lambda: gaussws.pseudo_quantize(w, b_t, seed, "diffq"), None),
+    }
+    if torch.device(device).type != "cuda":
+        impls["bm"] = (None, "Triton Box-Muller needs a GPU (the Triton interpreter on CPU is not a benchmark)")
+    else:
+        try:
+            from kernels import triton_noise
+        except ImportError as e:
+            impls["bm"] = (None, f"Triton is not importable here ({e})")
+        else:
+            impls["bm"] = (lambda: triton_noise.bm(w, gaussws.block_absmax(w) * torch.exp2(1.0 - b_t), seed), None)
+    return {name: impls[name] for name in KERNEL_IMPLS}
+
+
+def run_kernel(args):
+    device = args.device
+    shapes = args.shapes or (CUDA_SHAPES if torch.device(device).type == "cuda" else CPU_SHAPES)
+    say(f"bench.py kernel: forward of Eq. 3 on FP32 w (M, N) -> BF16 w_hat, device={device}, "
+        f"median of {args.repeats} repeats; {machine_load()}")
+    records, skipped = [], {}
+    for m, n in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(m, n, generator=gen, device=device) * 0.02
+        b_t = torch.full((-(-m // BL), -(-n // BL)), 6.0, device=device)
+        speed = {}
+        with torch.no_grad():
+            for impl, (fn, reason) in kernel_impls(w, b_t, seed=1234, device=device).items():
+                if fn is None:
+                    if impl not in skipped:
+                        say(f"  {impl}: skipped: {reason}")
+                    skipped[impl] = reason
+                    continue
+                speed[impl] = m * n / time_per_call(fn, device, args.repeats) / 1e9
+                say(f"  {m}x{n} {impl:>5}: {speed[impl]:8.3f} 1e9 elements/s")
+        for impl, s in speed.items():
+            records.append({"shape": [m, n], "impl": impl, "gelem_per_s": s,
+                            "speedup_vs_torch": s / speed["torch"], "share_of_copy": s / speed["copy"],
+                            "device": device})
+    say("")
+    say(markdown_table(["shape (M, N)", "impl", "1e9 elements/s", "speed-up vs torch", "share of copy"],
+                       [(f"{r['shape'][0]}x{r['shape'][1]}", r["impl"], f"{r['gelem_per_s']:.3f}",
+                         f"{r['speedup_vs_torch']:.2f}x", f"{100 * r['share_of_copy']:.1f} %") for r in records]))
+    return records
+
+
+# --- train: Table 1 ---------------------------------------------------------------------------------
+
+def split_methods(text):
+    """'bf16,gaussws[qkv,up],diffq[all]' -> ['bf16', 'gaussws[qkv,up]', 'diffq[all]'] (commas in [] stay)."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur.strip())
+    return [p for p in parts if p]
+
+
+def build_config(args, method):
+    fields = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
+    cfg = dict(model_lib.PRESETS[args.model])
+    cfg.update({k: v for k, v in vars(args).items() if k in fields and k != "block_size" and v is not None})
+    cfg["method"] = method
+    try:
+        return model_lib.ModelConfig(**cfg)
+    except (ValueError, TypeError) as e:
+        raise BenchError(f"bad model settings for {args.model}: {e}") from None
+
+
+def pqt_weight_numel(model):
+    return sum(layer.weight.numel() for layer in gaussws.pqt_layers(model))
+
+
+def held_bytes(model, x, y, device):
+    """Bytes held for the backward of one micro-step: tensors autograd saves plus tensors PQT layers hold.
+
+    Each storage counts once (a w_hat that is both saved and cached is one tensor) and parameters
+    are left out (they exist whether or not a backward follows). Runs one forward and backward.
+    """
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            _, loss = model(x, y)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held = [v for layer in gaussws.pqt_layers(model) for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    storages = {}
+    for t in saved + held:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+    del saved, held
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+class Runner:
+    """One method's model, optimizer and data; step() is one optimizer step as train.py takes it."""
+
+    def __init__(self, args, method, init_state):
+        self.method, self.device = method, args.device
+        torch.manual_seed(args.seed)
+        self.model = model_lib.GPT(build_config(args, method))
+        if init_state is not None:  # the same weights for every method; b_i keeps its own init (Eq. 11)
+            self.model.load_state_dict(init_state, strict=False)
+        self.model.to(args.device).train()
+        gaussws.set_noise_seed(self.model, args.seed)
+        self.forward = torch.compile(self.model) if args.compile else self.model
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                           fused=True)
+        self.step_count = 0
+
+    def step(self, batches):
+        gaussws.set_step(self.model, self.step_count)  # R changes once per optimizer step
+        for x, y in batches:
+            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
+                _, loss = self.forward(x, y)
+            (loss / len(batches)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+
+    def timed_step(self, batches):
+        """Seconds of one step, and on CUDA the allocator's peak above what was held before it."""
+        cuda = torch.device(self.device).type == "cuda"
+        sync(self.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        t = time.perf_counter()
+        self.step(batches)
+        sync(self.device)
+        seconds = time.perf_counter() - t
+        peak = torch.cuda.max_memory_allocated(self.device) - before if cuda else None
+        return seconds, peak
+
+
+def run_train(args):
+    device = args.device
+    methods = split_methods(args.methods)
+    arch = model_lib.PRESETS[args.model]["arch"]
+    for spec in methods:
+        try:
+            gaussws.parse_method(spec, arch)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+    if "bf16" not in methods:
+        say("bench.py train: adding bf16, the baseline every overhead is measured against")
+    methods = ["bf16"] + [m for m in dict.fromkeys(methods) if m != "bf16"]
+    max_block = build_config(args, "bf16").block_size
+    if args.block_size > max_block:
+        raise BenchError(f"--block_size={args.block_size} exceeds the model's block_size {max_block}; "
+                         f"pass --block_size<={max_block}")
+
+    runners, init_state = [], None
+    for spec in methods:
+        say(f"building {args.model} with {spec} on {device} ...")
+        runners.append(Runner(args, spec, init_state))
+        if init_state is None:
+            init_state = runners[0].model.state_dict()
+    cfg = runners[0].model.config
+    n_params = runners[0].model.get_num_params(non_embedding=False)
+    say(f"{args.model}: {n_params / 1e6:.1f}M parameters; {args.batch_size} x {args.block_size} tokens per "
+        f"micro-step; compile={args.compile}; {machine_load()}")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(cfg.vocab_size, (max(args.grad_accum), args.batch_size, args.block_size + 1), generator=gen)
+    data = data.to(device)
+    micro = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+    memory = {}
+    if torch.device(device).type != "cuda":
+        for r in runners:
+            memory[r.method] = held_bytes(r.model, *micro[0], device)
+
+    records = []
+    for accum in args.grad_accum:
+        batches = micro[:accum]
+        tokens = accum * args.batch_size * args.block_size
+        for r in runners:
+            for i in range(args.warmup):
+                say(f"grad_accum={accum} warm-up {i + 1}/{args.warmup} {r.method} ...")
+                r.step(batches)
+        seconds = {r.method: [] for r in runners}
+        peaks = {r.method: [] for r in runners}
+        for round_ in range(args.rounds):
+            for r in runners:
+                s, peak = r.timed_step(batches)
+                seconds[r.method].append(s)
+                peaks[r.method].append(peak)
+            say(f"grad_accum={accum} round {round_ + 1}/{args.rounds}: " + "  ".join(
+                f"{m} {s[-1]:.2f} s ({tokens / s[-1]:.0f} tok/s)" for m, s in seconds.items()))
+        if torch.device(device).type == "cuda":
+            memory = {m: max(p) for m, p in peaks.items()}
+        base = seconds["bf16"]
+        for r in runners:
+            n_pqt = pqt_weight_numel(r.model)
+            extra = (memory[r.method] - memory["bf16"]) / n_pqt if n_pqt else 0.0
+            records.append({
+                "method": r.method, "grad_accum": accum,
+                "tokens_per_s": statistics.median(tokens / s for s in seconds[r.method]),
+                "overhead_pct": statistics.median(100 * (1 - b / s) for b, s in zip(base, seconds[r.method])),
+                "extra_bytes_per_param": extra,
+                "model": args.model, "device": device, "batch_size": args.batch_size, "block_size": args.block_size,
+                "rounds": args.rounds, "compile": args.compile, "step_s": seconds[r.method],
+                "memory_bytes": memory[r.method], "pqt_weight_params": n_pqt,
+                "memory_measure": ("cuda_max_memory_allocated" if torch.device(device).type == "cuda"
+                                   else "cpu_saved_for_backward"),
+            })
+    say("")
+    say(f"{args.model}, {args.batch_size} x {args.block_size} tokens per micro-step, {device}, median of "
+        f"{args.rounds} rounds; extra memory per weight element of the PQT layers vs bf16 "
+        f"({records[0]['memory_measure']})")
+    say(markdown_table(["method", "grad_accum", "tokens/s", "overhead vs bf16", "extra bytes/param"],
+                       [(r["method"], r["grad_accum"], f"{r['tokens_per_s']:.1f}", f"{r['overhead_pct']:+.2f} %",
+                         f"{r['extra_bytes_per_param']:.3f}") for r in records]))
+    return records
+
+
+# --- command line -----------------------------------------------------------------------------------
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        raise BenchError(message)
+
+
+def parse_bool(text):
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def parse_shapes(text):
+    shapes = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", part)
+        if not match or 0 in (int(match.group(1)), int(match.group(2))):
+            raise argparse.ArgumentTypeError(f"bad shape {part!r}: expected MxN with positive M, N, e.g. 512x2048")
+        shapes.append((int(match.group(1)), int(match.group(2))))
+    return shapes
+
+
+def parse_ints(text):
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def make_parser():
+    parser = Parser(prog="bench.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernel = sub.add_parser("kernel", help="Figure 6: throughput of Eq. 3's forward")
+    kernel.add_argument("--shapes", type=parse_shapes, default=None, help="MxN,... (default: a list per device)")
+    kernel.add_argument("--repeats", type=positive_int, default=5, help="timed blocks; the median is reported")
+    train = sub.add_parser("train", help="Table 1: tokens/s and memory of bf16, diffq and gaussws")
+    train.add_argument("--model", default="gpt2-124m", choices=sorted(model_lib.PRESETS), help="model.PRESETS name")
+    train.add_argument("--methods", default="bf16,gaussws[all],diffq[all]", help="method strings, bf16 always added")
+    train.add_argument("--batch_size", type=positive_int, default=1, help="sequences per micro-step")
+    train.add_argument("--block_size", type=positive_int, default=1024, help="tokens per sequence")
+    train.add_argument("--grad_accum", type=parse_ints, default=[1], help="micro-steps per optimizer step, e.g. 1,8")
+    train.add_argument("--rounds", type=positive_int, default=3, help="timed optimizer steps per method")
+    train.add_argument("--warmup", type=positive_int, default=1, help="untimed steps per method first (compiles)")
+    train.add_argument("--compile", type=parse_bool, default=False, help="torch.compile the model")
+    train.add_argument("--seed", type=int, default=1337, help="weights, tokens and noise")
+    for f in dataclasses.fields(model_lib.ModelConfig):  # model overrides, e.g. a tiny model: --n_layer=1
+        if f.name not in ("method", "block_size", "arch") and f.type in (int, float, bool, "int", "float", "bool"):
+            kind = {"int": int, "float": float, "bool": bool}.get(f.type, f.type)
+            train.add_argument(f"--{f.name}", type=parse_bool if kind is bool else kind, default=None,
+                               help=f"override the preset's {f.name}")
+    for p in (kernel, train):
+        p.add_argument("--device", default=default_device, help="cpu or cuda (default: cuda when available)")
+        p.add_argument("--json", default=None, help="also write the records as JSON to this path")
+    return parser
+
+
+def main(argv=None):
+    try:
+        args = make_parser().parse_args(argv)
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise BenchError(f"--device={args.device}: expected cpu or cuda") from None
+        if device.type not in ("cpu", "cuda"):
+            raise BenchError(f"--device={args.device}: expected cpu or cuda")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise BenchError(f"--device={args.device}: no CUDA device here; use --device=cpu")
+        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+            raise BenchError(f"--json={args.json}: its folder does not exist")
+        records = run_kernel(args) if args.command == "kernel" else run_train(args)
+    except BenchError as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.json:
+        write_json(args.json, records)
+        say(f"wrote {len(records)} records to {args.json}")
+    return records
+
+
+if __name__ == "__main__":
+    main()

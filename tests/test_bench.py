@@ -1,0 +1,177 @@
+"""bench.py measures the real thing: the timed callables are the method, the baseline is the paper's,
+the memory accounting sees w_hat, and bad arguments fail in one line. No timing is asserted here:
+speed targets are bench.py's to show, not the tests'."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import bench
+import gaussws
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+KERNEL_KEYS = {"shape", "impl", "gelem_per_s", "speedup_vs_torch", "share_of_copy", "device"}
+TRAIN_KEYS = {"method", "grad_accum", "tokens_per_s", "overhead_pct", "extra_bytes_per_param", "model", "device"}
+
+
+def _bits(t):
+    return t.view(torch.int16)
+
+
+def test_kernel_writes_a_record_per_shape_and_impl(tmp_path):
+    path = tmp_path / "kernel.json"
+    bench.main(["kernel", "--shapes=64x96,33x65", "--repeats=1", f"--json={path}", "--device=cpu"])
+    records = json.loads(path.read_text())
+    assert {(tuple(r["shape"]), r["impl"]) for r in records} == {
+        (s, i) for s in [(64, 96), (33, 65)] for i in ("copy", "torch", "ours", "diffq")}  # bm: GPU only
+    for r in records:
+        assert KERNEL_KEYS <= r.keys() and r["device"] == "cpu"
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("gelem_per_s", "speedup_vs_torch", "share_of_copy"))
+        if r["impl"] == "torch":
+            assert r["speedup_vs_torch"] == 1.0
+        if r["impl"] == "copy":
+            assert r["share_of_copy"] == 1.0
+
+
+@pytest.mark.parametrize("method", ["gaussws", "diffq"])
+def test_timed_callable_is_pseudo_quantize(method):
+    w = torch.randn(33, 65) * 0.02
+    b_t = 4 + 4 * torch.rand(2, 3)
+    impls = bench.kernel_impls(w, b_t, seed=77, device="cpu")
+    fn, _ = impls["ours" if method == "gaussws" else "diffq"]
+    assert torch.equal(_bits(fn()), _bits(gaussws.pseudo_quantize(w, b_t, 77, method)))
+    assert impls["bm"][0] is None and "GPU" in impls["bm"][1]
+
+
+def test_torch_baseline_is_eq3_with_its_r():
+    """w + R * broadcast(max_bl|w| * 2^(1-b_t)), block by block, partial edge blocks included."""
+    w = torch.randn(33, 65)
+    b_t = torch.randint(2, 9, (2, 3)).float()
+    got = bench.torch_w_hat(w, b_t, torch.Generator().manual_seed(5))
+    r = bench.torch_r(w.shape, torch.Generator().manual_seed(5))
+    want = torch.empty_like(w)
+    for i in range(2):
+        for j in range(3):
+            rows, cols = slice(32 * i, 32 * i + 32), slice(32 * j, 32 * j + 32)
+            scale = w[rows, cols].abs().max() * 2.0 ** (1 - b_t[i, j])
+            want[rows, cols] = w[rows, cols] + r[rows, cols] * scale
+    assert torch.equal(_bits(got), _bits(want.to(torch.bfloat16)))
+
+
+def _normal(z):
+    return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+
+def _max_z_against_rounded_normal(r):
+    """Largest |z| of the counts of R = 0, +-1, +-2 against round(N(0,1)/2): R = k for N in (2k-1, 2k+1)."""
+    n = r.numel()
+    worst = 0.0
+    for k in (-2, -1, 0, 1, 2):
+        p = _normal(2 * k + 1) - _normal(2 * k - 1)
+        count = (r == k).sum().item()
+        worst = max(worst, abs(count - n * p) / math.sqrt(n * p * (1 - p)))
+    return worst
+
+
+def test_torch_baseline_draws_rounded_normal():
+    # A w whose every 32x32 block has max |w| = 1 and b_t = 1 makes the scale 1, so w_hat - w is R
+    # exactly (all values are small integers in BF16): the whole baseline is checked, not a helper.
+    w = torch.zeros(1024, 1024)
+    w[::32, ::32] = 1.0
+    b_t = torch.ones(32, 32)
+    r = bench.torch_w_hat(w, b_t, torch.Generator().manual_seed(0)).float() - w
+    assert torch.equal(r, r.round()) and r.abs().max() <= 3
+    assert _max_z_against_rounded_normal(r) < 5
+    # The check has power: Eq. 10's R (Pr(0) = 0.717, not 0.683) fails it by far.
+    assert _max_z_against_rounded_normal(gaussws.sample_r((1024, 1024), 3)) > 20
+
+
+TINY = ["--n_layer=1", "--n_embd=64", "--n_head=2", "--vocab_size=128", "--block_size=32", "--batch_size=2",
+        "--rounds=1", "--warmup=1", "--device=cpu"]
+
+
+def test_train_writes_all_methods_with_overheads(tmp_path):
+    path = tmp_path / "train.json"
+    bench.main(["train", "--methods=gaussws[all],diffq[od]", "--grad_accum=1,2", f"--json={path}"] + TINY)
+    records = json.loads(path.read_text())
+    assert [(r["method"], r["grad_accum"]) for r in records] == [
+        (m, a) for a in (1, 2) for m in ("bf16", "gaussws[all]", "diffq[od]")]
+    for r in records:
+        assert TRAIN_KEYS <= r.keys() and r["model"] == "gpt2-124m" and r["device"] == "cpu"
+        assert r["tokens_per_s"] > 0 and math.isfinite(r["overhead_pct"])
+        if r["method"] == "bf16":
+            assert r["overhead_pct"] == 0 and r["extra_bytes_per_param"] == 0
+        else:
+            assert r["extra_bytes_per_param"] > 0
+    by_method = {r["method"]: r for r in records}
+    # 1 layer of 64 wide: qkv 3*64*64 + out 64*64 + up 4*64*64 + down 4*64*64; [od]: out and down only.
+    assert by_method["gaussws[all]"]["pqt_weight_params"] == 12 * 64 * 64
+    assert by_method["diffq[od]"]["pqt_weight_params"] == 5 * 64 * 64
+
+
+class OneLayer(nn.Module):
+    """A model of one Linear with the GPT interface; sum() saves nothing, so only the Linear's tensors count."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, y):
+        out = self.layer(x)
+        return out, out.float().sum()
+
+
+@pytest.mark.parametrize("pqt", [False, True])
+def test_held_bytes_of_one_layer_equals_independent_count(pqt):
+    batch, n_in, n_out = 8, 96, 64
+    layer = gaussws.PQTLinear(n_in, n_out, method="gaussws") if pqt else nn.Linear(n_in, n_out)
+    x = torch.randn(batch, n_in, requires_grad=True)  # an activation, as inside a model
+    measured = bench.held_bytes(OneLayer(layer), x, None, "cpu")
+    # The Linear keeps BF16 copies of x and of its weight (bf16: autocast's cast; PQT: w_hat).
+    expected = 2 * batch * n_in + 2 * n_out * n_in
+    if not pqt:
+        assert measured == expected
+    else:
+        # Plus the few FP32 values per 32x32 block that Eq. 3's scale keeps for the b_t gradient
+        # (and the 8-byte seed): far less than the 12 KiB w_hat that must be counted.
+        assert expected <= measured <= expected + 16 * layer.b_i.numel() + 64
+        layer.cached = torch.empty(1000)  # a tensor the method holds between forward and backward counts
+        assert bench.held_bytes(OneLayer(layer), x, None, "cpu") == measured + 4000
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["kernel", "--shapes=12by4"], "bad shape"),
+    (["kernel", "--repeats=0"], "positive integer"),
+    (["kernel", "--device=tpu"], "expected cpu or cuda"),
+    (["kernel", "--device=cuda"] if not torch.cuda.is_available() else ["kernel", "--device=xla"], "cuda"),
+    (["train", "--methods=bf16,gaussws[qkv,nope]"], "no layer 'nope'"),
+    (["train", "--model=gpt5"], "invalid choice"),
+    (["train", "--grad_accum=1,0"], "positive integers"),
+    (["train", "--block_size=4096"], "exceeds the model's block_size"),
+    (["train", "--n_head=5"], "multiple of n_head"),
+    (["train", "--compile=maybe"], "True or False"),
+    (["train", "--json=/no/such/dir/x.json"], "folder does not exist"),
+    (["train", "--bogus=1"], "unrecognized arguments"),
+    ([], "required"),
+])
+def test_bad_arguments_fail_in_one_line(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bench.py: error:") and words in err
+
+
+def test_bad_arguments_from_the_shell_give_no_traceback(tmp_path):
+    json_path = tmp_path / "out.json"
+    json_path.write_text("keep")
+    proc = subprocess.run([sys.executable, "bench.py", "train", "--methods=gausws[all]", f"--json={json_path}"],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "gausws" in proc.stderr
+    assert json_path.read_text() == "keep"  # nothing overwritten
