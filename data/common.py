@@ -192,7 +192,7 @@ def argument_parser(doc, out_dir):
     p.add_argument("--out_dir", default=out_dir, help="where train.bin, val.bin and meta.json go (default: %(default)s)")
     p.add_argument("--num_proc", type=positive, default=max(1, (os.cpu_count() or 2) // 2),
                    help="processes for loading and tokenizing (default: %(default)s)")
-    p.add_argument("--tokenizer", dest="encoding", default="gpt2", help="tiktoken encoding name (default: %(default)s)")
+    p.add_argument("--tokenizer", dest="encoding", metavar="NAME", default="gpt2", help="tiktoken encoding name (default: %(default)s)")
     p.add_argument("--streaming", action="store_true",
                    help="read documents as they arrive instead of downloading the whole dataset first")
     p.add_argument("--max_docs", type=positive, help="use at most this many documents (per split where the "
