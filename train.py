@@ -156,6 +156,10 @@ def main(argv):
             model_args[k] = zero_means
     if model_args.get("block_size", 0) == 0:
         model_args.pop("block_size", None)
+    try:  # a bad method or shape fails now, before data or checkpoints are touched
+        ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
+    except (ValueError, TypeError) as e:
+        fail(str(e))
 
     # distributed set-up
     ddp = int(os.environ.get("RANK", -1)) != -1

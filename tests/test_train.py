@@ -1,0 +1,165 @@
+"""train.py end to end on tiny models: learning, exact resume, data parallelism, bad input."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A small corpus with structure to learn: repeated lines of Python-like text, byte tokens."""
+    d = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    words = [b"def ", b"return ", b"self", b"(x)", b": ", b"\n", b"    ", b"import os", b" = ", b"1"]
+    text = b"".join(words[i] for i in rng.integers(0, len(words), 40000))
+    ids = np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
+    ids[: len(ids) * 9 // 10].tofile(d / "train.bin")
+    ids[len(ids) * 9 // 10:].tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}))
+    return str(d)
+
+
+def tiny(data_dir, out_dir, **kw):
+    args = dict(dataset=data_dir, out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=64, block_size=32,
+                batch_size=8, max_iters=30, eval_interval=10, log_interval=1, eval_iters=2, warmup_iters=5,
+                lr_decay_iters=30, learning_rate=3e-3, device="cpu")
+    args.update(kw)
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+def losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return {r["iter"]: r["loss"] for r in records if "loss" in r}
+
+
+def run_cli(args, **kw):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, **kw)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama2"])
+@pytest.mark.parametrize("method", ["bf16", "diffq[all]", "gaussws[all]"])
+def test_loss_falls(data_dir, tmp_path, arch, method):
+    train.main(tiny(data_dir, tmp_path, arch=arch, method=method, bias=arch == "gpt2"))
+    curve = losses(tmp_path)
+    first, last = np.mean([curve[i] for i in (1, 2, 3)]), np.mean([curve[i] for i in (28, 29, 30)])
+    assert last < first - 1.0, (first, last)
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    logged = [r for r in records if "loss" in r][-1]
+    assert {"lr", "ms_per_iter", "tokens_per_s"} <= set(logged)
+    if method != "bf16":
+        assert {"b_t/mean", "b_t/min", "b_t/max"} <= set(logged)
+
+
+def test_bitwidths_move_toward_target_under_decay(data_dir, tmp_path):
+    train.main(tiny(data_dir, tmp_path, max_iters=20, bitwidth_weight_decay=5.0, learning_rate=1e-2))
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if "b_t/mean" in line]
+    assert records[-1]["b_t/mean"] < 6.0 - 0.1 and records[-1]["b_t/max"] < 6.0
+
+
+def test_resume_continues_the_same_losses(data_dir, tmp_path):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train.main(tiny(data_dir, whole, max_iters=20, lr_decay_iters=20))
+    train.main(tiny(data_dir, part, max_iters=10, lr_decay_iters=20))
+    train.main(tiny(data_dir, part, max_iters=20, lr_decay_iters=20, init_from="resume"))
+    assert losses(part) == losses(whole)
+    assert len(losses(part)) == 20
+
+
+def test_checkpoint_loads_with_weights_only_and_has_no_compile_prefix(data_dir, tmp_path):
+    import torch
+    train.main(tiny(data_dir, tmp_path, max_iters=10, compile=True))
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
+    assert {"model", "optimizer", "model_args", "iter_num", "config", "rng_state"} <= set(ckpt)
+    assert ckpt["iter_num"] == 10
+
+
+def test_two_processes_match_one_with_the_same_global_batch(data_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = dict(max_iters=6, eval_interval=100, gradient_accumulation_steps=2, dtype="float32")
+    r1 = run_cli(tiny(data_dir, one, **args))
+    assert r1.returncode == 0, r1.stderr
+    r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                         os.path.join(ROOT, "train.py"), *tiny(data_dir, two, **args)],
+                        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    a, b = losses(one), losses(two)
+    assert a.keys() == b.keys() and len(a) == 6
+    np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-4)
+
+
+def digest(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    train.main(tiny(data_dir, out, max_iters=10))
+    return out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n_layr=3"], "unknown config key 'n_layr'; did you mean --n_layer"),
+    (["--batch_size=big"], "expected a int"),
+    (["--learning_rate=True"], "takes a float"),
+    (["--method=gaussws[qkv,foo]"], "bad method"),
+    (["--method=gaussws[all]", "--arch=llama2", "--bias=False", "--init_from=resume"], "holds another model"),
+    (["--max_iters=20"], "holds another run"),
+    (["--dataset=/nonexistent/data"], "not found; prepare the data first"),
+    (["config/does_not_exist.py"], "config file"),
+])
+def test_bad_input_is_one_line_and_keeps_the_checkpoint(data_dir, trained, args, message):
+    before = digest(trained / "ckpt.pt")
+    r = run_cli(tiny(data_dir, trained, max_iters=10) + args)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert digest(trained / "ckpt.pt") == before
+
+
+def test_corrupt_data_and_checkpoint_are_reported(data_dir, trained, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "meta.json").write_text("{not json")
+    r = run_cli(tiny(str(bad), tmp_path / "o"))
+    assert r.returncode == 1 and "corrupt" in r.stderr and "Traceback" not in r.stderr
+    (bad / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16"}))
+    (bad / "train.bin").write_bytes(b"\x01")
+    r = run_cli(tiny(str(bad), tmp_path / "o"))
+    assert r.returncode == 1 and "train.bin is corrupt" in r.stderr and "Traceback" not in r.stderr
+    out = tmp_path / "garbage"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"not a checkpoint")
+    r = run_cli(tiny(data_dir, out, init_from="resume"))
+    assert r.returncode == 1 and "not a checkpoint" in r.stderr and "Traceback" not in r.stderr
+    assert (out / "ckpt.pt").read_bytes() == b"not a checkpoint"
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, trained):
+    before = digest(trained / "ckpt.pt")
+    r = run_cli(tiny(data_dir, trained, max_iters=40, init_from="resume", learning_rate=1e30, grad_clip=0.0,
+                     warmup_iters=0, decay_lr=False, dtype="float32", eval_interval=1000))
+    assert r.returncode == 1, r.stderr
+    assert "loss is nan" in r.stderr or "loss is inf" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert digest(trained / "ckpt.pt") == before
+
+
+def test_dry_run_prints_config_and_exits(tmp_path):
+    r = run_cli(["--model=gpt2-124m", "--dry_run=True", f"--out_dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr
+    assert "tokens per optimizer step" in r.stdout and "124" in r.stdout
+    assert not os.listdir(tmp_path)
