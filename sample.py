@@ -5,13 +5,13 @@
 Reads <out_dir>/ckpt.pt (written by train.py) and decodes with the tokenizer that the checkpoint's
 dataset was prepared with (data/<dataset>/meta.json).
 """
-import difflib
 import json
 import os
 import sys
 
 import torch
 
+from configurator import ConfigError, configure
 from model import GPT, ModelConfig
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -31,31 +31,6 @@ CONFIG_KEYS = ("out_dir", "start", "num_samples", "max_new_tokens", "temperature
 
 class UsageError(Exception):
     """Something the user can fix; reported as one line, no traceback."""
-
-
-def parse_overrides(argv, defaults):
-    """--key=value arguments, each converted to the type of its default; returns {key: value}."""
-    out = {}
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise UsageError(f"expected --key=value, got {arg!r}")
-        key, value = arg[2:].split("=", 1)
-        if key not in defaults:
-            close = difflib.get_close_matches(key, defaults, n=3)
-            hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
-            raise UsageError(f"unknown option --{key}{hint} (options: {', '.join(sorted(defaults))})")
-        kind = type(defaults[key])
-        try:
-            if kind is bool:
-                if value not in ("True", "False", "true", "false", "1", "0"):
-                    raise ValueError
-                out[key] = value in ("True", "true", "1")
-            else:
-                out[key] = kind(value)
-        except ValueError:
-            wanted = {bool: "True or False", int: "an integer", float: "a number"}[kind]
-            raise UsageError(f"--{key}={value!r} is not {wanted} (default: {defaults[key]!r})") from None
-    return out
 
 
 def load_tokenizer(meta):
@@ -111,7 +86,7 @@ def load_meta(ckpt):
 
 def main(argv):
     cfg = {k: globals()[k] for k in CONFIG_KEYS}
-    cfg.update(parse_overrides(argv, cfg))
+    configure(cfg, argv)
     try:
         dev = torch.device(cfg["device"])
     except RuntimeError:
@@ -154,6 +129,6 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except UsageError as e:
+    except (UsageError, ConfigError) as e:
         print(f"sample.py: {e}", file=sys.stderr)
         sys.exit(1)
