@@ -177,10 +177,10 @@ class PQTLinear(nn.Linear):
         self.method, self.b_init, self.b_target, self.backend = method, float(b_init), float(b_target), backend
         self.b_i = nn.Parameter(torch.ones(-(-out_features // BL), -(-in_features // BL), device=device))
         # Until set_noise_seed assigns one, a layer seed from torch's RNG keeps layers independent.
-        self.layer_seed = int(torch.randint(0, 2**62, ()).item())
+        self.layer_seed = int(torch.randint(0, 2**62, (), device="cpu").item())  # cpu: also under a meta device
         self.step = 0
         # The seed of this step's R: a CPU tensor, so changing it neither syncs a GPU nor recompiles.
-        self.noise_seed = torch.tensor(_step_seed(self.layer_seed, 0), dtype=torch.int64)
+        self.noise_seed = torch.tensor(_step_seed(self.layer_seed, 0), dtype=torch.int64, device="cpu")
 
     def reset_parameters(self):
         super().reset_parameters()
@@ -191,6 +191,11 @@ class PQTLinear(nn.Linear):
     def b_t(self):
         """Eq. 11: the bitwidth of each block."""
         return self.b_target + self.b_i * (self.b_init - self.b_target)
+
+    def full_b_t(self):
+        """b_t of all blocks, also outside the forward of a sharded (FSDP) model where b_i is a DTensor."""
+        b_t = self.b_t
+        return b_t.full_tensor() if hasattr(b_t, "full_tensor") else b_t
 
     def forward(self, x):
         if not self.training:
@@ -247,14 +252,14 @@ def set_step(model, step):
 
 def bitwidth_loss(model):
     """Eq. 12 without lambda: sum over PQT layers of the mean |b_t - b_target| of their blocks."""
-    terms = [(layer.b_t - layer.b_target).abs().mean() for layer in pqt_layers(model)]
+    terms = [(layer.full_b_t() - layer.b_target).abs().mean() for layer in pqt_layers(model)]
     return torch.stack(terms).sum() if terms else torch.zeros(())
 
 
 @torch.no_grad()
 def bitwidth_stats(model):
     """Mean, min and max of b_t over all PQT blocks of the model, or None without PQT layers."""
-    b_t = [layer.b_t.flatten() for layer in pqt_layers(model)]
+    b_t = [layer.full_b_t().flatten() for layer in pqt_layers(model)]
     if not b_t:
         return None
     b_t = torch.cat(b_t).float()

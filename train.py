@@ -85,7 +85,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:
 dtype = "bfloat16"  # autocast dtype of matmuls: "bfloat16" or "float32" (no autocast)
 compile = False  # torch.compile the model
 seed = 1337  # one seed for init, data order and noise; shared by all processes
-parallel = "ddp"  # how torchrun processes share the work: "ddp" (data parallel)
+parallel = "ddp"  # how torchrun processes share the work: "ddp" (replicated) or "fsdp" (FSDP2, sharded)
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 MODEL_KEYS = [f.name for f in fields(ModelConfig)]
@@ -128,6 +128,32 @@ def batch_generator(*key):
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
+def get_state(model, optimizers, fsdp):
+    """Full (unsharded) model and optimizer state dicts, on CPU under FSDP."""
+    if not fsdp:
+        return model.state_dict(), [o.state_dict() for o in optimizers]
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(model, options=options),
+            [get_optimizer_state_dict(model, o, options=options) for o in optimizers])
+
+
+def load_state(model, optimizers, checkpoint, fsdp):
+    if len(checkpoint["optimizer"]) != len(optimizers):
+        fail(f"the checkpoint has {len(checkpoint['optimizer'])} optimizer state(s), this run {len(optimizers)}: "
+             f"resume with the optimizer it was trained with")
+    if not fsdp:
+        model.load_state_dict(checkpoint["model"])
+        for o, state in zip(optimizers, checkpoint["optimizer"]):
+            o.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, checkpoint["model"], options=options)
+    for o, state in zip(optimizers, checkpoint["optimizer"]):
+        set_optimizer_state_dict(model, o, state, options=options)
+
+
 def main(argv):
     config = dict(DEFAULTS)
     explicit = configure(config, argv)
@@ -138,8 +164,8 @@ def main(argv):
         fail(f"dtype={dtype!r}: expected 'bfloat16' or 'float32'")
     if optimizer not in ("adamw", "adam_mini"):
         fail(f"optimizer={optimizer!r}: expected 'adamw' or 'adam_mini'")
-    if parallel not in ("ddp",):
-        fail(f"parallel={parallel!r}: expected 'ddp'")
+    if parallel not in ("ddp", "fsdp"):
+        fail(f"parallel={parallel!r}: expected 'ddp' or 'fsdp'")
     if model and model not in PRESETS:
         fail(f"model={model!r} is not a preset; expected one of {', '.join(PRESETS)} or '' (set the shape by hand)")
     if min(batch_size, gradient_accumulation_steps, max_iters + 1, eval_iters) < 1:
@@ -225,36 +251,55 @@ def main(argv):
             fail(f"{ckpt_path} holds another model ({'; '.join(diff)}); resume with the settings it was trained "
                  f"with, or use another --out_dir")
         model_args = saved_args
-    elif master and os.path.exists(ckpt_path) and not overwrite:
+    elif os.path.exists(ckpt_path) and not overwrite:
         fail(f"{ckpt_path} holds another run; resume it with --init_from=resume, choose another --out_dir, "
              f"or pass --overwrite=True to replace it")
     torch.manual_seed(seed)
     mconf = ModelConfig(**model_args)
-    raw_model = GPT(mconf)
-    if checkpoint is not None:
-        raw_model.load_state_dict(checkpoint["model"])
-    raw_model.to(dev)
+    raw_model = GPT(mconf).to(dev)
     gaussws.set_noise_seed(raw_model, seed)
+    fsdp = ddp and parallel == "fsdp"
+    if fsdp:
+        # FSDP2: each block's parameters are gathered whole for its forward, so PQTLinear adds the
+        # noise to the unsharded weight, and the block max sees every element of its block.
+        from torch.distributed.fsdp import fully_shard
+        for block in raw_model.transformer.h:
+            fully_shard(block)
+        fully_shard(raw_model)
 
-    # optimizer: b_i in an AdamW group of its own, with its own weight decay
-    params = {pn: p for pn, p in raw_model.named_parameters() if p.requires_grad}
-    b_i = [p for pn, p in params.items() if pn.endswith("b_i")]
-    matrices = [p for pn, p in params.items() if not pn.endswith("b_i") and p.dim() >= 2]
-    vectors = [p for pn, p in params.items() if not pn.endswith("b_i") and p.dim() < 2]
-    groups = [dict(params=matrices, weight_decay=weight_decay), dict(params=vectors, weight_decay=0.0)]
-    if b_i:
-        groups.append(dict(params=b_i, weight_decay=bitwidth_weight_decay))
-    extra = dict(fused=True) if device_type == "cuda" else dict(foreach=True)
-    opt = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), **extra)
+    # optimizers: b_i always in an AdamW group of its own, with its own weight decay
+    named = [(pn, p) for pn, p in raw_model.named_parameters() if p.requires_grad]
+    b_i = [p for pn, p in named if pn.endswith("b_i")]
+    named = [(pn, p) for pn, p in named if not pn.endswith("b_i")]
+    extra = dict(fused=True) if device_type == "cuda" else dict(foreach=not fsdp)
+    if optimizer == "adamw":
+        groups = [dict(params=[p for _, p in named if p.dim() >= 2], weight_decay=weight_decay),
+                  dict(params=[p for _, p in named if p.dim() < 2], weight_decay=0.0)]
+        if b_i:
+            groups.append(dict(params=b_i, weight_decay=bitwidth_weight_decay))
+        optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), **extra)]
+    else:
+        from adam_mini import Adam_mini
+        mini = Adam_mini(named, lr=learning_rate, betas=(beta1, beta2), weight_decay=weight_decay, dim=mconf.n_embd,
+                         n_heads=mconf.n_head, n_kv_heads=mconf.n_kv_head, verbose=False)
+        # Adam-mini finds its blocks by name: teach it ours (one lr per head for q and k, and for
+        # GPT2's fused c_attn; one per neuron for v and the output projections).
+        mini.wqk_names.update({"attn.q.", "attn.k.", "attn.c_attn."})
+        mini.wv_names.add("attn.v.")
+        mini.attn_proj_names.update({"attn.out.", "attn.c_proj."})
+        optimizers = [mini]
+        if b_i:
+            optimizers.append(torch.optim.AdamW([dict(params=b_i, weight_decay=bitwidth_weight_decay)],
+                                                lr=learning_rate, betas=(beta1, beta2), **extra))
     iter_num, best_val_loss = 0, 1e9
     if checkpoint is not None:
-        opt.load_state_dict(checkpoint["optimizer"])
+        load_state(raw_model, optimizers, checkpoint, fsdp)
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
         torch.set_rng_state(checkpoint["rng_state"].cpu())
     checkpoint = None
 
     train_model = torch.compile(raw_model) if compile else raw_model
-    if ddp:
+    if ddp and not fsdp:
         train_model = torch.nn.parallel.DistributedDataParallel(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
 
     splits = {s: open_split(data_dir, s, meta, mconf.block_size) for s in ("train", "val")}
@@ -283,11 +328,14 @@ def main(argv):
         out = {}
         for split in ("train", "val"):
             total, count = 0.0, 0
-            for k in range(rank, eval_iters, world_size):
+            # The same number of batches on every rank (FSDP forwards are collective); batches
+            # past eval_iters count zero, so the val set does not depend on the world size.
+            for k in range(rank, -(-eval_iters // world_size) * world_size, world_size):
                 x, y = get_batch(split, "eval", k)
                 with autocast:
                     _, loss = raw_model(x, y)
-                total, count = total + loss.item(), count + 1
+                if k < eval_iters:
+                    total, count = total + loss.item(), count + 1
             total, count = all_mean([total, count])
             out[split] = total / count
         raw_model.train()
@@ -304,9 +352,12 @@ def main(argv):
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
     def save_checkpoint():
+        model_state, optimizer_states = get_state(raw_model, optimizers, fsdp)  # collective under FSDP
+        if not master:
+            return
         state = {
-            "model": raw_model.state_dict(),
-            "optimizer": opt.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_states,
             "model_args": asdict(mconf),
             "iter_num": iter_num,
             "best_val_loss": best_val_loss,
@@ -346,7 +397,7 @@ def main(argv):
     t0 = time.time()
     while True:
         lr = get_lr(iter_num)
-        for group in opt.param_groups:
+        for group in (g for o in optimizers for g in o.param_groups):
             group["lr"] = lr
         if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
             losses = estimate_loss()
@@ -356,10 +407,11 @@ def main(argv):
             log(record)
             if eval_only:
                 break
-            if master and iter_num > 0 and (losses["val"] < best_val_loss or always_save_checkpoint):
+            if iter_num > 0 and (losses["val"] < best_val_loss or always_save_checkpoint):
                 best_val_loss = min(best_val_loss, losses["val"])
                 save_checkpoint()
-                print(f"saved checkpoint to {ckpt_path}")
+                if master:
+                    print(f"saved checkpoint to {ckpt_path}")
             t0 = time.time()  # evaluation is not training time
         if iter_num == max_iters:
             break
@@ -383,8 +435,9 @@ def main(argv):
                  f"Try a lower --learning_rate or --grad_clip")
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for o in optimizers:
+            o.step()
+            o.zero_grad(set_to_none=True)
         iter_num += 1
         if iter_num % log_interval == 0 or iter_num == max_iters:
             dt = (time.time() - t0) / (log_interval if iter_num % log_interval == 0 else iter_num % log_interval)

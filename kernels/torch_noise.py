@@ -102,8 +102,15 @@ def _block_sums(g, r_store, method: str):
     return prod.view(nbm, BL, nbn, BL).sum(dim=(1, 3))
 
 
+COMPILE_MIN_NUMEL = 2**15  # smaller tensors run eagerly: compiling would cost more than it saves
+RECOMPILE_LIMIT = 64  # one compiled loop per tensor shape; a model has a handful of shapes
+
+
 class _Compiled:
-    """torch.compile'd when it works here, eager otherwise (warned once)."""
+    """torch.compile'd per shape (static shapes vectorise best) for large tensors, eager otherwise.
+
+    Falls back to eager, warned once, where compile does not work (no C compiler, ...).
+    """
 
     def __init__(self, fn):
         self.fn = fn
@@ -111,14 +118,17 @@ class _Compiled:
 
     @torch.no_grad()
     def __call__(self, *args):
-        if self.compiled is None:
-            try:
-                self.compiled = torch.compile(self.fn, dynamic=True)
+        if args[0].numel() < COMPILE_MIN_NUMEL or self.compiled is False:
+            return self.fn(*args)
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(self.fn, dynamic=False)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 return self.compiled(*args)
-            except Exception as e:  # no C compiler, unsupported platform, ...
-                warnings.warn(f"torch.compile unavailable for the noise ({type(e).__name__}: {e}); running eager")
-                self.compiled = self.fn
-        return self.compiled(*args)
+        except Exception as e:  # no C compiler, unsupported platform, ...
+            warnings.warn(f"torch.compile unavailable for the noise ({type(e).__name__}: {e}); running eager")
+            self.compiled = False
+            return self.fn(*args)
 
 
 _gen = {"gaussws": _Compiled(_gen_gaussws), "diffq": _Compiled(_gen_diffq)}
