@@ -38,6 +38,7 @@ log_interval = 25  # iterations between log lines
 eval_iters = 20  # batches per evaluation of train and val loss
 eval_only = False  # evaluate once and exit
 always_save_checkpoint = True  # save at every eval; False: only when val loss improves
+save_checkpoints = True  # False: never write a checkpoint (throughput runs)
 init_from = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
 overwrite = False  # allow a new run to replace the checkpoint of another run in out_dir
 dry_run = False  # build the model on the meta device, print the resolved config and exit
@@ -70,7 +71,7 @@ optimizer = "adamw"  # "adamw" or "adam_mini"
 learning_rate = 1e-3  # peak learning rate
 max_iters = 1500  # optimizer steps
 weight_decay = 0.1  # AdamW decoupled decay of the model's matrices
-bitwidth_weight_decay = 0.0  # AdamW decay of b_i, pulling b_t toward b_target (never the model's)
+bitwidth_weight_decay = 0.1  # AdamW decay of b_i, pulling b_t toward b_target (its own, never weight_decay)
 bitwidth_lambda = 0.0  # lambda of Eq. 12: mean |b_t - b_target| per layer added to the loss
 beta1 = 0.9  # AdamW beta1
 beta2 = 0.99  # AdamW beta2
@@ -232,6 +233,10 @@ def main(argv):
     meta = read_meta(data_dir)
     if not model_args.get("vocab_size"):
         model_args["vocab_size"] = meta["vocab_size"]
+    if meta["vocab_size"] > model_args["vocab_size"]:
+        fail(f"the data in {data_dir} has a vocabulary of {meta['vocab_size']} tokens ({meta.get('tokenizer')}), more "
+             f"than the model's vocab_size={model_args['vocab_size']}; prepare the data with a tokenizer of at most "
+             f"that many tokens, or pass --vocab_size={64 * -(-meta['vocab_size'] // 64)}")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
 
     # model
@@ -407,7 +412,7 @@ def main(argv):
             log(record)
             if eval_only:
                 break
-            if iter_num > 0 and (losses["val"] < best_val_loss or always_save_checkpoint):
+            if save_checkpoints and iter_num > 0 and (losses["val"] < best_val_loss or always_save_checkpoint):
                 best_val_loss = min(best_val_loss, losses["val"])
                 save_checkpoint()
                 if master:

@@ -86,18 +86,40 @@ def test_checkpoint_loads_with_weights_only_and_has_no_compile_prefix(data_dir, 
     assert ckpt["iter_num"] == 10
 
 
-def test_two_processes_match_one_with_the_same_global_batch(data_dir, tmp_path):
+def torchrun(args):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+@pytest.mark.parametrize("parallel,optimizer", [("ddp", "adamw"), ("ddp", "adam_mini"), ("fsdp", "adamw")])
+def test_two_processes_match_one_with_the_same_global_batch(data_dir, tmp_path, parallel, optimizer):
     one, two = tmp_path / "one", tmp_path / "two"
-    args = dict(max_iters=6, eval_interval=100, gradient_accumulation_steps=2, dtype="float32")
+    args = dict(max_iters=6, eval_interval=3, gradient_accumulation_steps=2, dtype="float32", optimizer=optimizer,
+                lr_decay_iters=6)
     r1 = run_cli(tiny(data_dir, one, **args))
     assert r1.returncode == 0, r1.stderr
-    r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                         os.path.join(ROOT, "train.py"), *tiny(data_dir, two, **args)],
-                        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if parallel == "fsdp":  # 3 steps, then a resumed run for the other 3: saving and loading sharded state
+        r2 = torchrun(tiny(data_dir, two, **{**args, "max_iters": 3}, parallel=parallel))
+        assert r2.returncode == 0, r2.stderr[-3000:]
+        r2 = torchrun(tiny(data_dir, two, **args, parallel=parallel, init_from="resume"))
+    else:
+        r2 = torchrun(tiny(data_dir, two, **args, parallel=parallel))
     assert r2.returncode == 0, r2.stderr[-3000:]
     a, b = losses(one), losses(two)
     assert a.keys() == b.keys() and len(a) == 6
     np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama2"])
+def test_adam_mini_trains_with_gaussws(data_dir, tmp_path, arch):
+    train.main(tiny(data_dir, tmp_path, arch=arch, bias=arch == "gpt2", optimizer="adam_mini", max_iters=20,
+                    lr_decay_iters=20, bitwidth_weight_decay=1.0, learning_rate=1e-2))
+    curve = losses(tmp_path)
+    assert np.mean([curve[i] for i in (18, 19, 20)]) < np.mean([curve[i] for i in (1, 2, 3)]) - 0.5
+    with open(tmp_path / "metrics.jsonl") as f:
+        b_t = [json.loads(line) for line in f if "b_t/mean" in line]
+    assert b_t[0]["b_t/min"] < b_t[0]["b_t/max"]  # b_i are trained from the first step
+    assert b_t[-1]["b_t/mean"] < b_t[0]["b_t/mean"]  # and decay pulls b_t toward b_target
 
 
 def digest(path):
