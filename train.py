@@ -33,8 +33,8 @@ from model import GPT, PRESETS, ModelConfig
 # default config values: a small gaussws[all] GPT2 on the offline default corpus
 # I/O
 out_dir = "out"  # checkpoint, metrics.jsonl and config.json go here
-eval_interval = 250  # iterations between evaluations (and checkpoints)
-log_interval = 25  # iterations between log lines
+eval_interval = 200  # iterations between evaluations (and checkpoints)
+log_interval = 20  # iterations between log lines
 eval_iters = 20  # batches per evaluation of train and val loss
 eval_only = False  # evaluate once and exit
 always_save_checkpoint = True  # save at every eval; False: only when val loss improves
@@ -68,8 +68,8 @@ b_init = 6.0  # b_t at initialisation (Eq. 11)
 b_target = 4.0  # b_t that weight decay on b_i pulls toward (Eq. 11)
 # optimizer
 optimizer = "adamw"  # "adamw" or "adam_mini"
-learning_rate = 1e-3  # peak learning rate
-max_iters = 1500  # optimizer steps
+learning_rate = 2e-3  # peak learning rate
+max_iters = 600  # optimizer steps
 weight_decay = 0.1  # AdamW decoupled decay of the model's matrices
 bitwidth_weight_decay = 0.1  # AdamW decay of b_i, pulling b_t toward b_target (its own, never weight_decay)
 bitwidth_lambda = 0.0  # lambda of Eq. 12: mean |b_t - b_target| per layer added to the loss
@@ -78,9 +78,9 @@ beta2 = 0.99  # AdamW beta2
 grad_clip = 1.0  # clip the global gradient norm at this value; 0 disables
 # learning rate schedule: linear warmup, cosine decay to min_lr
 decay_lr = True  # False: constant learning_rate
-warmup_iters = 100  # linear warmup steps
-lr_decay_iters = 1500  # cosine ends here (usually max_iters)
-min_lr = 1e-4  # final learning rate (learning_rate / 10 as Chinchilla)
+warmup_iters = 50  # linear warmup steps
+lr_decay_iters = 600  # cosine ends here (usually max_iters)
+min_lr = 2e-4  # final learning rate (learning_rate / 10 as Chinchilla)
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
 dtype = "bfloat16"  # autocast dtype of matmuls: "bfloat16" or "float32" (no autocast)
