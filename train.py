@@ -375,9 +375,9 @@ def main(argv):
         torch.save(state, tmp)
         os.replace(tmp, ckpt_path)  # atomic: a crash leaves the previous checkpoint whole
 
+    versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
     if master:
         os.makedirs(out_dir, exist_ok=True)
-        versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump({**config, "model_args": asdict(mconf), "world_size": world_size, "versions": versions}, f, indent=1)
         print(f"{raw_model.get_num_params(non_embedding=False) / 1e6:.2f}M parameters "
@@ -388,7 +388,8 @@ def main(argv):
                   f"(the loss of a model that ignores context)")
     if wandb_log and master:
         import wandb
-        wandb.init(project=wandb_project, name=wandb_run_name, config=config, mode=wandb_mode, dir=out_dir)
+        wandb.init(project=wandb_project, name=wandb_run_name, mode=wandb_mode, dir=out_dir,
+                   config={**config, "model_args": asdict(mconf), "world_size": world_size, "versions": versions})
     metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "a") if master else None
 
     def log(record):
@@ -410,6 +411,11 @@ def main(argv):
             if master:
                 print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             log(record)
+            if wandb_log:  # the distribution of b_t in every PQT layer (collective under FSDP)
+                hists = {f"b_t/{name}": layer.full_b_t().detach().float().cpu().flatten().numpy()
+                         for name, layer in raw_model.named_modules() if isinstance(layer, gaussws.PQTLinear)}
+                if master and hists:
+                    wandb.log({k: wandb.Histogram(v) for k, v in hists.items()}, step=iter_num)
             if eval_only:
                 break
             if save_checkpoints and iter_num > 0 and (losses["val"] < best_val_loss or always_save_checkpoint):

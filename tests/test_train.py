@@ -162,6 +162,9 @@ def test_corrupt_data_and_checkpoint_are_reported(data_dir, trained, tmp_path):
     (bad / "train.bin").write_bytes(b"\x01")
     r = run_cli(tiny(str(bad), tmp_path / "o"))
     assert r.returncode == 1 and "train.bin is corrupt" in r.stderr and "Traceback" not in r.stderr
+    (bad / "meta.json").write_text(json.dumps({"vocab_size": 50257, "dtype": "uint16", "tokenizer": "tiktoken:gpt2"}))
+    r = run_cli(tiny(str(bad), tmp_path / "o", vocab_size=32000))
+    assert r.returncode == 1 and "vocabulary of 50257" in r.stderr and "Traceback" not in r.stderr
     out = tmp_path / "garbage"
     out.mkdir()
     (out / "ckpt.pt").write_bytes(b"not a checkpoint")
@@ -185,3 +188,28 @@ def test_dry_run_prints_config_and_exits(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "tokens per optimizer step" in r.stdout and "124" in r.stdout
     assert not os.listdir(tmp_path)
+
+
+def test_wandb_gets_config_metrics_and_bitwidth_histograms(data_dir, tmp_path, monkeypatch):
+    import types
+    calls = {"init": [], "log": []}
+    fake = types.SimpleNamespace(init=lambda **kw: calls["init"].append(kw),
+                                 log=lambda record, step: calls["log"].append((step, record)),
+                                 Histogram=lambda values: ("histogram", len(values)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    train.main(tiny(data_dir, tmp_path, max_iters=4, eval_interval=2, wandb_log=True, wandb_mode="offline"))
+    (init,) = calls["init"]
+    assert init["mode"] == "offline" and init["config"]["method"] == "gaussws[all]" and "model_args" in init["config"]
+    keys = set().union(*(record for _, record in calls["log"]))
+    assert {"loss", "lr", "ms_per_iter", "tokens_per_s", "b_t/mean", "val/loss"} <= keys
+    # n_embd 64: c_attn is 192 x 64, 6 x 2 blocks of 32 x 32
+    hists = [record for _, record in calls["log"] if "b_t/transformer.h.0.attn.c_attn" in record]
+    assert len(hists) == 3 and hists[0]["b_t/transformer.h.0.attn.c_attn"] == ("histogram", 12)
+    assert sum(k.startswith("b_t/transformer.") for k in hists[0]) == 8  # 2 blocks x 4 PQT layers
+
+
+def test_wandb_offline_mode_runs_without_network(data_dir, tmp_path):
+    r = run_cli(tiny(data_dir, tmp_path, max_iters=2, eval_interval=2, wandb_log=True, wandb_mode="offline"),
+                env={**os.environ, "WANDB_SILENT": "true"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert any(name.startswith("offline-run") for name in os.listdir(tmp_path / "wandb"))
