@@ -14,7 +14,7 @@
 # recipe of the Fig. 4 configs for the optimizer.
 
 out_dir = "out/bench_llama2_1b"
-overwrite = True  # each run replaces the last one's checkpoint: nothing here is worth resuming
+save_checkpoints = False  # a throughput run: nothing here is worth resuming (70B† would be tens of GB)
 
 dataset = "default"
 model = "llama2-1b"

@@ -17,7 +17,7 @@
 # GPUs pass --gradient_accumulation_steps=N.
 
 out_dir = "out/bench_llama2_3b"
-overwrite = True  # each run replaces the last one's checkpoint: nothing here is worth resuming
+save_checkpoints = False  # a throughput run: nothing here is worth resuming (70B† would be tens of GB)
 
 dataset = "default"
 model = "llama2-3b"
