@@ -161,6 +161,22 @@ def pseudo_quantize(w, b_t, seed, method="gaussws", *, backend="auto"):
     return _w_hat_op(w, scale_bl, seed, method, backend)
 
 
+class _ToWeight(torch.autograd.Function):
+    """w_hat made outside autograd, with the gradient path dL/dw = dL/dw_hat (Eq. 4) and none to b_t.
+
+    It saves no tensors, so every micro-step of an optimizer step can backpropagate through it.
+    """
+
+    @staticmethod
+    def forward(ctx, w, w_hat):
+        ctx.w_dtype = w.dtype
+        return w_hat
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.w_dtype), None
+
+
 class PQTLinear(nn.Linear):
     """nn.Linear whose weight is pseudo-quantized (Eq. 3) in training mode.
 
@@ -181,6 +197,8 @@ class PQTLinear(nn.Linear):
         self.step = 0
         # The seed of this step's R: a CPU tensor, so changing it neither syncs a GPU nor recompiles.
         self.noise_seed = torch.tensor(_step_seed(self.layer_seed, 0), dtype=torch.int64, device="cpu")
+        self.w_hat = None  # step mode (begin_step): this optimizer step's w_hat, shared by its micro-steps
+        self._step_state = None  # step mode: (max_bl, stored R) until end_step applies Eq. 4
 
     def reset_parameters(self):
         super().reset_parameters()
@@ -200,10 +218,40 @@ class PQTLinear(nn.Linear):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        w_hat = pseudo_quantize(self.weight, self.b_t, self.noise_seed, self.method, backend=self.backend)
+        if self.w_hat is not None:
+            w_hat = self.w_hat
+        else:
+            w_hat = pseudo_quantize(self.weight, self.b_t, self.noise_seed, self.method, backend=self.backend)
         if not torch.is_autocast_enabled(x.device.type):
             w_hat = w_hat.to(x.dtype)  # exact: BF16 values are representable in FP32
         return F.linear(x, w_hat, self.bias)
+
+    @torch.no_grad()
+    def begin_step(self):
+        """Step mode: Eq. 3 once for all micro-steps of this optimizer step (see begin_step below)."""
+        k = _kernels(self.backend, self.weight.device)
+        max_bl = block_absmax(self.weight)
+        r_store = k.gen(self.weight.numel(), int(self.noise_seed), self.method, self.weight.device)
+        w_hat = k.apply(self.weight.detach(), r_store, max_bl * torch.exp2(1.0 - self.b_t.float()), self.method)
+        self._step_state = (max_bl, r_store)
+        with torch.enable_grad():
+            self.w_hat = _ToWeight.apply(self.weight, w_hat)
+
+    @torch.no_grad()
+    def end_step(self):
+        """Step mode: Eq. 4 once, on the gradient accumulated over the step's micro-steps."""
+        if self._step_state is None:
+            return
+        (max_bl, r_store), self._step_state, self.w_hat = self._step_state, None, None
+        if self.weight.grad is None:
+            return
+        sums = _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
+        grad_b_t = -math.log(2) * max_bl * torch.exp2(1.0 - self.b_t.float()) * sums  # Eq. 4
+        grad_b_i = (grad_b_t * (self.b_init - self.b_target)).to(self.b_i.dtype)  # Eq. 11's chain rule
+        if self.b_i.grad is None:
+            self.b_i.grad = grad_b_i
+        else:
+            self.b_i.grad += grad_b_i
 
     def extra_repr(self):
         return f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"
@@ -248,6 +296,28 @@ def set_step(model, step):
     for layer in pqt_layers(model):
         layer.step = int(step)
         layer.noise_seed.fill_(_step_seed(layer.layer_seed, layer.step))
+
+
+def begin_step(model, step):
+    """Step mode: select the noise of `step` and compute every PQT layer's w_hat once for it.
+
+    w and b_t do not change within an optimizer step, so neither does w_hat: instead of Eq. 3 in
+    every micro-step's forward and Eq. 4 in every backward, compute w_hat (and the stored R) here
+    and let all micro-steps share it; their backwards pass dL/dw_hat to w alone, and end_step then
+    applies Eq. 4 once to the accumulated weight gradient. That is exact because Eq. 4 is linear in
+    dL/dw_hat and w.grad is the sum of the micro-steps' dL/dw_hat. It costs R's 0.5 byte per
+    parameter held until end_step, and needs whole weights (not FSDP's shards).
+    """
+    set_step(model, step)
+    for layer in pqt_layers(model):
+        layer.begin_step()
+
+
+def end_step(model):
+    """Step mode: add Eq. 4's b_t gradient to every b_i.grad; call after the last backward (and any
+    data-parallel gradient all-reduce), before gradient clipping and the optimizer step."""
+    for layer in pqt_layers(model):
+        layer.end_step()
 
 
 def bitwidth_loss(model):

@@ -305,6 +305,10 @@ def main(argv):
 
     train_model = torch.compile(raw_model) if compile else raw_model
     if ddp and not fsdp:
+        # Step mode gives b_i its gradient after DDP's all-reduce (gaussws.end_step), from the
+        # averaged weight gradient: the same on every rank, so DDP must not wait for it.
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            raw_model, [pn for pn, _ in raw_model.named_parameters() if pn.endswith("b_i")])
         train_model = torch.nn.parallel.DistributedDataParallel(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
 
     splits = {s: open_split(data_dir, s, meta, mconf.block_size) for s in ("train", "val")}
@@ -427,7 +431,12 @@ def main(argv):
         if iter_num == max_iters:
             break
 
-        gaussws.set_step(raw_model, iter_num)  # this step's noise, the same for all its micro-steps
+        # This step's noise, the same for all its micro-steps. Step mode computes w_hat once here;
+        # under FSDP the weights are whole only inside each block's forward, so w_hat is made there.
+        if fsdp:
+            gaussws.set_step(raw_model, iter_num)
+        else:
+            gaussws.begin_step(raw_model, iter_num)
         step_loss = 0.0
         for micro_step in range(local_accum):
             if ddp:
@@ -439,6 +448,8 @@ def main(argv):
                     loss = loss + bitwidth_lambda * gaussws.bitwidth_loss(raw_model)
             step_loss += loss.item() / local_accum
             (loss / local_accum).backward()
+        if not fsdp:
+            gaussws.end_step(raw_model)  # Eq. 4 once, on the accumulated (and all-reduced) gradient
         (step_loss,) = all_mean([step_loss])
         if not math.isfinite(step_loss):
             kept = f"the last good checkpoint is {ckpt_path}" if os.path.exists(ckpt_path) else "no checkpoint was written"

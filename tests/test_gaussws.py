@@ -282,3 +282,45 @@ def test_bad_seed_and_shapes_are_refused():
         gaussws.sample_r((4, 4), 2**63)
     with pytest.raises(ValueError, match="b_t must have shape"):
         gaussws.pseudo_quantize(torch.zeros(40, 40), torch.zeros(1, 1), 0)
+
+
+def _two_layer_net():
+    torch.manual_seed(8)
+    net = nn.Sequential(gaussws.PQTLinear(100, 70), nn.GELU(), gaussws.PQTLinear(70, 64, method="diffq"))
+    gaussws.set_noise_seed(net, 3)
+    return net
+
+
+def test_step_mode_gives_the_gradients_of_per_micro_step_eq4():
+    # begin_step/end_step apply Eq. 4 once to the accumulated gradient: by linearity the same as
+    # applying it in every micro-step's backward.
+    per_micro_step, step_mode = _two_layer_net(), _two_layer_net()
+    xs = [torch.randn(5, 100) for _ in range(3)]
+    gaussws.set_step(per_micro_step, 7)
+    for x in xs:
+        (per_micro_step(x).square().mean() / 3).backward()
+    gaussws.begin_step(step_mode, 7)
+    for x in xs:
+        (step_mode(x).square().mean() / 3).backward()
+    gaussws.end_step(step_mode)
+    for (name, a), (_, b) in zip(per_micro_step.named_parameters(), step_mode.named_parameters()):
+        if name.endswith("b_i"):
+            assert b.grad.abs().sum() > 0
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-9)
+        else:
+            assert torch.equal(a.grad, b.grad), name  # the same w_hat, the same dL/dw
+    assert all(layer.w_hat is None for layer in gaussws.pqt_layers(step_mode))  # released
+
+
+def test_step_mode_compiles_once():
+    torch._dynamo.reset()
+    net = _two_layer_net()
+    compiled = torch.compile(net)
+    x = torch.randn(4, 100)
+    for step in range(3):
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            gaussws.begin_step(net, step)
+            y = compiled(x)
+            torch.testing.assert_close(y, net(x))  # the same w_hat; compiled GELU may round differently
+            y.sum().backward()
+            gaussws.end_step(net)
