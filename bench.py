@@ -1,6 +1,7 @@
 """The paper's overhead measurements on this machine: the noise kernel (Figure 6) and training (Table 1).
 
-    python bench.py kernel [--shapes=512x2048,4096x4096] [--device=cpu|cuda] [--repeats=5] [--json=PATH]
+    python bench.py kernel [--shapes=512x2048,4096x4096] [--device=cpu|cuda] [--repeats=5] [--threads=N]
+        [--json=PATH]
 
 Figure 6: throughput of the forward of Eq. 3 (w -> BF16 w_hat) on an FP32 w of shape (M, N), in 10^9
 elements/s, for `torch` (plain eager PyTorch: randn, round(x/2), block max scale, add, BF16 cast),
@@ -10,7 +11,7 @@ copy of the same w: it reads and writes what Eq. 3 must, so it is the machine's 
 
     python bench.py train [--model=gpt2-124m] [--methods=bf16,gaussws[all],diffq[all]] [--batch_size=1]
         [--block_size=1024] [--grad_accum=1,8] [--rounds=3] [--warmup=1] [--compile=False]
-        [--device=cpu|cuda] [--json=PATH] [--n_layer=12 ... any model.ModelConfig field]
+        [--device=cpu|cuda] [--threads=N] [--json=PATH] [--n_layer=12 ... any model.ModelConfig field]
 
 Table 1: tokens/s of one optimizer step (grad_accum micro-steps of batch_size x block_size random
 tokens, forward and backward under BF16 autocast, AdamW step, zero_grad; gaussws.set_step once per
@@ -82,36 +83,44 @@ def markdown_table(header, rows):
                      + [line(r) for r in cells[1:]])
 
 
+def load_avg():
+    """The machine's 1-minute load average (None where the OS has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def machine_load():
     """Threads we use and the load on the machine: other processes on these cores skew every figure."""
-    load = f", load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs" if hasattr(os, "getloadavg") else ""
+    load = f", load average {load_avg():.2f} on {os.cpu_count()} CPUs" if load_avg() is not None else ""
     return f"{torch.get_num_threads()} torch threads{load}"
 
 
-def time_per_call(fn, device, repeats, min_block_s=0.05):
-    """Median seconds per call of fn() over `repeats` timed blocks, after warm-up.
+def time_per_call(fns, device, repeats, min_block_s=0.05):
+    """{name: median seconds per call} of no-argument callables, timed interleaved after warm-up.
 
     The first call compiles (torch.compile, Triton), so two untimed calls come first. A block holds
-    enough calls to last min_block_s, so the timer and, on GPU, the launch and synchronize costs do
-    not dominate small shapes.
+    enough calls to last min_block_s, so the timer and, on GPU, launch and synchronize costs do not
+    dominate small shapes. Repeat r times every callable once before repeat r + 1, so a change in
+    the machine's load (other processes on these cores) hits all of them alike.
     """
-    fn()
-    fn()
-    sync(device)
-    t = time.perf_counter()
-    fn()
-    sync(device)
-    single = time.perf_counter() - t
-    calls = max(1, min(10_000, math.ceil(min_block_s / max(single, 1e-9))))
-    times = []
-    for _ in range(repeats):
+    calls = {}
+    for name, fn in fns.items():
+        fn()
+        fn()
         sync(device)
         t = time.perf_counter()
-        for _ in range(calls):
-            fn()
+        fn()
         sync(device)
-        times.append((time.perf_counter() - t) / calls)
-    return statistics.median(times)
+        calls[name] = max(1, min(10_000, math.ceil(min_block_s / max(time.perf_counter() - t, 1e-9))))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            sync(device)
+            times[name].append((time.perf_counter() - t) / calls[name])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 # --- kernel: Figure 6 ------------------------------------------------------------------------------
@@ -167,20 +176,20 @@ def run_kernel(args):
         gen = torch.Generator(device=device).manual_seed(0)
         w = torch.randn(m, n, generator=gen, device=device) * 0.02
         b_t = torch.full((-(-m // BL), -(-n // BL)), 6.0, device=device)
-        speed = {}
+        impls = kernel_impls(w, b_t, seed=1234, device=device)
+        for impl, (fn, reason) in impls.items():
+            if fn is None and impl not in skipped:
+                skipped[impl] = reason
+                say(f"  {impl}: skipped: {reason}")
         with torch.no_grad():
-            for impl, (fn, reason) in kernel_impls(w, b_t, seed=1234, device=device).items():
-                if fn is None:
-                    if impl not in skipped:
-                        say(f"  {impl}: skipped: {reason}")
-                    skipped[impl] = reason
-                    continue
-                speed[impl] = m * n / time_per_call(fn, device, args.repeats) / 1e9
-                say(f"  {m}x{n} {impl:>5}: {speed[impl]:8.3f} 1e9 elements/s")
-        for impl, s in speed.items():
-            records.append({"shape": [m, n], "impl": impl, "gelem_per_s": s,
-                            "speedup_vs_torch": s / speed["torch"], "share_of_copy": s / speed["copy"],
-                            "device": device})
+            seconds = time_per_call({i: fn for i, (fn, _) in impls.items() if fn is not None}, device, args.repeats)
+        speed = {impl: m * n / s / 1e9 for impl, s in seconds.items()}
+        say(f"  {m}x{n}: " + ", ".join(f"{impl} {v:.3f}" for impl, v in speed.items())
+            + f" 1e9 elements/s; {machine_load()}")
+        for impl, v in speed.items():
+            records.append({"shape": [m, n], "impl": impl, "gelem_per_s": v,
+                            "speedup_vs_torch": v / speed["torch"], "share_of_copy": v / speed["copy"],
+                            "device": device, "threads": torch.get_num_threads(), "load_avg": load_avg()})
     say("")
     say(markdown_table(["shape (M, N)", "impl", "1e9 elements/s", "speed-up vs torch", "share of copy"],
                        [(f"{r['shape'][0]}x{r['shape'][1]}", r["impl"], f"{r['gelem_per_s']:.3f}",
@@ -337,7 +346,8 @@ def run_train(args):
                 seconds[r.method].append(s)
                 peaks[r.method].append(peak)
             say(f"grad_accum={accum} round {round_ + 1}/{args.rounds}: " + "  ".join(
-                f"{m} {s[-1]:.2f} s ({tokens / s[-1]:.0f} tok/s)" for m, s in seconds.items()))
+                f"{m} {s[-1]:.2f} s ({tokens / s[-1]:.0f} tok/s)" for m, s in seconds.items())
+                + f"; {machine_load()}")
         if torch.device(device).type == "cuda":
             memory = {m: max(p) for m, p in peaks.items()}
         base = seconds["bf16"]
@@ -350,7 +360,9 @@ def run_train(args):
                 "overhead_pct": statistics.median(100 * (1 - b / s) for b, s in zip(base, seconds[r.method])),
                 "extra_bytes_per_param": extra,
                 "model": args.model, "device": device, "batch_size": args.batch_size, "block_size": args.block_size,
-                "rounds": args.rounds, "compile": args.compile, "step_s": seconds[r.method],
+                "rounds": args.rounds, "compile": args.compile, "threads": torch.get_num_threads(),
+                "load_avg": load_avg(),
+                "step_s": seconds[r.method],
                 "memory_bytes": memory[r.method], "pqt_weight_params": n_pqt,
                 "memory_measure": ("cuda_max_memory_allocated" if torch.device(device).type == "cuda"
                                    else "cpu_saved_for_backward"),
@@ -434,6 +446,8 @@ def make_parser():
                                help=f"override the preset's {f.name}")
     for p in (kernel, train):
         p.add_argument("--device", default=default_device, help="cpu or cuda (default: cuda when available)")
+        p.add_argument("--threads", type=positive_int, default=None,
+                       help="CPU threads for torch (default: torch's, one per core); fewer when others share the cores")
         p.add_argument("--json", default=None, help="also write the records as JSON to this path")
     return parser
 
@@ -449,6 +463,8 @@ def main(argv=None):
             raise BenchError(f"--device={args.device}: expected cpu or cuda")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise BenchError(f"--device={args.device}: no CUDA device here; use --device=cpu")
+        if args.threads:
+            torch.set_num_threads(args.threads)
         if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
             raise BenchError(f"--json={args.json}: its folder does not exist")
         records = run_kernel(args) if args.command == "kernel" else run_train(args)
