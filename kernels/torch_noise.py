@@ -78,25 +78,26 @@ def _gen_diffq(offset, seed):
 def _unpack(r_store, numel, method):
     """R as FP32 for the first `numel` elements, row-major."""
     if method == "gaussws":
-        e = torch.arange(numel, device=r_store.device)
-        nib = (r_store[e // 8] >> (4 * (e % 8))) & 0xF
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=r_store.device)
+        nib = ((r_store[:, None] >> shifts) & 0xF).flatten()[:numel]
         return ((nib & 7) * (1 - 2 * (nib >> 3))).to(torch.float32)
     return r_store[:numel].to(torch.float32)
+
+
+def _broadcast_bl(scale_bl, m, n):
+    """broadcast_bl: each block's value repeated over its (up to) 32x32 elements."""
+    return scale_bl.repeat_interleave(BL, dim=0)[:m].repeat_interleave(BL, dim=1)[:, :n]
 
 
 def _apply(w, r_store, scale_bl, method: str):
     m, n = w.shape
     r = _unpack(r_store, m * n, method).view(m, n)
-    rows = torch.arange(m, device=w.device) // BL
-    cols = torch.arange(n, device=w.device) // BL
-    scale = scale_bl[rows][:, cols]
-    return (w.to(torch.float32) + r * scale).to(torch.bfloat16)
+    return (w.to(torch.float32) + r * _broadcast_bl(scale_bl, m, n)).to(torch.bfloat16)
 
 
 def _block_sums(g, r_store, method: str):
     m, n = g.shape
-    r = _unpack(r_store, m * n, method).view(m, n)
-    prod = g.to(torch.float32) * r
+    prod = g.to(torch.float32) * _unpack(r_store, m * n, method).view(m, n)
     nbm, nbn = -(-m // BL), -(-n // BL)
     prod = torch.nn.functional.pad(prod, (0, nbn * BL - n, 0, nbm * BL - m))
     return prod.view(nbm, BL, nbn, BL).sum(dim=(1, 3))
