@@ -1,6 +1,6 @@
 """The paper's overhead measurements on this machine: the noise kernel (Figure 6) and training (Table 1).
 
-    python bench.py kernel [--shapes=512x2048,4096x4096] [--device=cpu|cuda] [--repeats=5] [--threads=N]
+    python bench.py kernel [--shapes=512x2048,4096x4096] [--repeats=5] [--device=cpu|cuda] [--threads=N]
         [--json=PATH]
 
 Figure 6: throughput of the forward of Eq. 3 (w -> BF16 w_hat) on an FP32 w of shape (M, N), in 10^9
@@ -8,32 +8,34 @@ elements/s, for `torch` (plain eager PyTorch: randn, round(x/2), block max scale
 `bm` (Triton Box-Muller, GPU only), `ours` (gaussws.pseudo_quantize, backend auto: compiled PyTorch on
 CPU, Triton on GPU) and `diffq` (the same with U(-1/2, 1/2) noise). `copy` is a plain FP32 -> BF16
 copy of the same w: it reads and writes what Eq. 3 must, so it is the machine's limit for this op.
+The impls are timed interleaved (median of `repeats` blocks each) after warm-up calls that compile.
 
     python bench.py train [--model=gpt2-124m] [--methods=bf16,gaussws[all],diffq[all]] [--batch_size=1]
-        [--block_size=1024] [--grad_accum=1,8] [--rounds=3] [--warmup=1] [--compile=False]
+        [--block_size=1024] [--grad_accum=1,8] [--rounds=3] [--warmup=1] [--compile=False] [--seed=1337]
         [--device=cpu|cuda] [--threads=N] [--json=PATH] [--n_layer=12 ... any model.ModelConfig field]
 
-Table 1: tokens/s of one optimizer step (grad_accum micro-steps of batch_size x block_size random
-tokens, forward and backward under BF16 autocast, AdamW step, zero_grad; gaussws.set_step once per
-step as in training) for each method. One model per method, all with the same initial weights, run
-interleaved in one process: after `warmup` steps each, `rounds` rounds of one step per method.
-Reported: median tokens/s; overhead_pct = median over rounds of 100 * (1 - tokens/s of the method /
-tokens/s of bf16 in the same round), pairing the rounds so that drift of the machine cancels.
+Table 1: tokens/s of one optimizer step for each method, taken as train.py takes it: gaussws.begin_step
+(this step's noise and w_hat), grad_accum micro-steps of batch_size x block_size random tokens
+(forward and backward under BF16 autocast), gaussws.end_step (Eq. 4), AdamW step, zero_grad. One
+model per method, all with the same initial weights, run interleaved in one process: after `warmup`
+steps each, `rounds` rounds of one step per method. Reported: median tokens/s; overhead_pct = median
+over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16 in the same round), pairing the
+rounds so that drift in the machine's load cancels.
 Memory, extra_bytes_per_param = (memory of the method - memory of bf16) / (number of weight elements
 in the method's PQT layers):
   - CUDA: the allocator's peak during one optimizer step (torch.cuda.max_memory_allocated) above what
     was allocated before it;
-  - CPU (no allocator statistics): the bytes of the tensors autograd saves for the backward of one
-    micro-step, plus tensors that PQT layers hold as attributes (such as a cached w_hat), each storage
-    counted once, parameters excluded. Under autocast bf16 also saves a BF16 copy of every weight for
-    the backward, so a saved w_hat takes the place of that copy rather than adding to it.
+  - CPU (no allocator statistics): the bytes held at the end of a micro-step's forward for its
+    backward: tensors autograd saves plus tensors PQT layers hold (w_hat, stored R), each storage
+    counted once, parameters excluded. Under autocast bf16 also saves a BF16 copy of every weight
+    for the backward, so a saved w_hat takes the place of that copy rather than adding to it.
 
-The full CPU measurement of issue 5 (GPT2-124M, 1 x 1024 tokens per micro-step):
-    python bench.py train --model=gpt2-124m --grad_accum=1 --rounds=5
-    python bench.py train --model=gpt2-124m --grad_accum=8 --rounds=3     # about half an hour on 2 cores
+Options are `--key=value`, checked as train.py checks its own (configurator.py). Lists are written
+with commas. The full CPU measurement of issue 5 (GPT2-124M, 1 x 1024 tokens per micro-step):
+    python bench.py train --model=gpt2-124m --grad_accum=1 --rounds=5     # about 10 minutes on 2 cores
+    python bench.py train --model=gpt2-124m --grad_accum=8 --rounds=3     # about 30 minutes on 2 cores
 Nothing here needs the network: the tokens are random (throughput does not depend on them).
 """
-import argparse
 import dataclasses
 import json
 import math
@@ -42,11 +44,13 @@ import re
 import statistics
 import sys
 import time
+import types
 
 import torch
 
 import gaussws
 import model as model_lib
+from configurator import ConfigError, configure
 from kernels import BL
 
 # --- small helpers ---------------------------------------------------------------------------------
@@ -214,10 +218,7 @@ def split_methods(text):
 
 
 def build_config(args, method):
-    fields = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
-    cfg = dict(model_lib.PRESETS[args.model])
-    cfg.update({k: v for k, v in vars(args).items() if k in fields and k != "block_size" and v is not None})
-    cfg["method"] = method
+    cfg = {**model_lib.PRESETS[args.model], **args.model_overrides, "method": method}
     try:
         return model_lib.ModelConfig(**cfg)
     except (ValueError, TypeError) as e:
@@ -228,25 +229,41 @@ def pqt_weight_numel(model):
     return sum(layer.weight.numel() for layer in gaussws.pqt_layers(model))
 
 
+def _tensors(value):
+    """The tensors in an attribute's value, looking into tuples, lists and dicts (a layer's step state)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
 def held_bytes(model, x, y, device):
     """Bytes held for the backward of one micro-step: tensors autograd saves plus tensors PQT layers hold.
 
-    Each storage counts once (a w_hat that is both saved and cached is one tensor) and parameters
-    are left out (they exist whether or not a backward follows). Runs one forward and backward.
+    Taken as train.py takes a step (gaussws.begin_step, forward, backward, gaussws.end_step), at the
+    end of the forward, when all of it is held at once. Each storage counts once (a w_hat both saved
+    and cached is one tensor); parameters and buffers are left out (they exist whether or not a
+    backward follows).
     """
+    gaussws.begin_step(model, 0)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             _, loss = model(x, y)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held = [v for layer in gaussws.pqt_layers(model) for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    held = [t for layer in gaussws.pqt_layers(model) for v in vars(layer).values() for t in _tensors(v)]
     storages = {}
     for t in saved + held:
         s = t.untyped_storage()
-        if s.data_ptr() not in params:
+        if s.data_ptr() not in state:
             storages[s.data_ptr()] = s.nbytes()
     del saved, held
     loss.backward()
+    gaussws.end_step(model)
     model.zero_grad(set_to_none=True)
     return sum(storages.values())
 
@@ -268,11 +285,13 @@ class Runner:
         self.step_count = 0
 
     def step(self, batches):
-        gaussws.set_step(self.model, self.step_count)  # R changes once per optimizer step
+        # As train.py: this step's noise and w_hat once for all micro-steps, Eq. 4 once at the end.
+        gaussws.begin_step(self.model, self.step_count)
         for x, y in batches:
             with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
                 _, loss = self.forward(x, y)
             (loss / len(batches)).backward()
+        gaussws.end_step(self.model)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -378,18 +397,36 @@ def run_train(args):
 
 
 # --- command line -----------------------------------------------------------------------------------
+# Defaults of each command; `--key=value` overrides them, type-checked by the configurator train.py
+# uses. Lists are strings parsed here ("1,8", "512x2048,4096x4096").
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        raise BenchError(message)
+def _common():
+    return dict(
+        device="cuda" if torch.cuda.is_available() else "cpu",  # "cpu" or "cuda"
+        threads=0,  # CPU threads for torch; 0: torch's default (one per core). Fewer when others share the cores
+        json="",  # also write the records to this path as JSON
+    )
 
 
-def parse_bool(text):
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+KERNEL_CONFIG = dict(
+    shapes="",  # MxN,... of w; "": a default list for the device
+    repeats=5,  # timed blocks per impl; the median is reported
+    **_common(),
+)
+TRAIN_CONFIG = dict(
+    model="gpt2-124m",  # a name of model.PRESETS
+    methods="bf16,gaussws[all],diffq[all]",  # method strings; bf16 (the baseline) is always added
+    batch_size=1,  # sequences per micro-step
+    block_size=1024,  # tokens per sequence
+    grad_accum="1",  # micro-steps per optimizer step; a list such as "1,8" measures each
+    rounds=3,  # timed optimizer steps per method
+    warmup=1,  # untimed steps per method first (the noise kernels compile at the first)
+    compile=False,  # torch.compile the model
+    seed=1337,  # initial weights, tokens and noise
+    **_common(),
+)
+# Any model.ModelConfig field overrides the preset, e.g. a tiny model: --n_layer=1 --n_embd=64.
+MODEL_KEYS = [f.name for f in dataclasses.fields(model_lib.ModelConfig) if f.name not in ("method", "block_size")]
 
 
 def parse_shapes(text):
@@ -397,77 +434,70 @@ def parse_shapes(text):
     for part in text.split(","):
         match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", part)
         if not match or 0 in (int(match.group(1)), int(match.group(2))):
-            raise argparse.ArgumentTypeError(f"bad shape {part!r}: expected MxN with positive M, N, e.g. 512x2048")
+            raise BenchError(f"--shapes={text}: bad shape {part!r}; expected MxN with positive M and N, e.g. 512x2048")
         shapes.append((int(match.group(1)), int(match.group(2))))
     return shapes
 
 
-def parse_ints(text):
+def parse_ints(key, text):
     try:
-        values = [int(v) for v in text.split(",")]
+        values = [int(v) for v in str(text).split(",")]
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+        raise BenchError(f"--{key}={text}: expected positive integers separated by commas, e.g. 1,8")
     return values
 
 
-def positive_int(text):
+def parse_args(argv):
+    """(command, namespace of settings) from the command line; BenchError for bad input."""
+    if not argv or argv[0] not in ("kernel", "train"):
+        got = f"got {argv[0]!r}" if argv else "got nothing"
+        raise BenchError(f"expected 'kernel' or 'train' as the first argument ({got}); see python bench.py --help")
+    command = argv[0]
+    config = dict(KERNEL_CONFIG if command == "kernel" else TRAIN_CONFIG)
+    defaults = dataclasses.asdict(model_lib.ModelConfig()) if command == "train" else {}
+    config.update({k: defaults[k] for k in MODEL_KEYS if command == "train"})
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def make_parser():
-    parser = Parser(prog="bench.py", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    kernel = sub.add_parser("kernel", help="Figure 6: throughput of Eq. 3's forward")
-    kernel.add_argument("--shapes", type=parse_shapes, default=None, help="MxN,... (default: a list per device)")
-    kernel.add_argument("--repeats", type=positive_int, default=5, help="timed blocks; the median is reported")
-    train = sub.add_parser("train", help="Table 1: tokens/s and memory of bf16, diffq and gaussws")
-    train.add_argument("--model", default="gpt2-124m", choices=sorted(model_lib.PRESETS), help="model.PRESETS name")
-    train.add_argument("--methods", default="bf16,gaussws[all],diffq[all]", help="method strings, bf16 always added")
-    train.add_argument("--batch_size", type=positive_int, default=1, help="sequences per micro-step")
-    train.add_argument("--block_size", type=positive_int, default=1024, help="tokens per sequence")
-    train.add_argument("--grad_accum", type=parse_ints, default=[1], help="micro-steps per optimizer step, e.g. 1,8")
-    train.add_argument("--rounds", type=positive_int, default=3, help="timed optimizer steps per method")
-    train.add_argument("--warmup", type=positive_int, default=1, help="untimed steps per method first (compiles)")
-    train.add_argument("--compile", type=parse_bool, default=False, help="torch.compile the model")
-    train.add_argument("--seed", type=int, default=1337, help="weights, tokens and noise")
-    for f in dataclasses.fields(model_lib.ModelConfig):  # model overrides, e.g. a tiny model: --n_layer=1
-        if f.name not in ("method", "block_size", "arch") and f.type in (int, float, bool, "int", "float", "bool"):
-            kind = {"int": int, "float": float, "bool": bool}.get(f.type, f.type)
-            train.add_argument(f"--{f.name}", type=parse_bool if kind is bool else kind, default=None,
-                               help=f"override the preset's {f.name}")
-    for p in (kernel, train):
-        p.add_argument("--device", default=default_device, help="cpu or cuda (default: cuda when available)")
-        p.add_argument("--threads", type=positive_int, default=None,
-                       help="CPU threads for torch (default: torch's, one per core); fewer when others share the cores")
-        p.add_argument("--json", default=None, help="also write the records as JSON to this path")
-    return parser
+        explicit = configure(config, argv[1:])
+    except ConfigError as e:
+        raise BenchError(str(e)) from None
+    args = types.SimpleNamespace(command=command, **{k: v for k, v in config.items() if k not in MODEL_KEYS})
+    args.model_overrides = {k: config[k] for k in MODEL_KEYS if k in explicit}
+    positive = ["repeats"] if command == "kernel" else ["batch_size", "block_size", "rounds", "warmup"]
+    for key in positive:
+        parse_ints(key, getattr(args, key))
+    if args.threads < 0:
+        raise BenchError(f"--threads={args.threads}: expected 0 (torch's default) or a positive number")
+    if command == "kernel":
+        args.shapes = parse_shapes(args.shapes) if args.shapes else None
+    else:
+        args.grad_accum = parse_ints("grad_accum", args.grad_accum)
+        if args.model not in model_lib.PRESETS:
+            raise BenchError(f"--model={args.model}: unknown; expected one of {', '.join(model_lib.PRESETS)}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise BenchError(f"--device={args.device}: expected cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise BenchError(f"--device={args.device}: expected cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BenchError(f"--device={args.device}: no CUDA device here; use --device=cpu")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise BenchError(f"--json={args.json}: its folder does not exist")
+    return command, args
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return []
     try:
-        args = make_parser().parse_args(argv)
-        try:
-            device = torch.device(args.device)
-        except RuntimeError:
-            raise BenchError(f"--device={args.device}: expected cpu or cuda") from None
-        if device.type not in ("cpu", "cuda"):
-            raise BenchError(f"--device={args.device}: expected cpu or cuda")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise BenchError(f"--device={args.device}: no CUDA device here; use --device=cpu")
+        command, args = parse_args(argv)
         if args.threads:
             torch.set_num_threads(args.threads)
-        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-            raise BenchError(f"--json={args.json}: its folder does not exist")
-        records = run_kernel(args) if args.command == "kernel" else run_train(args)
+        records = run_kernel(args) if command == "kernel" else run_train(args)
     except BenchError as e:
         print(f"bench.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -137,27 +137,32 @@ def test_held_bytes_of_one_layer_equals_independent_count(pqt):
     if not pqt:
         assert measured == expected
     else:
-        # Plus the few FP32 values per 32x32 block that Eq. 3's scale keeps for the b_t gradient
-        # (and the 8-byte seed): far less than the 12 KiB w_hat that must be counted.
-        assert expected <= measured <= expected + 16 * layer.b_i.numel() + 64
-        layer.cached = torch.empty(1000)  # a tensor the method holds between forward and backward counts
+        # At most also R, packed at 0.5 byte per element, if the method keeps it for Eq. 4, and a few
+        # FP32 values per 32x32 block (the block max) and the 8-byte seed: the 12 KiB w_hat must count.
+        assert expected <= measured <= expected + n_out * n_in // 2 + 16 * layer.b_i.numel() + 64
+        layer.cached = (torch.empty(1000),)  # what the method holds between forward and backward counts
         assert bench.held_bytes(OneLayer(layer), x, None, "cpu") == measured + 4000
 
 
 @pytest.mark.parametrize("argv, words", [
     (["kernel", "--shapes=12by4"], "bad shape"),
-    (["kernel", "--repeats=0"], "positive integer"),
+    (["kernel", "--repeats=0"], "positive"),
     (["kernel", "--device=tpu"], "expected cpu or cuda"),
     (["kernel", "--device=cuda"] if not torch.cuda.is_available() else ["kernel", "--device=xla"], "cuda"),
+    (["kernel", "--threads=-1"], "--threads=-1"),
+    (["kernel", "--model=gpt2-124m"], "unknown config key 'model'"),
     (["train", "--methods=bf16,gaussws[qkv,nope]"], "no layer 'nope'"),
-    (["train", "--model=gpt5"], "invalid choice"),
+    (["train", "--model=gpt5"], "expected one of gpt2-124m"),
     (["train", "--grad_accum=1,0"], "positive integers"),
     (["train", "--block_size=4096"], "exceeds the model's block_size"),
     (["train", "--n_head=5"], "multiple of n_head"),
-    (["train", "--compile=maybe"], "True or False"),
+    (["train", "--n_layer=abc"], "--n_layer=abc"),
+    (["train", "--compile=maybe"], "expected a bool"),
     (["train", "--json=/no/such/dir/x.json"], "folder does not exist"),
-    (["train", "--bogus=1"], "unrecognized arguments"),
-    ([], "required"),
+    (["train", "--bogus=1"], "unknown config key 'bogus'"),
+    (["train", "rounds=2"], "not found"),
+    (["bench"], "expected 'kernel' or 'train'"),
+    ([], "expected 'kernel' or 'train'"),
 ])
 def test_bad_arguments_fail_in_one_line(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_info:
