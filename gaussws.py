@@ -12,7 +12,6 @@ kernels/; this file holds the math around them, the layer, and the seeds.
 Use on any model: swap nn.Linear for PQTLinear, call set_noise_seed(model, seed) once and
 set_step(model, step) before each optimizer step's forwards. See README.md.
 """
-import math
 import re
 
 import torch
@@ -65,6 +64,12 @@ def block_absmax(w):
     if (m % BL) or (n % BL):  # partial edge blocks: zeros never win a max of |w|
         a = F.pad(a, (0, nbn * BL - n, 0, nbm * BL - m))
     return a.view(nbm, BL, nbn, BL).amax(dim=(1, 3)).float()
+
+
+def scale_bl(max_bl, b_t):
+    """max_bl(|w|) * 2^(1 - b_t): the scale of each block's noise in Eq. 3. Differentiating it in b_t
+    (with max_bl a constant) is what turns sum_bl(dL/dw_hat * R) into Eq. 4's b_t gradient."""
+    return max_bl * torch.exp2(1.0 - b_t.float())
 
 
 def _kernels(backend, device):
@@ -157,8 +162,7 @@ def pseudo_quantize(w, b_t, seed, method="gaussws", *, backend="auto"):
         raise ValueError(f"b_t must have shape {expected} for w of shape {tuple(w.shape)}, got {tuple(b_t.shape)}")
     if not isinstance(seed, torch.Tensor):
         seed = torch.tensor(_check_seed(seed), dtype=torch.int64)
-    scale_bl = block_absmax(w) * torch.exp2(1.0 - b_t.float())
-    return _w_hat_op(w, scale_bl, seed, method, backend)
+    return _w_hat_op(w, scale_bl(block_absmax(w), b_t), seed, method, backend)
 
 
 class _ToWeight(torch.autograd.Function):
@@ -177,6 +181,34 @@ class _ToWeight(torch.autograd.Function):
         return g.to(ctx.w_dtype), None
 
 
+class _RecomputedLinear(torch.autograd.Function):
+    """F.linear(x, w_hat) that keeps neither w_hat nor R for the backward: both are made again there
+    from (w, seed). Saves w_hat's 2 bytes per parameter for one more Eq. 3 per micro-step."""
+
+    @staticmethod
+    def forward(ctx, x, w, scale, bias, seed, method, backend):
+        # Under autocast the matmul runs in its dtype, as F.linear's would; autocast is off inside
+        # custom Functions' backward, so the dtype is kept here for it.
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x_c = x.to(dtype)
+        w_hat = _w_hat_op(w.detach(), scale.detach(), seed, method, backend).to(dtype)
+        ctx.save_for_backward(x_c, w, scale, seed)
+        ctx.method, ctx.backend, ctx.x_dtype, ctx.has_bias = method, backend, x.dtype, bias is not None
+        return F.linear(x_c, w_hat, None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        x_c, w, scale, seed = ctx.saved_tensors
+        w_hat = _w_hat_op(w.detach(), scale.detach(), seed, ctx.method, ctx.backend).to(x_c.dtype)
+        g = g.to(x_c.dtype)
+        grad_x = (g @ w_hat).to(ctx.x_dtype)
+        g2, x2 = g.reshape(-1, g.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
+        grad_w_hat = g2.t() @ x2
+        grad_scale = _block_sums_op(grad_w_hat, seed, ctx.method, ctx.backend)
+        grad_bias = g2.sum(0).float() if ctx.has_bias else None
+        return grad_x, grad_w_hat.to(w.dtype), grad_scale, grad_bias, None, None, None
+
+
 class PQTLinear(nn.Linear):
     """nn.Linear whose weight is pseudo-quantized (Eq. 3) in training mode.
 
@@ -186,11 +218,12 @@ class PQTLinear(nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, *, method="gaussws", b_init=6.0, b_target=4.0,
-                 backend="auto", device=None, dtype=None):
+                 backend="auto", recompute=False, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if method not in ("gaussws", "diffq"):
             raise ValueError(f"PQTLinear method must be 'gaussws' or 'diffq', got {method!r}")
         self.method, self.b_init, self.b_target, self.backend = method, float(b_init), float(b_target), backend
+        self.recompute = recompute  # keep no w_hat for the backward: make it again there
         self.b_i = nn.Parameter(torch.ones(-(-out_features // BL), -(-in_features // BL), device=device))
         # Until set_noise_seed assigns one, a layer seed from torch's RNG keeps layers independent.
         self.layer_seed = int(torch.randint(0, 2**62, (), device="cpu").item())  # cpu: also under a meta device
@@ -218,6 +251,10 @@ class PQTLinear(nn.Linear):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
+        if self.recompute:
+            out = _RecomputedLinear.apply(x, self.weight, scale_bl(block_absmax(self.weight), self.b_t), self.bias,
+                                          self.noise_seed, self.method, self.backend)
+            return out
         if self.w_hat is not None:
             w_hat = self.w_hat
         else:
@@ -232,7 +269,7 @@ class PQTLinear(nn.Linear):
         k = _kernels(self.backend, self.weight.device)
         max_bl = block_absmax(self.weight)
         r_store = k.gen(self.weight.numel(), int(self.noise_seed), self.method, self.weight.device)
-        w_hat = k.apply(self.weight.detach(), r_store, max_bl * torch.exp2(1.0 - self.b_t.float()), self.method)
+        w_hat = k.apply(self.weight.detach(), r_store, scale_bl(max_bl, self.b_t), self.method)
         self._step_state = (max_bl, r_store)
         with torch.enable_grad():
             self.w_hat = _ToWeight.apply(self.weight, w_hat)
@@ -246,12 +283,8 @@ class PQTLinear(nn.Linear):
         if self.weight.grad is None:
             return
         sums = _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
-        grad_b_t = -math.log(2) * max_bl * torch.exp2(1.0 - self.b_t.float()) * sums  # Eq. 4
-        grad_b_i = (grad_b_t * (self.b_init - self.b_target)).to(self.b_i.dtype)  # Eq. 11's chain rule
-        if self.b_i.grad is None:
-            self.b_i.grad = grad_b_i
-        else:
-            self.b_i.grad += grad_b_i
+        with torch.enable_grad():  # Eq. 4, then Eq. 11's chain rule, into b_i.grad
+            scale_bl(max_bl, self.b_t).backward(sums)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"

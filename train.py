@@ -66,6 +66,7 @@ bias = True  # gpt2 biases in Linears and LayerNorms (llama2 has none)
 method = "gaussws[all]"  # PQT method and layers: bf16, gaussws[all], gaussws[od], diffq[all], ...
 b_init = 6.0  # b_t at initialisation (Eq. 11)
 b_target = 4.0  # b_t that weight decay on b_i pulls toward (Eq. 11)
+recompute_w_hat = False  # keep no w_hat for the backward, make it again there: less memory, more time
 # optimizer
 optimizer = "adamw"  # "adamw" or "adam_mini"
 learning_rate = 2e-3  # peak learning rate
@@ -264,6 +265,12 @@ def main(argv):
     raw_model = GPT(mconf).to(dev)
     gaussws.set_noise_seed(raw_model, seed)
     fsdp = ddp and parallel == "fsdp"
+    # Step mode (gaussws.begin_step): w_hat once per optimizer step, kept for all its micro-steps.
+    # Not under FSDP, where weights are whole only inside a block's forward, nor when w_hat is
+    # recomputed to save its memory; there every forward makes w_hat and every backward does Eq. 4.
+    step_mode = not fsdp and not recompute_w_hat
+    for layer in gaussws.pqt_layers(raw_model):
+        layer.recompute = recompute_w_hat
     if fsdp:
         # FSDP2: each block's parameters are gathered whole for its forward, so PQTLinear adds the
         # noise to the unsharded weight, and the block max sees every element of its block.
@@ -305,10 +312,11 @@ def main(argv):
 
     train_model = torch.compile(raw_model) if compile else raw_model
     if ddp and not fsdp:
-        # Step mode gives b_i its gradient after DDP's all-reduce (gaussws.end_step), from the
-        # averaged weight gradient: the same on every rank, so DDP must not wait for it.
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            raw_model, [pn for pn, _ in raw_model.named_parameters() if pn.endswith("b_i")])
+        if step_mode:
+            # Step mode gives b_i its gradient after DDP's all-reduce (gaussws.end_step), from the
+            # averaged weight gradient: the same on every rank, so DDP must not wait for it.
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                raw_model, [pn for pn, _ in raw_model.named_parameters() if pn.endswith("b_i")])
         train_model = torch.nn.parallel.DistributedDataParallel(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
 
     splits = {s: open_split(data_dir, s, meta, mconf.block_size) for s in ("train", "val")}
@@ -431,12 +439,11 @@ def main(argv):
         if iter_num == max_iters:
             break
 
-        # This step's noise, the same for all its micro-steps. Step mode computes w_hat once here;
-        # under FSDP the weights are whole only inside each block's forward, so w_hat is made there.
-        if fsdp:
-            gaussws.set_step(raw_model, iter_num)
-        else:
+        # This step's noise, the same for all its micro-steps
+        if step_mode:
             gaussws.begin_step(raw_model, iter_num)
+        else:
+            gaussws.set_step(raw_model, iter_num)
         step_loss = 0.0
         for micro_step in range(local_accum):
             if ddp:
@@ -448,7 +455,7 @@ def main(argv):
                     loss = loss + bitwidth_lambda * gaussws.bitwidth_loss(raw_model)
             step_loss += loss.item() / local_accum
             (loss / local_accum).backward()
-        if not fsdp:
+        if step_mode:
             gaussws.end_step(raw_model)  # Eq. 4 once, on the accumulated (and all-reduced) gradient
         (step_loss,) = all_mean([step_loss])
         if not math.isfinite(step_loss):

@@ -324,3 +324,38 @@ def test_step_mode_compiles_once():
             torch.testing.assert_close(y, net(x))  # the same w_hat; compiled GELU may round differently
             y.sum().backward()
             gaussws.end_step(net)
+
+
+def _saved_bytes(fn):
+    """Bytes of the tensors autograd keeps for the backward, parameters not counted."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    params = {p.untyped_storage().data_ptr() for p in net_params}
+    return out, sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in saved}.values()
+                    if t.untyped_storage().data_ptr() not in params)
+
+
+def test_recompute_gives_the_same_gradients_and_keeps_no_w_hat():
+    global net_params
+    standard, recompute = _two_layer_net(), _two_layer_net()
+    for layer in gaussws.pqt_layers(recompute):
+        layer.recompute = True
+    net_params = list(standard.parameters()) + list(recompute.parameters())
+    x = torch.randn(3, 5, 100, requires_grad=True)  # as inside a model: every layer needs dL/dx
+    kept = {}
+    for name, net in (("standard", standard), ("recompute", recompute)):
+        gaussws.set_step(net, 4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, kept[name] = _saved_bytes(lambda: net(x))
+        y.float().square().mean().backward()
+    for (name, a), (_, b) in zip(standard.named_parameters(), recompute.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    w_hat_bytes = 2 * (100 * 70 + 70 * 64)  # both w_hat, BF16, are no longer kept ...
+    per_block = 4 * (3 * 4 + 2 * 3) + 2 * 8  # ... only each block's scale (FP32) and the seeds
+    assert kept["recompute"] <= kept["standard"] - w_hat_bytes + per_block

@@ -213,3 +213,12 @@ def test_wandb_offline_mode_runs_without_network(data_dir, tmp_path):
                 env={**os.environ, "WANDB_SILENT": "true"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert any(name.startswith("offline-run") for name in os.listdir(tmp_path / "wandb"))
+
+
+def test_recomputing_w_hat_trains_the_same(data_dir, tmp_path):
+    kept, recomputed = tmp_path / "kept", tmp_path / "recomputed"
+    train.main(tiny(data_dir, kept, max_iters=8, eval_interval=100))
+    train.main(tiny(data_dir, recomputed, max_iters=8, eval_interval=100, recompute_w_hat=True))
+    a, b = losses(kept), losses(recomputed)
+    # The same forward; only b_t's gradient is summed in another order (once per step vs per micro-step).
+    np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-4)
