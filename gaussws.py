@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import BL
+from kernels.torch_noise import Compiled
 
 METHODS = ("bf16", "gaussws", "diffq")
 LAYERS = {
@@ -56,14 +57,19 @@ def parse_method(spec, arch="gpt2"):
     return method, frozenset(layers)
 
 
-def block_absmax(w):
-    """max_bl(|w|): FP32 max of |w| over each 32x32 block, shape (ceil(m/32), ceil(n/32))."""
+def _block_absmax(w):
     m, n = w.shape
     nbm, nbn = -(-m // BL), -(-n // BL)
-    a = w.detach().abs()
-    if (m % BL) or (n % BL):  # partial edge blocks: zeros never win a max of |w|
-        a = F.pad(a, (0, nbn * BL - n, 0, nbm * BL - m))
+    a = F.pad(w.abs(), (0, nbn * BL - n, 0, nbm * BL - m))  # partial edge blocks: zeros never win a max of |w|
     return a.view(nbm, BL, nbn, BL).amax(dim=(1, 3)).float()
+
+
+_block_absmax_compiled = Compiled(_block_absmax)  # one fused pass over w for large weights
+
+
+def block_absmax(w):
+    """max_bl(|w|): FP32 max of |w| over each 32x32 block, shape (ceil(m/32), ceil(n/32))."""
+    return _block_absmax_compiled(w.detach())
 
 
 def scale_bl(max_bl, b_t):

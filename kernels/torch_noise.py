@@ -75,12 +75,19 @@ def _gen_diffq(offset, seed):
     return u.to(torch.bfloat16).flatten()
 
 
+def _unpack_words(r_store, n_words, method):
+    """R as FP32 of shape (n_words, 8): row k holds elements 8k..8k+7, the nibbles of word k."""
+    if method == "gaussws":
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=r_store.device)
+        nib = (r_store[:, None] >> shifts) & 0xF
+        return ((nib & 7) * (1 - 2 * (nib >> 3))).to(torch.float32)
+    return r_store[: 8 * n_words].view(n_words, 8).to(torch.float32)
+
+
 def _unpack(r_store, numel, method):
     """R as FP32 for the first `numel` elements, row-major."""
     if method == "gaussws":
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=r_store.device)
-        nib = ((r_store[:, None] >> shifts) & 0xF).flatten()[:numel]
-        return ((nib & 7) * (1 - 2 * (nib >> 3))).to(torch.float32)
+        return _unpack_words(r_store, -(-numel // 8), method).flatten()[:numel]
     return r_store[:numel].to(torch.float32)
 
 
@@ -89,25 +96,38 @@ def _broadcast_bl(scale_bl, m, n):
     return scale_bl.repeat_interleave(BL, dim=0)[:m].repeat_interleave(BL, dim=1)[:, :n]
 
 
+# When 8 divides n, the 8 elements of a word lie in one row and one block. Working on (words, 8)
+# then lets torch.compile vectorise the whole loop; the general shapes index element by element,
+# several times slower. Both give the same bits (tests/test_kernels.py).
+
 def _apply(w, r_store, scale_bl, method: str):
     m, n = w.shape
-    r = _unpack(r_store, m * n, method).view(m, n)
-    return (w.to(torch.float32) + r * _broadcast_bl(scale_bl, m, n)).to(torch.bfloat16)
+    if n % 8:
+        r = _unpack(r_store, m * n, method).view(m, n)
+        return (w.to(torch.float32) + r * _broadcast_bl(scale_bl, m, n)).to(torch.bfloat16)
+    scale = scale_bl.repeat_interleave(BL, dim=0)[:m].repeat_interleave(BL // 8, dim=1)[:, : n // 8]
+    r = _unpack_words(r_store, m * n // 8, method)
+    # Cast before the view back to (m, n): the other order stops inductor from vectorising.
+    return (w.view(-1, 8).to(torch.float32) + r * scale.reshape(-1, 1)).to(torch.bfloat16).view(m, n)
 
 
 def _block_sums(g, r_store, method: str):
     m, n = g.shape
-    prod = g.to(torch.float32) * _unpack(r_store, m * n, method).view(m, n)
     nbm, nbn = -(-m // BL), -(-n // BL)
-    prod = torch.nn.functional.pad(prod, (0, nbn * BL - n, 0, nbm * BL - m))
-    return prod.view(nbm, BL, nbn, BL).sum(dim=(1, 3))
+    if n % 8:
+        prod = g.to(torch.float32) * _unpack(r_store, m * n, method).view(m, n)
+        prod = torch.nn.functional.pad(prod, (0, nbn * BL - n, 0, nbm * BL - m))
+        return prod.view(nbm, BL, nbn, BL).sum(dim=(1, 3))
+    per_word = (g.view(-1, 8).to(torch.float32) * _unpack_words(r_store, m * n // 8, method)).sum(-1)
+    per_word = torch.nn.functional.pad(per_word.view(m, n // 8), (0, nbn * BL // 8 - n // 8, 0, nbm * BL - m))
+    return per_word.view(nbm, BL, nbn, BL // 8).sum(dim=(1, 3))
 
 
 COMPILE_MIN_NUMEL = 2**15  # smaller tensors run eagerly: compiling would cost more than it saves
 RECOMPILE_LIMIT = 64  # one compiled loop per tensor shape; a model has a handful of shapes
 
 
-class _Compiled:
+class Compiled:
     """torch.compile'd per shape (static shapes vectorise best) for large tensors, eager otherwise.
 
     Falls back to eager, warned once, where compile does not work (no C compiler, ...).
@@ -132,9 +152,9 @@ class _Compiled:
             return self.fn(*args)
 
 
-_gen = {"gaussws": _Compiled(_gen_gaussws), "diffq": _Compiled(_gen_diffq)}
-_apply_c = _Compiled(_apply)
-_block_sums_c = _Compiled(_block_sums)
+_gen = {"gaussws": Compiled(_gen_gaussws), "diffq": Compiled(_gen_diffq)}
+_apply_c = Compiled(_apply)
+_block_sums_c = Compiled(_block_sums)
 
 
 def gen(numel, seed, method, device):
