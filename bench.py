@@ -297,18 +297,24 @@ class Runner:
         self.step_count += 1
 
     def timed_step(self, batches):
-        """Seconds of one step, and on CUDA the allocator's peak above what was held before it."""
+        """Wall seconds of one step, the process's CPU seconds (CPU only), and on CUDA the allocator's peak
+        above what was held before it."""
         cuda = torch.device(self.device).type == "cuda"
         sync(self.device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         self.step(batches)
         sync(self.device)
-        seconds = time.perf_counter() - t
+        seconds, cpu_seconds = time.perf_counter() - t, time.process_time() - c
         peak = torch.cuda.max_memory_allocated(self.device) - before if cuda else None
-        return seconds, peak
+        return seconds, (None if cuda else cpu_seconds), peak
+
+
+def paired_overhead(base, method):
+    """Median over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16 in the same round)."""
+    return statistics.median(100 * (1 - b / m) for b, m in zip(base, method))
 
 
 def run_train(args):
@@ -357,31 +363,34 @@ def run_train(args):
             for i in range(args.warmup):
                 say(f"grad_accum={accum} warm-up {i + 1}/{args.warmup} {r.method} ...")
                 r.step(batches)
-        seconds = {r.method: [] for r in runners}
-        peaks = {r.method: [] for r in runners}
+        seconds, cpu_seconds, peaks = ({r.method: [] for r in runners} for _ in range(3))
         for round_ in range(args.rounds):
             for r in runners:
-                s, peak = r.timed_step(batches)
+                s, c, peak = r.timed_step(batches)
                 seconds[r.method].append(s)
+                cpu_seconds[r.method].append(c)
                 peaks[r.method].append(peak)
             say(f"grad_accum={accum} round {round_ + 1}/{args.rounds}: " + "  ".join(
                 f"{m} {s[-1]:.2f} s ({tokens / s[-1]:.0f} tok/s)" for m, s in seconds.items())
                 + f"; {machine_load()}")
         if torch.device(device).type == "cuda":
             memory = {m: max(p) for m, p in peaks.items()}
-        base = seconds["bf16"]
         for r in runners:
             n_pqt = pqt_weight_numel(r.model)
             extra = (memory[r.method] - memory["bf16"]) / n_pqt if n_pqt else 0.0
             records.append({
                 "method": r.method, "grad_accum": accum,
                 "tokens_per_s": statistics.median(tokens / s for s in seconds[r.method]),
-                "overhead_pct": statistics.median(100 * (1 - b / s) for b, s in zip(base, seconds[r.method])),
+                "overhead_pct": paired_overhead(seconds["bf16"], seconds[r.method]),
+                # CPU time: what the step computed, whatever else ran on these cores (clean with --threads=1;
+                # with more threads it also counts threads spinning while they wait for each other).
+                "overhead_cpu_time_pct": (None if torch.device(device).type == "cuda"
+                                          else paired_overhead(cpu_seconds["bf16"], cpu_seconds[r.method])),
                 "extra_bytes_per_param": extra,
                 "model": args.model, "device": device, "batch_size": args.batch_size, "block_size": args.block_size,
                 "rounds": args.rounds, "compile": args.compile, "threads": torch.get_num_threads(),
                 "load_avg": load_avg(),
-                "step_s": seconds[r.method],
+                "step_s": seconds[r.method], "step_cpu_s": cpu_seconds[r.method],
                 "memory_bytes": memory[r.method], "pqt_weight_params": n_pqt,
                 "memory_measure": ("cuda_max_memory_allocated" if torch.device(device).type == "cuda"
                                    else "cpu_saved_for_backward"),
@@ -390,9 +399,12 @@ def run_train(args):
     say(f"{args.model}, {args.batch_size} x {args.block_size} tokens per micro-step, {device}, median of "
         f"{args.rounds} rounds; extra memory per weight element of the PQT layers vs bf16 "
         f"({records[0]['memory_measure']})")
-    say(markdown_table(["method", "grad_accum", "tokens/s", "overhead vs bf16", "extra bytes/param"],
-                       [(r["method"], r["grad_accum"], f"{r['tokens_per_s']:.1f}", f"{r['overhead_pct']:+.2f} %",
-                         f"{r['extra_bytes_per_param']:.3f}") for r in records]))
+    cpu = records[0]["overhead_cpu_time_pct"] is not None
+    say(markdown_table(["method", "grad_accum", "tokens/s", "overhead vs bf16"] + ["overhead (CPU time)"] * cpu
+                       + ["extra bytes/param"],
+                       [(r["method"], r["grad_accum"], f"{r['tokens_per_s']:.1f}", f"{r['overhead_pct']:+.2f} %")
+                        + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu + (f"{r['extra_bytes_per_param']:.3f}",)
+                        for r in records]))
     return records
 
 
