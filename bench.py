@@ -11,12 +11,15 @@ copy of the same w: it reads and writes what Eq. 3 must, so it is the machine's 
 The impls are timed interleaved (median of `repeats` blocks each) after warm-up calls that compile.
 
     python bench.py train [--model=gpt2-124m] [--methods=bf16,gaussws[all],diffq[all]] [--batch_size=1]
-        [--block_size=1024] [--grad_accum=1,8] [--rounds=3] [--warmup=1] [--compile=False] [--seed=1337]
+        [--block_size=1024] [--grad_accum=1,8] [--rounds=3] [--warmup=1] [--compile=False]
+        [--recompute_w_hat=False] [--seed=1337]
         [--device=cpu|cuda] [--threads=N] [--json=PATH] [--n_layer=12 ... any model.ModelConfig field]
 
 Table 1: tokens/s of one optimizer step for each method, taken as train.py takes it: gaussws.begin_step
 (this step's noise and w_hat), grad_accum micro-steps of batch_size x block_size random tokens
-(forward and backward under BF16 autocast), gaussws.end_step (Eq. 4), AdamW step, zero_grad. One
+(forward and backward under BF16 autocast), gaussws.end_step (Eq. 4), AdamW step, zero_grad; with
+--recompute_w_hat=True gaussws.set_step instead, and every micro-step makes w_hat in its forward and
+again in its backward. One
 model per method, all with the same initial weights, run interleaved in one process: after `warmup`
 steps each, `rounds` rounds of one step per method. Reported: median tokens/s; overhead_pct = median
 over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16 in the same round), pairing the
@@ -32,8 +35,11 @@ in the method's PQT layers):
 
 Options are `--key=value`, checked as train.py checks its own (configurator.py). Lists are written
 with commas. The full CPU measurement of issue 5 (GPT2-124M, 1 x 1024 tokens per micro-step):
-    python bench.py train --model=gpt2-124m --grad_accum=1 --rounds=5     # about 10 minutes on 2 cores
-    python bench.py train --model=gpt2-124m --grad_accum=8 --rounds=3     # about 30 minutes on 2 cores
+    python bench.py train --model=gpt2-124m --grad_accum=1 --rounds=5     # about 5 minutes on 2 idle cores
+    python bench.py train --model=gpt2-124m --grad_accum=8 --rounds=3     # about 20 minutes
+Where other processes share the cores, add --threads=1: a thread that waits at every op for a
+descheduled sibling makes multi-threaded step times swing 2-3x, while one thread's CPU time (the
+"overhead (CPU time)" column) stays what the step computed.
 Nothing here needs the network: the tokens are random (throughput does not depend on them).
 """
 import dataclasses
@@ -241,15 +247,16 @@ def _tensors(value):
             yield from _tensors(v)
 
 
-def held_bytes(model, x, y, device):
+def held_bytes(model, x, y, device, step_mode=True):
     """Bytes held for the backward of one micro-step: tensors autograd saves plus tensors PQT layers hold.
 
-    Taken as train.py takes a step (gaussws.begin_step, forward, backward, gaussws.end_step), at the
-    end of the forward, when all of it is held at once. Each storage counts once (a w_hat both saved
+    Taken as train.py takes a step (in step mode gaussws.begin_step, forward, backward,
+    gaussws.end_step), at the end of the forward, when all of it is held at once. Each storage counts once (a w_hat both saved
     and cached is one tensor); parameters and buffers are left out (they exist whether or not a
     backward follows).
     """
-    gaussws.begin_step(model, 0)
+    if step_mode:
+        gaussws.begin_step(model, 0)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
@@ -263,7 +270,8 @@ def held_bytes(model, x, y, device):
             storages[s.data_ptr()] = s.nbytes()
     del saved, held
     loss.backward()
-    gaussws.end_step(model)
+    if step_mode:
+        gaussws.end_step(model)
     model.zero_grad(set_to_none=True)
     return sum(storages.values())
 
@@ -279,19 +287,28 @@ class Runner:
             self.model.load_state_dict(init_state, strict=False)
         self.model.to(args.device).train()
         gaussws.set_noise_seed(self.model, args.seed)
+        # As train.py: step mode (w_hat once per optimizer step) unless w_hat is recomputed in the backward.
+        self.step_mode = not args.recompute_w_hat
+        for layer in gaussws.pqt_layers(self.model):
+            layer.recompute = args.recompute_w_hat
         self.forward = torch.compile(self.model) if args.compile else self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                            fused=True)
         self.step_count = 0
 
     def step(self, batches):
-        # As train.py: this step's noise and w_hat once for all micro-steps, Eq. 4 once at the end.
-        gaussws.begin_step(self.model, self.step_count)
+        # As train.py: in step mode this step's noise and w_hat once for all micro-steps and Eq. 4
+        # once at the end; otherwise only this step's noise, and each micro-step does Eq. 3 and 4.
+        if self.step_mode:
+            gaussws.begin_step(self.model, self.step_count)
+        else:
+            gaussws.set_step(self.model, self.step_count)
         for x, y in batches:
             with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
                 _, loss = self.forward(x, y)
             (loss / len(batches)).backward()
-        gaussws.end_step(self.model)
+        if self.step_mode:
+            gaussws.end_step(self.model)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -353,7 +370,7 @@ def run_train(args):
     memory = {}
     if torch.device(device).type != "cuda":
         for r in runners:
-            memory[r.method] = held_bytes(r.model, *micro[0], device)
+            memory[r.method] = held_bytes(r.model, *micro[0], device, r.step_mode)
 
     records = []
     for accum in args.grad_accum:
@@ -388,7 +405,8 @@ def run_train(args):
                                           else paired_overhead(cpu_seconds["bf16"], cpu_seconds[r.method])),
                 "extra_bytes_per_param": extra,
                 "model": args.model, "device": device, "batch_size": args.batch_size, "block_size": args.block_size,
-                "rounds": args.rounds, "compile": args.compile, "threads": torch.get_num_threads(),
+                "rounds": args.rounds, "compile": args.compile, "recompute_w_hat": args.recompute_w_hat,
+                "threads": torch.get_num_threads(),
                 "load_avg": load_avg(),
                 "step_s": seconds[r.method], "step_cpu_s": cpu_seconds[r.method],
                 "memory_bytes": memory[r.method], "pqt_weight_params": n_pqt,
@@ -396,8 +414,8 @@ def run_train(args):
                                    else "cpu_saved_for_backward"),
             })
     say("")
-    say(f"{args.model}, {args.batch_size} x {args.block_size} tokens per micro-step, {device}, median of "
-        f"{args.rounds} rounds; extra memory per weight element of the PQT layers vs bf16 "
+    say(f"{args.model}, {args.batch_size} x {args.block_size} tokens per micro-step, {device}, "
+        f"recompute_w_hat={args.recompute_w_hat}, median of {args.rounds} rounds; extra memory per weight element of the PQT layers vs bf16 "
         f"({records[0]['memory_measure']})")
     cpu = records[0]["overhead_cpu_time_pct"] is not None
     say(markdown_table(["method", "grad_accum", "tokens/s", "overhead vs bf16"] + ["overhead (CPU time)"] * cpu
@@ -434,6 +452,7 @@ TRAIN_CONFIG = dict(
     rounds=3,  # timed optimizer steps per method
     warmup=1,  # untimed steps per method first (the noise kernels compile at the first)
     compile=False,  # torch.compile the model
+    recompute_w_hat=False,  # as train.py: keep no w_hat for the backward, make it again there (less memory)
     seed=1337,  # initial weights, tokens and noise
     **_common(),
 )

@@ -126,6 +126,15 @@ class OneLayer(nn.Module):
         return out, out.float().sum()
 
 
+def test_recomputed_w_hat_is_not_held():
+    batch, n_in, n_out = 8, 96, 64
+    layer = gaussws.PQTLinear(n_in, n_out, method="gaussws", recompute=True)
+    x = torch.randn(batch, n_in, requires_grad=True)
+    measured = bench.held_bytes(OneLayer(layer), x, None, "cpu", step_mode=False)
+    # x (FP32 at most), the block max and scale, the seed: nothing the size of the weight.
+    assert 2 * batch * n_in <= measured <= 4 * batch * n_in + 16 * layer.b_i.numel() + 64 < 2 * n_out * n_in
+
+
 @pytest.mark.parametrize("pqt", [False, True])
 def test_held_bytes_of_one_layer_equals_independent_count(pqt):
     batch, n_in, n_out = 8, 96, 64
@@ -158,6 +167,7 @@ def test_held_bytes_of_one_layer_equals_independent_count(pqt):
     (["train", "--n_head=5"], "multiple of n_head"),
     (["train", "--n_layer=abc"], "--n_layer=abc"),
     (["train", "--compile=maybe"], "expected a bool"),
+    (["train", "--recompute_w_hat=1"], "recompute_w_hat"),
     (["train", "--json=/no/such/dir/x.json"], "folder does not exist"),
     (["train", "--bogus=1"], "unknown config key 'bogus'"),
     (["train", "rounds=2"], "not found"),
