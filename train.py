@@ -70,7 +70,7 @@ recompute_w_hat = False  # keep no w_hat for the backward, make it again there: 
 # optimizer
 optimizer = "adamw"  # "adamw" or "adam_mini"
 learning_rate = 2e-3  # peak learning rate
-max_iters = 600  # optimizer steps
+max_iters = 400  # optimizer steps
 weight_decay = 0.1  # AdamW decoupled decay of the model's matrices
 bitwidth_weight_decay = 0.1  # AdamW decay of b_i, pulling b_t toward b_target (its own, never weight_decay)
 bitwidth_lambda = 0.0  # lambda of Eq. 12: mean |b_t - b_target| per layer added to the loss
@@ -80,7 +80,7 @@ grad_clip = 1.0  # clip the global gradient norm at this value; 0 disables
 # learning rate schedule: linear warmup, cosine decay to min_lr
 decay_lr = True  # False: constant learning_rate
 warmup_iters = 50  # linear warmup steps
-lr_decay_iters = 600  # cosine ends here (usually max_iters)
+lr_decay_iters = 400  # cosine ends here (usually max_iters)
 min_lr = 2e-4  # final learning rate (learning_rate / 10 as Chinchilla)
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
