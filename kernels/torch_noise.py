@@ -1,9 +1,9 @@
 """The noise R in plain PyTorch, bit for bit the same as kernels/triton_noise.py.
 
 Triton's `tl.randint4x(seed, offset)` is Philox-4x32-10 with counter (offset, 0, 0, 0) and key
-(seed_lo, seed_hi). We replay it with int64 tensors that hold uint32 values: a 32x32-bit product
-would overflow int64, so each multiplication splits the constant into 16-bit halves (every partial
-product stays below 2^48). The seed enters as a 0-dim tensor so that torch.compile does not
+(seed_lo, seed_hi). We replay it with int64 tensors that hold uint32 values (see _mul_hi_lo for
+the 32x32-bit products), then turn 16 bits into each element's code four lanes at a time
+(nibbles: SWAR, a few int64 ops per four elements). The seed enters as a 0-dim tensor so that torch.compile does not
 specialise (and recompile) on its value.
 
 Every function here is elementwise or a blockwise sum, so torch.compile turns each into one loop.
@@ -16,15 +16,18 @@ import torch
 from kernels import BL, PHILOX_ROUND_A, PHILOX_ROUND_B, PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUNDS
 
 _M32 = 0xFFFFFFFF
+assert PHILOX_ROUND_A & PHILOX_ROUND_B & 1, "_mul_hi_lo needs odd multipliers"
 
 
 def _mul_hi_lo(a, const):
-    """(hi, lo) 32-bit halves of a * const for uint32 `a` in int64 and a uint32 constant."""
-    p_lo = a * (const & 0xFFFF)
-    p_hi = a * (const >> 16)
-    hi = (p_hi + (p_lo >> 16)) >> 16
-    lo = (p_lo + ((p_hi & 0xFFFF) << 16)) & _M32
-    return hi, lo
+    """(hi, lo) 32-bit halves of a * const for uint32 `a` in int64 and an odd uint32 constant.
+
+    The product needs 64 unsigned bits and int64 overflow is undefined in the C++ that inductor
+    writes, so multiply by const >> 1 instead: a * const = 2q + (a & 1) with q = a * (const >> 1) +
+    (a >> 1) < 2^63. One multiplication, and no partial product can overflow.
+    """
+    q = a * (const >> 1) + (a >> 1)
+    return q >> 31, ((q & 0x7FFFFFFF) << 1) | (a & 1)
 
 
 def philox4x32(offset, seed):
@@ -44,51 +47,66 @@ def philox4x32(offset, seed):
     return c0, c1, c2, c3
 
 
-def nibble(bits):
-    """Sign-magnitude 4-bit code of R from 16 random bits (Eq. 10).
+_LANES = 0x0001000100010001  # bit 0 of each 16-bit lane of an int64
 
-    bit 0: sign; bits 1-2: f, g; bits 3-10: h1..h8; bits 11-15: a, b, c, d, e.
+
+def nibbles(x):
+    """Sign-magnitude 4-bit codes of R (Eq. 10) for the four 16-bit lanes of int64 `x` at once.
+
+    Each lane's code lands in its low 4 bits. Per lane, bit 0: sign; bits 1-2: f, g; bits 3-10:
+    h1..h8; bits 11-15: a, b, c, d, e.
     |R| = 2 when (f|g) & h1 & ... & h8          Pr = 3/4 * 2^-8
     |R| = 1 when not 2 and (a|b) & (c|d) & e    Pr = 9/32 * (1 - 3/4 * 2^-8)
+    The lanes never mix: a lane only reads its own bits (right shifts of at most 15, masked to
+    bit 0 of each lane), so the sign-extended top of a negative x never reaches a result.
     """
-    fg = ((bits >> 1) | (bits >> 2)) & 1
-    h = ((bits >> 3) & 0xFF) == 0xFF
-    mag2 = fg & h.to(bits.dtype)
-    mag1 = ((bits >> 11) | (bits >> 12)) & ((bits >> 13) | (bits >> 14)) & (bits >> 15) & 1 & (1 - mag2)
-    mag = 2 * mag2 + mag1
-    sign = bits & 1 & (mag != 0).to(bits.dtype)
-    return sign * 8 + mag
+    fg = (x >> 1) | (x >> 2)
+    h = x >> 3
+    h = h & (h >> 1)
+    h = h & (h >> 2)
+    h = h & (h >> 4)  # bit 0 of each lane: h1 & ... & h8
+    mag2 = fg & h & _LANES
+    mag1 = ((x >> 11) | (x >> 12)) & ((x >> 13) | (x >> 14)) & (x >> 15) & (mag2 ^ _LANES)
+    return (mag2 << 1) | mag1 | ((x & (mag2 | mag1)) << 3)  # no sign on a zero: no -0
 
 
-def _gen_gaussws(offset, seed):
-    r = philox4x32(offset, seed)
-    word = torch.zeros_like(offset)
-    for j in range(8):
-        word = word | (nibble((r[j // 2] >> (16 * (j % 2))) & 0xFFFF) << (4 * j))
+def _gather_lanes(codes):
+    """The codes of nibbles() (bits 0, 16, 32, 48) side by side in bits 0-15."""
+    codes = (codes | (codes >> 12)) & 0x000000FF000000FF
+    return (codes | (codes >> 24)) & 0xFFFF
+
+
+def _gen_gaussws(seed, n_words: int):
+    # Element 8k + j of word k draws bits 16j..16j+15 of Philox call k's 128-bit output.
+    c0, c1, c2, c3 = philox4x32(torch.arange(n_words, device=seed.device), seed)
+    word = _gather_lanes(nibbles(c0 | (c1 << 32))) | (_gather_lanes(nibbles(c2 | (c3 << 32))) << 16)
     return ((word ^ 0x80000000) - 0x80000000).to(torch.int32)  # uint32 bits -> int32
 
 
-def _gen_diffq(offset, seed):
-    r = philox4x32(offset, seed)
+def _gen_diffq(seed, n_calls: int):
+    r = philox4x32(torch.arange(n_calls, device=seed.device), seed)
     # 24 random bits / 2^24 - 1/2 is exact in FP32; the one rounding is the BF16 cast.
     u = torch.stack([(x >> 8).to(torch.float32) * 2.0**-24 - 0.5 for x in r], dim=-1)
     return u.to(torch.bfloat16).flatten()
 
 
-def _unpack_words(r_store, n_words, method):
-    """R as FP32 of shape (n_words, 8): row k holds elements 8k..8k+7, the nibbles of word k."""
-    if method == "gaussws":
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=r_store.device)
-        nib = (r_store[:, None] >> shifts) & 0xF
-        return ((nib & 7) * (1 - 2 * (nib >> 3))).to(torch.float32)
-    return r_store[: 8 * n_words].view(n_words, 8).to(torch.float32)
-
-
 def _unpack(r_store, numel, method):
     """R as FP32 for the first `numel` elements, row-major."""
     if method == "gaussws":
-        return _unpack_words(r_store, -(-numel // 8), method).flatten()[:numel]
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=r_store.device)
+        nib = (r_store[:, None] >> shifts) & 0xF
+        return ((nib & 7) * (1 - 2 * (nib >> 3))).to(torch.float32).flatten()[:numel]
     return r_store[:numel].to(torch.float32)
+
+
+def _unpack16(r_store, method):
+    """R as FP32 rows of 16 elements, shape (numel / 16, 16); for gaussws a row is the 16 nibbles
+    of two words, read as one int64 (little-endian: the first word is the low half)."""
+    if method == "gaussws":
+        shifts = torch.arange(0, 64, 4, dtype=torch.int64, device=r_store.device)
+        nib = (r_store.view(torch.int64)[:, None] >> shifts) & 0xF
+        return ((nib & 7) * (1 - 2 * (nib >> 3))).to(torch.float32)
+    return r_store.view(-1, 16).to(torch.float32)
 
 
 def _broadcast_bl(scale_bl, m, n):
@@ -96,31 +114,31 @@ def _broadcast_bl(scale_bl, m, n):
     return scale_bl.repeat_interleave(BL, dim=0)[:m].repeat_interleave(BL, dim=1)[:, :n]
 
 
-# When 8 divides n, the 8 elements of a word lie in one row and one block. Working on (words, 8)
-# then lets torch.compile vectorise the whole loop; the general shapes index element by element,
-# several times slower. Both give the same bits (tests/test_kernels.py).
+# When 16 divides n, rows of 16 elements lie in one row of w and one block, and torch.compile
+# vectorises the loop over them (one FP32 vector per row on AVX-512); other shapes index element
+# by element, several times slower. Both give the same bits (tests/test_kernels.py).
 
 def _apply(w, r_store, scale_bl, method: str):
     m, n = w.shape
-    if n % 8:
+    if n % 16:
         r = _unpack(r_store, m * n, method).view(m, n)
         return (w.to(torch.float32) + r * _broadcast_bl(scale_bl, m, n)).to(torch.bfloat16)
-    scale = scale_bl.repeat_interleave(BL, dim=0)[:m].repeat_interleave(BL // 8, dim=1)[:, : n // 8]
-    r = _unpack_words(r_store, m * n // 8, method)
+    scale = scale_bl.repeat_interleave(BL, dim=0)[:m].repeat_interleave(BL // 16, dim=1)[:, : n // 16]
     # Cast before the view back to (m, n): the other order stops inductor from vectorising.
-    return (w.view(-1, 8).to(torch.float32) + r * scale.reshape(-1, 1)).to(torch.bfloat16).view(m, n)
+    w_hat = w.view(-1, 16).to(torch.float32) + _unpack16(r_store, method) * scale.reshape(-1, 1)
+    return w_hat.to(torch.bfloat16).view(m, n)
 
 
 def _block_sums(g, r_store, method: str):
     m, n = g.shape
     nbm, nbn = -(-m // BL), -(-n // BL)
-    if n % 8:
+    if n % 16:
         prod = g.to(torch.float32) * _unpack(r_store, m * n, method).view(m, n)
         prod = torch.nn.functional.pad(prod, (0, nbn * BL - n, 0, nbm * BL - m))
         return prod.view(nbm, BL, nbn, BL).sum(dim=(1, 3))
-    per_word = (g.view(-1, 8).to(torch.float32) * _unpack_words(r_store, m * n // 8, method)).sum(-1)
-    per_word = torch.nn.functional.pad(per_word.view(m, n // 8), (0, nbn * BL // 8 - n // 8, 0, nbm * BL - m))
-    return per_word.view(nbm, BL, nbn, BL // 8).sum(dim=(1, 3))
+    per_row = (g.view(-1, 16).to(torch.float32) * _unpack16(r_store, method)).sum(-1)
+    per_row = torch.nn.functional.pad(per_row.view(m, n // 16), (0, nbn * BL // 16 - n // 16, 0, nbm * BL - m))
+    return per_row.view(nbm, BL, nbn, BL // 16).sum(dim=(1, 3))
 
 
 COMPILE_MIN_NUMEL = 2**15  # smaller tensors run eagerly: compiling would cost more than it saves
@@ -130,16 +148,17 @@ RECOMPILE_LIMIT = 64  # one compiled loop per tensor shape; a model has a handfu
 class Compiled:
     """torch.compile'd per shape (static shapes vectorise best) for large tensors, eager otherwise.
 
-    Falls back to eager, warned once, where compile does not work (no C compiler, ...).
+    `numel(*args)` is the number of elements the call works on (default: those of the first
+    argument). Falls back to eager, warned once, where compile does not work (no C compiler, ...).
     """
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, numel=lambda first, *rest: first.numel()):
+        self.fn, self.numel = fn, numel
         self.compiled = None
 
     @torch.no_grad()
     def __call__(self, *args):
-        if args[0].numel() < COMPILE_MIN_NUMEL or self.compiled is False:
+        if self.numel(*args) < COMPILE_MIN_NUMEL or self.compiled is False:
             return self.fn(*args)
         try:
             if self.compiled is None:
@@ -152,7 +171,10 @@ class Compiled:
             return self.fn(*args)
 
 
-_gen = {"gaussws": Compiled(_gen_gaussws), "diffq": Compiled(_gen_diffq)}
+# The counters are made inside the compiled loop (an index, never a tensor in memory); their
+# count is a Python int, so each weight shape gets its own static loop like the other functions.
+_gen = {"gaussws": Compiled(_gen_gaussws, numel=lambda seed, n_words: 8 * n_words),
+        "diffq": Compiled(_gen_diffq, numel=lambda seed, n_calls: 4 * n_calls)}
 _apply_c = Compiled(_apply)
 _block_sums_c = Compiled(_block_sums)
 
@@ -160,9 +182,8 @@ _block_sums_c = Compiled(_block_sums)
 def gen(numel, seed, method, device):
     """Stored R for `numel` elements: int32 words of 8 nibbles (gaussws) or BF16 (diffq)."""
     per_call = 8 if method == "gaussws" else 4
-    offset = torch.arange(-(-numel // per_call), device=device, dtype=torch.int64)
     seed_t = torch.tensor(seed, dtype=torch.int64, device=device)
-    r_store = _gen[method](offset, seed_t)
+    r_store = _gen[method](seed_t, -(-numel // per_call))
     return r_store if method == "gaussws" else r_store[:numel]
 
 

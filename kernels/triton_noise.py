@@ -17,7 +17,7 @@ TILE_M, TILE_N = 32, 128  # apply tile: one block row, four blocks wide; 4K elem
 
 @triton.jit
 def _nibble(bits):
-    """Sign-magnitude 4-bit code of R from 16 random bits: the recipe of torch_noise.nibble."""
+    """Sign-magnitude 4-bit code of R from 16 random bits: torch_noise.nibbles' recipe, one lane."""
     fg = ((bits >> 1) | (bits >> 2)) & 1
     h = (((bits >> 3) & 0xFF) == 0xFF).to(tl.uint32)
     mag2 = fg & h

@@ -39,10 +39,19 @@ def naive_eq4(w, b_t, r, g):
     return out
 
 
-def test_recipe_gives_exactly_the_probabilities_of_eq10():
-    # Every 16-bit input is equally likely, so counting patterns gives the exact distribution.
-    codes = torch_noise.nibble(torch.arange(2**16, dtype=torch.int64))
+@pytest.mark.parametrize("lane", range(4))
+def test_recipe_gives_exactly_the_probabilities_of_eq10(lane):
+    # Every 16-bit input is equally likely, so counting patterns gives the exact distribution. All
+    # 2^16 patterns go through one lane of nibbles() while the other lanes hold shuffled patterns,
+    # so a lane that read its neighbours' bits (or the sign of the int64) would show here.
+    patterns = torch.arange(2**16, dtype=torch.int64)
+    lanes = [torch.randperm(2**16, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    lanes[lane] = patterns
+    codes = torch_noise.nibbles(sum(x << (16 * k) for k, x in enumerate(lanes)))
+    assert ((codes >> (16 * torch.arange(4))[:, None]) & 0xFFF0).eq(0).all()  # 4-bit codes only
+    codes = (codes >> (16 * lane)) & 0xF
     values = (codes & 7) * (1 - 2 * (codes >> 3))
+    assert set(codes.unique().tolist()) == {0, 1, 2, 9, 10}  # sign-magnitude, no -0
     counts = {v: (values == v).sum().item() for v in (-2, -1, 0, 1, 2)}
     assert counts[2] == counts[-2] == P2 * 2**16
     assert counts[1] == counts[-1] == P1 * 2**16
