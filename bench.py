@@ -23,7 +23,9 @@ again in its backward. One
 model per method, all with the same initial weights, run interleaved in one process: after `warmup`
 steps each, `rounds` rounds of one step per method. Reported: median tokens/s; overhead_pct = median
 over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16 in the same round), pairing the
-rounds so that drift in the machine's load cancels.
+rounds so that drift in the machine's load cancels; pqt_share_pct (step mode) = median over rounds of
+100 * (seconds in gaussws.begin_step and end_step / the bf16 step of the round): the method's own work,
+timed apart from the matmuls and so far steadier than the overhead on a noisy machine.
 Memory, extra_bytes_per_param = (memory of the method - memory of bf16) / (number of weight elements
 in the method's PQT layers):
   - CUDA: the allocator's peak during one optimizer step (torch.cuda.max_memory_allocated) above what
@@ -40,6 +42,9 @@ with commas. The full CPU measurement of issue 5 (GPT2-124M, 1 x 1024 tokens per
 Where other processes share the cores, add --threads=1: a thread that waits at every op for a
 descheduled sibling makes multi-threaded step times swing 2-3x, while one thread's CPU time (the
 "overhead (CPU time)" column) stays what the step computed.
+On CPU both commands first make glibc keep freed memory, as train.py does (keep_freed_cpu_memory):
+otherwise every large tensor is a fresh mmap whose page faults cost about a fifth of a step and most
+of its jitter, and fall on bf16 and the methods alike.
 Nothing here needs the network: the tokens are random (throughput does not depend on them).
 """
 import dataclasses
@@ -58,6 +63,7 @@ import gaussws
 import model as model_lib
 from configurator import ConfigError, configure
 from kernels import BL
+from train import keep_freed_cpu_memory
 
 # --- small helpers ---------------------------------------------------------------------------------
 
@@ -299,16 +305,23 @@ class Runner:
     def step(self, batches):
         # As train.py: in step mode this step's noise and w_hat once for all micro-steps and Eq. 4
         # once at the end; otherwise only this step's noise, and each micro-step does Eq. 3 and 4.
+        # pqt_seconds: the time of begin_step and end_step, the method's own work in step mode.
+        t = time.perf_counter()
         if self.step_mode:
             gaussws.begin_step(self.model, self.step_count)
         else:
             gaussws.set_step(self.model, self.step_count)
+        sync(self.device)
+        self.pqt_seconds = time.perf_counter() - t
         for x, y in batches:
             with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
                 _, loss = self.forward(x, y)
             (loss / len(batches)).backward()
+        t = time.perf_counter()
         if self.step_mode:
             gaussws.end_step(self.model)
+        sync(self.device)
+        self.pqt_seconds += time.perf_counter() - t
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
@@ -380,13 +393,14 @@ def run_train(args):
             for i in range(args.warmup):
                 say(f"grad_accum={accum} warm-up {i + 1}/{args.warmup} {r.method} ...")
                 r.step(batches)
-        seconds, cpu_seconds, peaks = ({r.method: [] for r in runners} for _ in range(3))
+        seconds, cpu_seconds, peaks, pqt_seconds = ({r.method: [] for r in runners} for _ in range(4))
         for round_ in range(args.rounds):
             for r in runners:
                 s, c, peak = r.timed_step(batches)
                 seconds[r.method].append(s)
                 cpu_seconds[r.method].append(c)
                 peaks[r.method].append(peak)
+                pqt_seconds[r.method].append(r.pqt_seconds)
             say(f"grad_accum={accum} round {round_ + 1}/{args.rounds}: " + "  ".join(
                 f"{m} {s[-1]:.2f} s ({tokens / s[-1]:.0f} tok/s)" for m, s in seconds.items())
                 + f"; {machine_load()}")
@@ -404,11 +418,16 @@ def run_train(args):
                 "overhead_cpu_time_pct": (None if torch.device(device).type == "cuda"
                                           else paired_overhead(cpu_seconds["bf16"], cpu_seconds[r.method])),
                 "extra_bytes_per_param": extra,
+                # Step mode: begin_step + end_step against the bf16 step of the same round. Far less noisy
+                # than the overhead; the two differ by bf16's own per-micro-step weight casts (autocast), which
+                # PQT layers skip (w_hat is BF16 already).
+                "pqt_share_pct": (statistics.median(100 * p / b for p, b in zip(pqt_seconds[r.method], seconds["bf16"]))
+                                  if r.step_mode else None),
                 "model": args.model, "device": device, "batch_size": args.batch_size, "block_size": args.block_size,
                 "rounds": args.rounds, "compile": args.compile, "recompute_w_hat": args.recompute_w_hat,
                 "threads": torch.get_num_threads(),
                 "load_avg": load_avg(),
-                "step_s": seconds[r.method], "step_cpu_s": cpu_seconds[r.method],
+                "step_s": seconds[r.method], "step_cpu_s": cpu_seconds[r.method], "pqt_s": pqt_seconds[r.method],
                 "memory_bytes": memory[r.method], "pqt_weight_params": n_pqt,
                 "memory_measure": ("cuda_max_memory_allocated" if torch.device(device).type == "cuda"
                                    else "cpu_saved_for_backward"),
@@ -418,10 +437,11 @@ def run_train(args):
         f"recompute_w_hat={args.recompute_w_hat}, median of {args.rounds} rounds; extra memory per weight element of the PQT layers vs bf16 "
         f"({records[0]['memory_measure']})")
     cpu = records[0]["overhead_cpu_time_pct"] is not None
+    share = lambda r: "-" if r["pqt_share_pct"] is None else f"{r['pqt_share_pct']:.2f} %"
     say(markdown_table(["method", "grad_accum", "tokens/s", "overhead vs bf16"] + ["overhead (CPU time)"] * cpu
-                       + ["extra bytes/param"],
+                       + ["begin+end_step / bf16 step", "extra bytes/param"],
                        [(r["method"], r["grad_accum"], f"{r['tokens_per_s']:.1f}", f"{r['overhead_pct']:+.2f} %")
-                        + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu + (f"{r['extra_bytes_per_param']:.3f}",)
+                        + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu + (share(r), f"{r['extra_bytes_per_param']:.3f}")
                         for r in records]))
     return records
 
@@ -528,6 +548,8 @@ def main(argv=None):
         command, args = parse_args(argv)
         if args.threads:
             torch.set_num_threads(args.threads)
+        if torch.device(args.device).type == "cpu":
+            keep_freed_cpu_memory()  # as train.py: no page faults on every step's fresh tensors
         records = run_kernel(args) if command == "kernel" else run_train(args)
     except BenchError as e:
         print(f"bench.py: error: {e}", file=sys.stderr)

@@ -76,10 +76,16 @@ def _gather_lanes(codes):
     return (codes | (codes >> 24)) & 0xFFFF
 
 
+def _join(lo, hi):
+    """The int64 whose bits are uint32 `hi` above uint32 `lo`. `hi << 32` could overflow int64, which
+    C++ leaves undefined, so `hi` is first made signed: [-2^31, 2^31) * 2^32 always fits."""
+    return ((hi ^ 0x80000000) - 0x80000000) * 2**32 + lo
+
+
 def _gen_gaussws(seed, n_words: int):
     # Element 8k + j of word k draws bits 16j..16j+15 of Philox call k's 128-bit output.
     c0, c1, c2, c3 = philox4x32(torch.arange(n_words, device=seed.device), seed)
-    word = _gather_lanes(nibbles(c0 | (c1 << 32))) | (_gather_lanes(nibbles(c2 | (c3 << 32))) << 16)
+    word = _gather_lanes(nibbles(_join(c0, c1))) | (_gather_lanes(nibbles(_join(c2, c3))) << 16)
     return ((word ^ 0x80000000) - 0x80000000).to(torch.int32)  # uint32 bits -> int32
 
 

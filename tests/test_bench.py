@@ -112,6 +112,9 @@ def test_train_writes_all_methods_with_overheads(tmp_path):
     # 1 layer of 64 wide: qkv 3*64*64 + out 64*64 + up 4*64*64 + down 4*64*64; [od]: out and down only.
     assert by_method["gaussws[all]"]["pqt_weight_params"] == 12 * 64 * 64
     assert by_method["diffq[od]"]["pqt_weight_params"] == 5 * 64 * 64
+    # begin_step/end_step do nothing without PQT layers; with them they make w_hat and apply Eq. 4.
+    assert 0 <= by_method["bf16"]["pqt_share_pct"] < by_method["gaussws[all]"]["pqt_share_pct"]
+    assert all(len(r["pqt_s"]) == r["rounds"] for r in records)
 
 
 class OneLayer(nn.Module):
