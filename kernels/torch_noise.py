@@ -2,9 +2,10 @@
 
 Triton's `tl.randint4x(seed, offset)` is Philox-4x32-10 with counter (offset, 0, 0, 0) and key
 (seed_lo, seed_hi). We replay it with int64 tensors that hold uint32 values (see _mul_hi_lo for
-the 32x32-bit products), then turn 16 bits into each element's code four lanes at a time
-(nibbles: SWAR, a few int64 ops per four elements). The seed enters as a 0-dim tensor so that torch.compile does not
-specialise (and recompile) on its value.
+the 32x32-bit products), then turn each element's 16 bits into its code four elements at a time
+(nibbles: SWAR, one int64 op does the work of four). No C++ this compiles to overflows a signed
+integer. The seed enters as a 0-dim tensor so that torch.compile does not specialise (and
+recompile) on its value.
 
 Every function here is elementwise or a blockwise sum, so torch.compile turns each into one loop.
 Where compile is unavailable (no C compiler) the same code runs eagerly.
