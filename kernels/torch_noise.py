@@ -97,12 +97,16 @@ def _gen_diffq(seed, n_calls: int):
     return u.to(torch.bfloat16).flatten()
 
 
+def _decode(codes):
+    """R in FP32 from its sign-magnitude codes."""
+    return ((codes & 7) * (1 - 2 * (codes >> 3))).to(torch.float32)
+
+
 def _unpack(r_store, numel, method):
     """R as FP32 for the first `numel` elements, row-major."""
     if method == "gaussws":
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=r_store.device)
-        nib = (r_store[:, None] >> shifts) & 0xF
-        return ((nib & 7) * (1 - 2 * (nib >> 3))).to(torch.float32).flatten()[:numel]
+        return _decode((r_store[:, None] >> shifts) & 0xF).flatten()[:numel]
     return r_store[:numel].to(torch.float32)
 
 
@@ -111,8 +115,7 @@ def _unpack16(r_store, method):
     of two words, read as one int64 (little-endian: the first word is the low half)."""
     if method == "gaussws":
         shifts = torch.arange(0, 64, 4, dtype=torch.int64, device=r_store.device)
-        nib = (r_store.view(torch.int64)[:, None] >> shifts) & 0xF
-        return ((nib & 7) * (1 - 2 * (nib >> 3))).to(torch.float32)
+        return _decode((r_store.view(torch.int64)[:, None] >> shifts) & 0xF)
     return r_store.view(-1, 16).to(torch.float32)
 
 
