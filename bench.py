@@ -43,8 +43,8 @@ Where other processes share the cores, add --threads=1: a thread that waits at e
 descheduled sibling makes multi-threaded step times swing 2-3x, while one thread's CPU time (the
 "overhead (CPU time)" column) stays what the step computed.
 On CPU both commands first make glibc keep freed memory, as train.py does (keep_freed_cpu_memory):
-otherwise every large tensor is a fresh mmap whose page faults cost about a fifth of a step and most
-of its jitter, and fall on bf16 and the methods alike.
+otherwise every large tensor is a fresh mmap whose page faults are a large part of a step and of its
+jitter, and fall on bf16 and the methods alike.
 Nothing here needs the network: the tokens are random (throughput does not depend on them).
 """
 import dataclasses

@@ -102,8 +102,8 @@ def keep_freed_cpu_memory():
     """Make glibc keep freed memory for reuse instead of returning it to the OS.
 
     By default every tensor over 32 MB is a fresh mmap, so each CPU step page-faults (and the kernel
-    zeroes) its activations and logits again: about a fifth of a GPT2-124M step on our 2-core CPU,
-    and the main source of step-to-step jitter. The process then keeps its peak memory, as the CUDA
+    zeroes) its activations and logits again: a large part of a GPT2-124M step on our 2-core CPU,
+    and of its step-to-step jitter. The process then keeps its peak memory, as the CUDA
     caching allocator does on GPUs. Returns False (and changes nothing) where libc has no mallopt.
     """
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
