@@ -1,0 +1,234 @@
+"""Plots of training runs: loss against tokens (the paper's Fig. 1b, 3 and 4 layout) and b_t.
+
+    python plot.py out/run_a out/run_b out/run_c --out=plots
+
+Each argument is a run directory of train.py (metrics.jsonl and config.json). Runs whose settings
+differ only in their seed are one setting: drawn as the mean over seeds with a band from the lowest
+to the highest seed. Writes
+    loss.png      train loss (the logged training loss, PQN on) and val loss (eval, PQN off)
+                  against tokens, one line per setting;
+    bitwidth.png  b_t mean (line) and min..max over all blocks (band) against tokens, for the
+                  settings with PQT layers (not written when there are none).
+Legends name each setting's method, learning rate and optimizer (and whatever else differs);
+the title names what all settings share. The b_t histograms per layer role of one checkpoint are
+export.py's figure, not drawn here.
+"""
+import json
+import math
+import os
+import sys
+
+FIGSIZE, DPI = (12.0, 4.5), 100  # 1200 x 450 pixels
+# config.json keys that do not change what a run computes (or only its seed): runs that differ only
+# in these are seeds of one setting.
+NOT_A_SETTING = {"seed", "out_dir", "init_from", "overwrite", "dry_run", "eval_only", "wandb_log",
+                 "wandb_project", "wandb_run_name", "wandb_mode", "device", "compile", "parallel",
+                 "recompute_w_hat", "save_checkpoints", "always_save_checkpoint", "log_interval",
+                 "world_size", "versions"}
+
+
+class PlotError(Exception):
+    """Bad input; the message is one line."""
+
+
+def read_metrics(path):
+    """Eval and log records of a metrics.jsonl, each sorted by iter; for an iter logged twice (a run
+    resumed from a checkpoint older than its last log line repeats those steps) the later one wins."""
+    evals, logs = {}, {}
+    with open(path) as f:
+        lines = f.read().split("\n")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            it = int(record["iter"])
+        except (ValueError, KeyError, TypeError):
+            if n == len(lines):  # a last line cut short by a killed run
+                continue
+            raise PlotError(f"{path} line {n} is not a JSON record with an 'iter': {line[:80]!r}") from None
+        if "val/loss" in record:
+            evals[it] = record
+        if "loss" in record:
+            logs[it] = record
+    return [evals[k] for k in sorted(evals)], [logs[k] for k in sorted(logs)]
+
+
+def tokens_per_iter(config):
+    """Tokens of one optimizer step: gradient_accumulation_steps counts the micro-steps of all
+    processes, so this does not depend on the number of processes."""
+    block_size = config.get("model_args", {}).get("block_size") or config["block_size"]
+    return config["gradient_accumulation_steps"] * config["batch_size"] * block_size
+
+
+def read_run(run_dir):
+    """{"dir", "config", "evals", "logs", "tokens_per_iter"} of a train.py run directory."""
+    metrics, config_path = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "config.json")
+    if not os.path.isfile(metrics):
+        raise PlotError(f"{run_dir} has no metrics.jsonl: not a train.py run directory (or the run has not started)")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PlotError(f"{config_path} is missing or unreadable ({type(e).__name__}); train.py writes it at the start of a run") from None
+    evals, logs = read_metrics(metrics)
+    if not evals and not logs:
+        raise PlotError(f"{metrics} holds no records yet")
+    return {"dir": run_dir, "config": config, "evals": evals, "logs": logs, "tokens_per_iter": tokens_per_iter(config)}
+
+
+def setting(config):
+    """What a run computes, less its seed: runs with equal settings are seeds of one setting."""
+    return json.dumps({k: v for k, v in config.items() if k not in NOT_A_SETTING}, sort_keys=True)
+
+
+def group_seeds(runs):
+    """Runs grouped by setting, in the order the settings first appear."""
+    groups = {}
+    for run in runs:
+        groups.setdefault(setting(run["config"]), []).append(run)
+    return list(groups.values())
+
+
+def describe(config):
+    """The fields a reader looks for, as (key, text): method (with its layers), lr, optimizer, ..."""
+    m = config.get("model_args", {})
+    fields = {"method": config["method"], "learning_rate": f"lr {config['learning_rate']:g}",
+              "optimizer": config["optimizer"]}
+    if config["method"] != "bf16":
+        fields["b"] = f"b_t {config['b_init']:g}→{config['b_target']:g}"
+        fields["bitwidth_weight_decay"] = f"b_i decay {config['bitwidth_weight_decay']:g}"
+    fields["model"] = (f"{m.get('arch', config['arch'])} {m.get('n_layer', config['n_layer'])} layers "
+                       f"x {m.get('n_embd', config['n_embd'])}")
+    fields["tokens"] = f"{config['max_iters'] * tokens_per_iter(config) / 1e6:.2f}M tokens"
+    fields["dataset"] = os.path.basename(str(config["dataset"]).rstrip("/"))
+    return fields
+
+
+def labels(groups):
+    """A legend label per group and a title: method, lr and optimizer always in the legend, with any
+    other field that differs between groups; the fields all groups share go to the title."""
+    described = [describe(g[0]["config"]) for g in groups]
+    keys = list(dict.fromkeys(k for d in described for k in d))
+    differ = {k for k in keys if len({d.get(k) for d in described}) > 1} | {"method", "learning_rate", "optimizer"}
+    seeds = sorted({len(g) for g in groups})
+    title = ", ".join(described[0][k] for k in keys if k not in differ)
+    title += f"; {seeds[0]}{'-' + str(seeds[-1]) if len(seeds) > 1 else ''} seed{'s' if seeds != [1] else ''} per line"
+    if seeds[-1] > 1:
+        title += " (mean, band: min..max)"
+    return [", ".join(d[k] for k in keys if k in differ and k in d) for d in described], title
+
+
+def mean_band(curves):
+    """{x: values} of several seeds -> xs, mean, lo, hi at every x where any seed has a value (a
+    seed that stopped early, e.g. diverged, leaves the band where it stops)."""
+    xs = sorted({x for c in curves for x in c})
+    vals = [[c[x] for c in curves if x in c] for x in xs]
+    return (xs, [sum(v) / len(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals])
+
+
+def _finite_range(values):
+    values = [v for v in values if math.isfinite(v)]
+    return (min(values), max(values)) if values else (0.0, 1.0)
+
+
+def plot_loss(groups, names, title, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI)
+    for ax, kind, key in ((axes[0], "logs", "loss"), (axes[1], "evals", "val/loss")):
+        top = []
+        for i, (group, name) in enumerate(zip(groups, names)):
+            curves = [{r["iter"] * run["tokens_per_iter"]: r[key] for r in run[kind]} for run in group]
+            xs, mean, lo, hi = mean_band(curves)
+            if not xs:
+                continue
+            color = f"C{i % 10}"
+            ax.plot(xs, mean, color=color, label=name, lw=1.4)
+            if len(group) > 1:
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.2, lw=0)
+            top += mean
+        # the first steps' loss (about ln(vocab)) would flatten the part worth reading
+        lo_y, hi_y = _finite_range(top)
+        tail = sorted(v for v in top if math.isfinite(v))
+        if tail:
+            hi_y = min(hi_y, tail[int(0.9 * (len(tail) - 1))] + 0.25 * (hi_y - lo_y) + 1e-6)
+        ax.set_ylim(lo_y - 0.02 * (hi_y - lo_y) - 1e-6, hi_y)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("train loss (PQN on)" if key == "loss" else "val loss (PQN off)")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_bitwidth(groups, names, title, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    for i, (group, name) in enumerate(zip(groups, names)):
+        if not any("b_t/mean" in r for run in group for r in run["logs"]):
+            continue
+        color = f"C{i % 10}"
+        per_stat = {}
+        for stat in ("mean", "min", "max"):
+            curves = [{r["iter"] * run["tokens_per_iter"]: r[f"b_t/{stat}"] for r in run["logs"] if f"b_t/{stat}" in r}
+                      for run in group]
+            per_stat[stat] = mean_band(curves)
+        xs, mean, _, _ = per_stat["mean"]
+        ax.plot(xs, mean, color=color, label=f"{name}: mean", lw=1.4)
+        # the band: the lowest block's b_t (lowest over seeds) to the highest block's (highest over seeds)
+        ax.fill_between(per_stat["min"][0], per_stat["min"][2], per_stat["max"][3], color=color, alpha=0.15, lw=0)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("b_t (line: mean over blocks; band: min..max)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def make_plots(run_dirs, out, title_prefix=""):
+    """Read the runs and write loss.png (and bitwidth.png when a run has PQT) under `out`.
+    Returns the paths written."""
+    runs = [read_run(d) for d in run_dirs]
+    groups = group_seeds(runs)
+    names, title = labels(groups)
+    title = f"{title_prefix}: {title}" if title_prefix else title
+    os.makedirs(out, exist_ok=True)
+    written = [os.path.join(out, "loss.png")]
+    plot_loss(groups, names, title, written[0])
+    if any("b_t/mean" in r for run in runs for r in run["logs"]):
+        written.append(os.path.join(out, "bitwidth.png"))
+        plot_bitwidth(groups, names, title, written[1])
+    return written
+
+
+def main(argv):
+    out, run_dirs = "plots", []
+    for arg in argv:
+        if arg.startswith("--out="):
+            out = arg[len("--out="):]
+        elif arg.startswith("-"):
+            raise PlotError(f"unknown option {arg!r}; usage: python plot.py RUN_DIR [RUN_DIR ...] [--out=DIR]")
+        else:
+            run_dirs.append(arg)
+    if not run_dirs:
+        raise PlotError("no run directory given; usage: python plot.py RUN_DIR [RUN_DIR ...] [--out=DIR]")
+    for path in make_plots(run_dirs, out):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except PlotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,131 @@
+"""plot.py on synthetic run directories: the PNGs it promises, seeds grouped, bad input refused."""
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+import plot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config(method="gaussws[all]", lr=2e-3, seed=1, **kw):
+    """The keys of a train.py config.json that plot.py reads, with a tiny model's values."""
+    c = dict(method=method, learning_rate=lr, optimizer="adamw", b_init=6.0, b_target=4.0, bitwidth_weight_decay=0.1,
+             arch="gpt2", n_layer=2, n_embd=32, dataset="default", max_iters=40, batch_size=4, block_size=16,
+             gradient_accumulation_steps=2, seed=seed, out_dir=f"out/{method}-{seed}", device="cpu",
+             model_args=dict(arch="gpt2", n_layer=2, n_embd=32, block_size=16), world_size=1)
+    c.update(kw)
+    return c
+
+
+def make_run(path, cfg, offset=0.0):
+    """A run directory with a falling loss curve (and b_t drifting down for PQT runs)."""
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        for it in range(0, cfg["max_iters"] + 1, 10):
+            f.write(json.dumps({"iter": it, "train/loss": 5.0 - it / 20 + offset, "val/loss": 5.1 - it / 20 + offset}) + "\n")
+            if it:
+                rec = {"iter": it, "loss": 5.0 - it / 21 + offset, "lr": 1e-3, "ms_per_iter": 10.0, "tokens_per_s": 1.0}
+                if cfg["method"] != "bf16":
+                    rec.update({"b_t/mean": 6 - it / 100, "b_t/min": 5.5 - it / 100, "b_t/max": 6.2})
+                f.write(json.dumps(rec) + "\n")
+    return str(path)
+
+
+def png_size(path):
+    """Width and height from the PNG's IHDR chunk, read by hand (PNG spec 11.2.2), and whether the
+    file's first chunk is intact."""
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    crc = struct.unpack(">I", data[16 + length:20 + length])[0]
+    assert crc == zlib.crc32(data[12:16 + length]), "IHDR CRC mismatch"
+    return struct.unpack(">II", data[16:24])
+
+
+def drawn_fraction(path):
+    """Share of pixels that are not the white background: a figure with its lines has many."""
+    import matplotlib.image
+    img = matplotlib.image.imread(path)[..., :3]
+    return float((img.min(axis=-1) < 0.9).mean())
+
+
+@pytest.fixture
+def runs(tmp_path):
+    return [make_run(tmp_path / "g1", config(seed=1)), make_run(tmp_path / "g2", config(seed=2), offset=0.05),
+            make_run(tmp_path / "g3", config(seed=3), offset=-0.05), make_run(tmp_path / "b1", config("bf16", seed=1), 0.1)]
+
+
+def test_draws_loss_and_bitwidth_pngs_of_the_expected_size(runs, tmp_path):
+    out = tmp_path / "plots"
+    plot.main([*runs, f"--out={out}"])
+    for name in ("loss.png", "bitwidth.png"):
+        path = out / name
+        assert png_size(path) == (int(plot.FIGSIZE[0] * plot.DPI), int(plot.FIGSIZE[1] * plot.DPI))
+        assert os.path.getsize(path) > 10_000
+        assert drawn_fraction(path) > 0.02  # axes, ticks, text and the curves; a blank canvas has none
+
+
+def test_no_bitwidth_png_without_pqt_runs(tmp_path):
+    run = make_run(tmp_path / "b", config("bf16"))
+    written = plot.make_plots([run], str(tmp_path / "plots"))
+    assert [os.path.basename(p) for p in written] == ["loss.png"]
+    assert not os.path.exists(tmp_path / "plots" / "bitwidth.png")
+
+
+@pytest.mark.parametrize("make", ["empty_dir", "missing_dir"])
+def test_a_directory_without_metrics_is_refused_with_one_line(runs, tmp_path, make):
+    bad = tmp_path / "not_a_run"
+    if make == "empty_dir":
+        bad.mkdir()
+    out = tmp_path / "plots"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), runs[0], str(bad), f"--out={out}"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert "metrics.jsonl" in r.stderr and str(bad) in r.stderr
+    assert not out.exists(), "nothing is written when an input is bad"
+
+
+def test_seeds_of_one_setting_are_grouped_and_labels_name_method_lr_optimizer(runs):
+    groups = plot.group_seeds([plot.read_run(d) for d in runs])
+    assert [[r["config"]["seed"] for r in g] for g in groups] == [[1, 2, 3], [1]]
+    names, title = plot.labels(groups)
+    assert names == ["gaussws[all], lr 0.002, adamw, b_t 6→4, b_i decay 0.1", "bf16, lr 0.002, adamw"]
+    assert "gpt2 2 layers x 32" in title and "1-3 seeds per line" in title
+
+
+def test_another_learning_rate_is_another_setting(tmp_path):
+    a = plot.read_run(make_run(tmp_path / "a", config(lr=2e-3)))
+    b = plot.read_run(make_run(tmp_path / "b", config(lr=1e-2)))
+    assert len(plot.group_seeds([a, b])) == 2
+
+
+def test_mean_and_band_over_seeds():
+    xs, mean, lo, hi = plot.mean_band([{0: 3.0, 10: 2.0}, {0: 4.0, 10: 1.0}, {0: 5.0}])
+    assert xs == [0, 10] and mean == [4.0, 1.5] and lo == [3.0, 1.0] and hi == [5.0, 2.0]
+
+
+def test_a_resumed_log_counts_each_step_once_the_later_record_winning(tmp_path):
+    """A run killed at step 30 after its checkpoint at 20 logs 30 again when resumed."""
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"iter": 10, "loss": 3.0}, {"iter": 20, "loss": 2.5}, {"iter": 20, "train/loss": 2.4, "val/loss": 2.6},
+            {"iter": 30, "loss": 9.9}, {"iter": 20, "train/loss": 2.4, "val/loss": 2.6}, {"iter": 30, "loss": 2.2}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"iter": 40, "lo')  # cut short by a kill
+    evals, logs = plot.read_metrics(str(path))
+    assert [(r["iter"], r["loss"]) for r in logs] == [(10, 3.0), (20, 2.5), (30, 2.2)]
+    assert [(r["iter"], r["val/loss"]) for r in evals] == [(20, 2.6)]
+
+
+def test_tokens_count_every_process_and_micro_step(runs):
+    run = plot.read_run(runs[0])
+    assert run["tokens_per_iter"] == 2 * 4 * 16  # gradient_accumulation_steps x batch_size x block_size
