@@ -1,0 +1,214 @@
+"""study.py on a 2-run study of tiny models: runs finish, are skipped when done, a stopped run is resumed
+to the losses of an uninterrupted one, and results.json holds the figures of the runs' own logs.
+Also: every run of every named study is a command train.py accepts, with one shape and budget."""
+import contextlib
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import study
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=2, gradient_accumulation_steps=1,
+            max_iters=6, lr_decay_iters=6, warmup_iters=2, eval_interval=3, eval_iters=2, log_interval=1,
+            learning_rate=3e-3, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    """A config file for a tiny model on a small byte corpus."""
+    d = tmp_path_factory.mktemp("study_data")
+    rng = np.random.default_rng(0)
+    words = [b"def ", b"return ", b"self", b"(x)", b": ", b"\n", b"    ", b"import os", b" = ", b"1"]
+    ids = np.frombuffer(b"".join(words[i] for i in rng.integers(0, len(words), 5000)), dtype=np.uint8).astype(np.uint16)
+    ids[: len(ids) * 9 // 10].tofile(d / "train.bin")
+    ids[len(ids) * 9 // 10:].tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}))
+    path = d / "tiny.py"
+    path.write_text(f"dataset = {str(d)!r}\n" + "".join(f"{k} = {v!r}\n" for k, v in TINY.items()))
+    return str(path)
+
+
+def two_runs(config):
+    return dict(about="two tiny runs", arms=[study.arm(config, method="bf16"), study.arm(config, method="gaussws[all]")],
+                seeds=(1,), export=("auto", "mxfp6_e3m2"), export_bf16=False)
+
+
+def records(run_dir):
+    """metrics.jsonl read by hand: {iter: record} per kind, a later record of an iter replacing an earlier."""
+    evals, logs = {}, {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            (evals if "val/loss" in r else logs)[r["iter"]] = r
+    return evals, logs
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_config, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("study"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        failed = study.run_study("tiny", two_runs(tiny_config), root, echo=False)
+    return root, failed, out.getvalue()
+
+
+def test_both_runs_finish_and_results_are_written(finished):
+    root, failed, printed = finished
+    assert failed == 0, printed
+    assert "run 1 of 2" in printed and "run 2 of 2" in printed
+    for name in ("tiny-bf16-s1", "tiny-gaussws_all-s1"):
+        assert json.load(open(os.path.join(root, "runs", name, "done.json")))["status"] == "finished"
+        evals, _ = records(os.path.join(root, "runs", name))
+        assert max(evals) == TINY["max_iters"]
+    for f in ("results.json", "results.md", "plots/loss.png", "plots/bitwidth.png"):
+        assert os.path.getsize(os.path.join(root, "tiny", f)) > 0
+
+
+def test_results_json_holds_the_figures_of_the_runs_own_logs(finished):
+    root, _, _ = finished
+    results = json.load(open(os.path.join(root, "tiny", "results.json")))
+    assert results["runs_finished"] == results["runs_total"] == 2
+    for arm, name in zip(results["arms"], ("tiny-bf16-s1", "tiny-gaussws_all-s1")):
+        evals, logs = records(os.path.join(root, "runs", name))
+        last = evals[max(evals)]
+        assert arm["val_loss"]["values"] == [last["val/loss"]] and arm["val_loss"]["std"] is None
+        assert arm["train_loss"]["values"] == [last["train/loss"]]
+        assert arm["tokens"] == [TINY["max_iters"] * TINY["batch_size"] * TINY["block_size"]]
+        run = results["runs"][name]
+        assert run["train_s"] == pytest.approx(sum(r["ms_per_iter"] / 1000 for r in logs.values()))  # log_interval 1
+        assert run["wall_s"] > run["train_s"]
+        if arm["overrides"]["method"] == "bf16":
+            assert run["b_t"] is None and "export" not in run  # export where the run has PQT
+        else:
+            final = logs[max(logs)]
+            assert run["b_t"] == {k: final[f"b_t/{k}"] for k in ("mean", "min", "max")}
+            for fmt in ("auto", "mxfp6_e3m2"):
+                if os.path.exists(os.path.join(ROOT, "export.py")):
+                    assert isinstance(run["export"][fmt], float), run["export"][fmt]
+                else:
+                    assert run["export"][fmt] == "export unavailable"
+    md = open(os.path.join(root, "tiny", "results.md")).read()
+    assert f"{results['arms'][0]['val_loss']['mean']:.4f}" in md and "python study.py tiny" in md
+
+
+def test_a_second_call_skips_finished_runs(finished, tiny_config):
+    root, _, _ = finished
+    logs = [os.path.join(root, "runs", n, "train.log") for n in ("tiny-bf16-s1", "tiny-gaussws_all-s1")]
+    before = [os.path.getsize(p) for p in logs]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert study.run_study("tiny", two_runs(tiny_config), root, echo=False) == 0
+    assert out.getvalue().count("already finished, skipped") == 2
+    assert [os.path.getsize(p) for p in logs] == before  # train.py did not run
+
+
+def test_a_stopped_run_is_resumed_to_the_losses_of_an_uninterrupted_one(finished, tiny_config, tmp_path):
+    """Stopped after its checkpoint at step 3 with step 4 logged, as a kill during step 5 leaves it."""
+    root, _, _ = finished
+    a = study.arm(tiny_config, method="gaussws[all]")
+    one = dict(about="one run", arms=[a], seeds=(1,), export=(), export_bf16=False)
+    name = study.run_name(a, 1)
+    run_dir = os.path.join(str(tmp_path), "runs", name)
+    args = study.train_args(a, 1, run_dir)
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.main([*args, "--max_iters=3"])
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"iter": 4, "loss": 123.0, "lr": 1e-3, "ms_per_iter": 1.0, "tokens_per_s": 1.0}) + "\n")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert study.run_study("one", one, str(tmp_path), echo=False) == 0
+    assert "(resumed)" in out.getvalue()
+    resumed_evals, resumed_logs = records(run_dir)
+    whole_evals, whole_logs = records(os.path.join(root, "runs", name))
+    assert {k: r["loss"] for k, r in resumed_logs.items()} == {k: r["loss"] for k, r in whole_logs.items()}
+    assert {k: r["val/loss"] for k, r in resumed_evals.items()} == {k: r["val/loss"] for k, r in whole_evals.items()}
+    results = json.load(open(os.path.join(str(tmp_path), "one", "results.json")))
+    assert results["runs"][name]["val_loss"] == whole_evals[TINY["max_iters"]]["val/loss"]
+
+
+def test_a_run_directory_made_with_other_arguments_is_refused(finished, tiny_config):
+    root, _, _ = finished
+    other = dict(two_runs(tiny_config), arms=[study.arm(tiny_config, method="bf16")])
+    run_dir = os.path.join(root, "runs", "tiny-bf16-s1")
+    record = json.load(open(os.path.join(run_dir, "run.json")))
+    record["args"] = record["args"] + ["--learning_rate=1.0"]
+    study.write_json(os.path.join(run_dir, "run.json"), record)
+    os.remove(os.path.join(run_dir, "done.json"))
+    with pytest.raises(study.StudyError, match="made with other arguments"):
+        study.run_study("tiny", other, root, echo=False)
+
+
+@pytest.mark.parametrize("argv,message", [(["fig9"], "'fig9' is not a study"), (["fig1b", "--nproc=0"], "bad option")])
+def test_bad_input_is_one_line(argv, message):
+    r = subprocess.run([sys.executable, "study.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
+
+
+def resolved(a, seed):
+    """train.py's resolved config for a run of a study, from its own dry run (meta device, no data)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.main([os.path.join(ROOT, a["config"]), *(f"--{k}={v}" for k, v in a["overrides"].items()),
+                    f"--seed={seed}", "--dry_run=True"])
+    text = out.getvalue()
+    return json.loads(text[:text.index("\n}\n") + 2])
+
+
+@pytest.mark.parametrize("name", list(study.STUDIES))
+def test_every_run_of_a_study_is_a_train_command_with_one_shape_budget_and_seeds(name):
+    s = study.STUDIES[name]
+    configs = [resolved(a, s["seeds"][0]) for a in s["arms"]]
+    shared = ("arch", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
+              "max_iters", "lr_decay_iters", "warmup_iters", "dataset", "eval_interval", "eval_iters")
+    for key in shared:
+        assert len({c[key] for c in configs}) == 1, f"{name}: arms differ in {key}"
+    assert configs[0]["dataset"] == "default"
+    assert s["seeds"] == ((1,) if name == "fig3a" else (1, 2, 3))
+    names = [n for n, _, _ in study.runs_of(s)]
+    assert len(set(names)) == len(names)
+    for c, a in zip(configs, s["arms"]):
+        for k, v in a["overrides"].items():
+            assert c[k] == v  # the override reached train.py
+
+
+def test_a_run_name_is_one_setting_across_studies():
+    seen = {}
+    for s in study.STUDIES.values():
+        for n, a, seed in study.runs_of(s):
+            key = (a["config"], json.dumps(a["overrides"], sort_keys=True), seed)
+            assert seen.setdefault(n, key) == key, f"{n} names two different runs"
+
+
+def test_diffq_arm_at_equal_noise_matches_gaussws_noise_variance():
+    """The lowered b_t makes DiffQ's noise variance (1/12 of the scale squared, U(-1/2, 1/2)) equal to
+    gaussws' E[R²] at the b_t of gaussws: E[R²] measured on R as gaussws samples it."""
+    import gaussws
+    # 4 x 128 x 128 draws (tensors this small run eagerly): E[R²] within 5 standard errors (0.0019)
+    r2 = float(sum((gaussws.sample_r((128, 128), seed=s).double() ** 2).mean() for s in range(4)) / 4)
+    assert abs(r2 - 0.292) < 0.01
+    arm = study.STUDIES["noise"]["arms"][2]["overrides"]
+    assert arm["method"] == "diffq[all]" and arm["b_init"] - arm["b_target"] == pytest.approx(2.0)
+    for b_gaussws, b_diffq in ((6.0, arm["b_init"]), (4.0, arm["b_target"])):
+        var_gaussws = r2 * 4.0 ** (1 - b_gaussws)  # Eq. 3: noise R * 2^(1 - b_t) per unit of block max
+        var_diffq = 1 / 12 * 4.0 ** (1 - b_diffq)
+        assert math.isclose(var_gaussws, var_diffq, rel_tol=0.03)
+
+
+def test_mini_configs_say_which_figure_they_mirror_and_a_study_uses_each():
+    import glob
+    import re
+    paths = sorted(glob.glob(os.path.join(ROOT, "config", "mini_*.py")))
+    assert paths
+    used = {a["config"] for s in study.STUDIES.values() for a in s["arms"]}
+    for p in paths:
+        with open(p) as f:
+            assert re.match(r"# Fig\. \d+[ab]?\b", f.readline()), f"{p}: the first line must name the figure it mirrors"
+        assert os.path.relpath(p, ROOT) in used, f"{p} is in no study"
