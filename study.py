@@ -183,7 +183,7 @@ def train_one(name, a, seed, root, nproc, echo):
     if not resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         os.remove(os.path.join(run_dir, "metrics.jsonl"))  # a start killed before its first checkpoint
     cmd = launcher(nproc) + args + [f"--init_from={'resume' if resume else 'scratch'}"]
-    attempt = {"command": shlex.join(cmd[1:] if nproc == 1 else cmd[3:]), "nproc": nproc, "commit": git_commit(),
+    attempt = {"command": shlex.join(["python", *cmd[1:]]), "nproc": nproc, "commit": git_commit(),
                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     t0, tail = time.time(), []
     with open(os.path.join(run_dir, "train.log"), "a") as log:
@@ -242,8 +242,8 @@ def export_losses(run_dir, formats):
         if r.returncode != 0:
             last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
             return {f: cache.get(f, f"export failed: {last}") for f in formats}
-        report = read_json(report_path) or {}
-        report = report.get("formats", report)
+        report = read_json(report_path)
+        report = report.get("formats", report) if isinstance(report, dict) else {}
         for f in missing:
             entry = report.get(f)
             loss = entry.get("val/loss") if isinstance(entry, dict) else None
@@ -258,10 +258,11 @@ def bitwidth_histogram(run_dir, png):
     why there is none."""
     if not os.path.exists(os.path.join(REPO, "export.py")):
         return "export unavailable"
-    import export
-    if not hasattr(export, "plot_bitwidths"):
-        return "export.py has no plot_bitwidths"
-    export.plot_bitwidths(os.path.join(run_dir, "ckpt.pt"), png)
+    try:
+        import export
+        export.plot_bitwidths(os.path.join(run_dir, "ckpt.pt"), png)
+    except Exception as e:  # export.py is another module's; its failure costs this figure only
+        return f"b_t histogram failed: {type(e).__name__}: {e}"
     return png
 
 
