@@ -132,6 +132,19 @@ def _finite_range(values):
     return (min(values), max(values)) if values else (0.0, 1.0)
 
 
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def styles(groups):
+    """(color, linestyle) per group: one color per method, one line style per other setting (e.g. the
+    learning rate), so the method is read from the color across panels."""
+    methods = list(dict.fromkeys(g[0]["config"]["method"] for g in groups))
+    rest = [setting({k: v for k, v in g[0]["config"].items() if k != "method"}) for g in groups]
+    others = list(dict.fromkeys(rest))
+    return [(f"C{methods.index(g[0]['config']['method']) % 10}", LINESTYLES[others.index(r) % len(LINESTYLES)])
+            for g, r in zip(groups, rest)]
+
+
 def plot_loss(groups, names, title, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -140,13 +153,12 @@ def plot_loss(groups, names, title, path):
     fig, axes = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI)
     for ax, kind, key in ((axes[0], "logs", "loss"), (axes[1], "evals", "val/loss")):
         top = []
-        for i, (group, name) in enumerate(zip(groups, names)):
+        for (color, ls), group, name in zip(styles(groups), groups, names):
             curves = [{r["iter"] * run["tokens_per_iter"]: r[key] for r in run[kind]} for run in group]
             xs, mean, lo, hi = mean_band(curves)
             if not xs:
                 continue
-            color = f"C{i % 10}"
-            ax.plot(xs, mean, color=color, label=name, lw=1.4)
+            ax.plot(xs, mean, color=color, ls=ls, label=name, lw=1.4)
             if len(group) > 1:
                 ax.fill_between(xs, lo, hi, color=color, alpha=0.2, lw=0)
             top += mean
@@ -172,17 +184,16 @@ def plot_bitwidth(groups, names, title, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
-    for i, (group, name) in enumerate(zip(groups, names)):
+    for (color, ls), group, name in zip(styles(groups), groups, names):
         if not any("b_t/mean" in r for run in group for r in run["logs"]):
             continue
-        color = f"C{i % 10}"
         per_stat = {}
         for stat in ("mean", "min", "max"):
             curves = [{r["iter"] * run["tokens_per_iter"]: r[f"b_t/{stat}"] for r in run["logs"] if f"b_t/{stat}" in r}
                       for run in group]
             per_stat[stat] = mean_band(curves)
         xs, mean, _, _ = per_stat["mean"]
-        ax.plot(xs, mean, color=color, label=f"{name}: mean", lw=1.4)
+        ax.plot(xs, mean, color=color, ls=ls, label=f"{name}: mean", lw=1.4)
         # the band: the lowest block's b_t (lowest over seeds) to the highest block's (highest over seeds)
         ax.fill_between(per_stat["min"][0], per_stat["min"][2], per_stat["max"][3], color=color, alpha=0.15, lw=0)
     ax.set_xlabel("tokens")
