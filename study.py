@@ -460,6 +460,10 @@ def main(argv):
             print(f"  {n:6s} {len(runs_of(study)):3d} runs  {study['about']}")
         return 0
     study = STUDIES[name]
+    # Config paths and train.py's out_dir are the repository's; --root may be given from anywhere.
+    root = os.path.abspath(opts["root"])
+    os.chdir(REPO)
+    opts["root"] = root if os.path.relpath(root).startswith("..") else os.path.relpath(root)
     if opts["dry_run"]:
         todo = runs_of(study)
         print(f"{name}: {study['about']}\n{len(todo)} runs:")
