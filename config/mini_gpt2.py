@@ -4,8 +4,11 @@
 # 400 steps of 2 x 16 x 128 = 4,096 tokens (1.64M tokens) instead of 300B. The study's arms (method,
 # learning rate, optimizer, b_target, seed) are overrides of this file, listed in study.py; every arm
 # has this shape, budget and schedule.
-# Wall time: one gaussws[all] run of this file took about 3 minutes on a 2-core CPU that other jobs
-# were using (see study.py for the measurement); expect 2-3 minutes on two free cores.
+# Wall time: about 3 minutes a run on two free CPU cores, from the default run (train.py's defaults:
+# this shape and token budget in one micro-batch of 32, fewer evaluations), which took 2 min 35 s on
+# a free 2-core CPU. Our own measurement of this file was made on 2 cores shared with about 8 other
+# busy processes and says little: with OMP_NUM_THREADS=1, 23-28 s a step (6.7 s of process CPU time
+# a step), with a first-step compile of minutes; on such a machine a study takes many times longer.
 # Our choices: the default run's shape and recipe (train.py): lr 2e-3 with 50 warmup steps and a
 # cosine to 2e-4, AdamW betas (0.9, 0.99), weight decay 0.1, clip 1.0. The evaluation every 50 steps
 # on 20 fixed batches of 16 gives 9 points per val curve for about 15 % more time.
