@@ -226,9 +226,11 @@ def export_losses(run_dir, formats):
     """{format: val loss of the run's checkpoint exported at that format, or why there is none}.
 
     The one place that knows export.py's command line: `python export.py --out_dir=RUN
-    --format=F1,F2 --json=PATH`, whose JSON maps each format to its record with the val loss under
-    "val/loss" (at the top level or under "formats"). Reports are kept in the run directory
-    (export.json), so each format is exported once. Without export.py, "export unavailable".
+    --format=F1,F2 --json=True --save=False` prints one JSON object whose "exports" hold a record per
+    format with its "val_loss" (on train.py's evaluation batches), "val_loss_unquantized" and
+    "bits_per_weight". export.py also draws the b_t histograms per layer role of a PQT checkpoint
+    (bitwidths.png in the run directory). Records are kept in the run directory (export.json), so
+    each format is exported once. Without export.py: "export unavailable".
     """
     cache_path = os.path.join(run_dir, "export.json")
     cache = read_json(cache_path) or {}
@@ -236,34 +238,22 @@ def export_losses(run_dir, formats):
     if missing and not os.path.exists(os.path.join(REPO, "export.py")):
         return {f: cache.get(f, "export unavailable") for f in formats}
     if missing:
-        report_path = os.path.join(run_dir, "export_report.json")
-        cmd = [sys.executable, "export.py", f"--out_dir={run_dir}", f"--format={','.join(missing)}", f"--json={report_path}"]
+        cmd = [sys.executable, "export.py", f"--out_dir={run_dir}", f"--format={','.join(missing)}", "--json=True",
+               "--save=False"]
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if r.returncode != 0:
             last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
             return {f: cache.get(f, f"export failed: {last}") for f in formats}
-        report = read_json(report_path)
-        report = report.get("formats", report) if isinstance(report, dict) else {}
+        try:
+            records = {e["format"]: e for e in json.loads(r.stdout)["exports"]}
+        except (ValueError, KeyError, TypeError) as e:
+            return {f: cache.get(f, f"export.py's output is not the JSON expected ({type(e).__name__})") for f in formats}
         for f in missing:
-            entry = report.get(f)
-            loss = entry.get("val/loss") if isinstance(entry, dict) else None
-            cache[f] = float(loss) if isinstance(loss, (int, float)) else f"no val loss for {f} in {report_path}"
+            if not isinstance(records.get(f, {}).get("val_loss"), (int, float)):
+                return {f: cache.get(f, f"export.py reported no val_loss for {f}") for f in formats}
+            cache[f] = {k: records[f].get(k) for k in ("val_loss", "val_loss_unquantized", "bits_per_weight")}
         write_json(cache_path, cache)
     return {f: cache[f] for f in formats}
-
-
-def bitwidth_histogram(run_dir, png):
-    """export.py's b_t histograms per layer role (the paper's Fig. 5) of a run's checkpoint, drawn by
-    export.py's own plotting function, `export.plot_bitwidths(ckpt_path, png)`. Returns the path, or
-    why there is none."""
-    if not os.path.exists(os.path.join(REPO, "export.py")):
-        return "export unavailable"
-    try:
-        import export
-        export.plot_bitwidths(os.path.join(run_dir, "ckpt.pt"), png)
-    except Exception as e:  # export.py is another module's; its failure costs this figure only
-        return f"b_t histogram failed: {type(e).__name__}: {e}"
-    return png
 
 
 def stats(values):
@@ -321,7 +311,8 @@ def summarize(name, study, root):
             runs[n] = fig = run_figures(run_dir, done)
             if study["export"] and (fig["method"] != "bf16" or study["export_bf16"]) and done["status"] == "finished":
                 fig["export"] = export_losses(run_dir, study["export"])
-                fig["b_t_histogram"] = bitwidth_histogram(run_dir, os.path.join(run_dir, "b_t_histogram.png"))
+                histogram = os.path.join(run_dir, "bitwidths.png")  # export.py's figure of a PQT run
+                fig["b_t_histogram"] = histogram if os.path.exists(histogram) else None
             figures.append(fig)
         ok = [f for f in figures if f["status"] == "finished"]
         entry = {"config": a["config"], "overrides": a["overrides"], "runs": names, "finished": len(ok),
@@ -332,10 +323,15 @@ def summarize(name, study, root):
         if ok and "export" in ok[0]:
             entry["export"] = {}
             for fmt in study["export"]:
-                losses = [f["export"][fmt] for f in ok if isinstance(f["export"][fmt], float)]
-                increase = [100 * (f["export"][fmt] / f["val_loss"] - 1) for f in ok if isinstance(f["export"][fmt], float)]
-                why = sorted({f["export"][fmt] for f in ok if not isinstance(f["export"][fmt], float)})
-                entry["export"][fmt] = {"val_loss": stats(losses), "increase_pct": stats(increase), "missing": why}
+                done_ = [f["export"][fmt] for f in ok if isinstance(f["export"][fmt], dict)]
+                # the increase over the unquantized loss export.py measured on the same batches
+                # (train.py's last evaluation where export.py did not report it)
+                increase = [100 * (e["val_loss"] / (e["val_loss_unquantized"] or f["val_loss"]) - 1)
+                            for f, e in ((f, f["export"][fmt]) for f in ok) if isinstance(e, dict)]
+                bits = [e["bits_per_weight"] for e in done_ if isinstance(e.get("bits_per_weight"), (int, float))]
+                why = sorted({f["export"][fmt] for f in ok if not isinstance(f["export"][fmt], dict)})
+                entry["export"][fmt] = {"val_loss": stats([e["val_loss"] for e in done_]),
+                                        "increase_pct": stats(increase), "bits_per_weight": stats(bits), "missing": why}
         arms.append(entry)
     return {"study": name, "about": study["about"], "command": f"python study.py {name}", "seeds": list(study["seeds"]),
             "machine": machine(), "torch": sorted({f["torch"] for f in runs.values() if f["torch"]}),
@@ -381,12 +377,14 @@ def markdown(results):
             if e is None:
                 row.append("-")
             elif e["val_loss"]["n"]:
-                row.append(f"{fmt_stats(e['val_loss'])} ({fmt_stats(e['increase_pct'], 2, pct=True)})")
+                bits = f", {e['bits_per_weight']['mean']:.2f} bits/w" if e["bits_per_weight"]["n"] else ""
+                row.append(f"{fmt_stats(e['val_loss'])} ({fmt_stats(e['increase_pct'], 2, pct=True)}{bits})")
             else:
                 row.append("; ".join(e["missing"]) or "-")
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "b_t: the last log line's mean, min and max over all blocks, averaged over seeds. "
-              "Increase: the exported model's val loss over the run's own, in %, mean ± std over seeds. "
+              "Increase: the exported model's val loss over the unquantized checkpoint's on the same batches "
+              "(export.py), in %, mean ± std over seeds; bits/w: export.py's bits per quantized weight, scales included. "
               "Plots: plots/loss.png, plots/bitwidth.png.", ""]
     return "\n".join(lines)
 

@@ -92,7 +92,9 @@ def test_results_json_holds_the_figures_of_the_runs_own_logs(finished):
             assert run["b_t"] == {k: final[f"b_t/{k}"] for k in ("mean", "min", "max")}
             for fmt in ("auto", "mxfp6_e3m2"):
                 if os.path.exists(os.path.join(ROOT, "export.py")):
-                    assert isinstance(run["export"][fmt], float), run["export"][fmt]
+                    assert isinstance(run["export"][fmt], dict), run["export"][fmt]
+                    assert math.isfinite(run["export"][fmt]["val_loss"])
+                    assert arm["export"][fmt]["val_loss"]["values"] == [run["export"][fmt]["val_loss"]]
                 else:
                     assert run["export"][fmt] == "export unavailable"
     md = open(os.path.join(root, "tiny", "results.md")).read()
