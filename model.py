@@ -1,4 +1,4 @@
-"""GPT2 and Llama2 in one file, with the method switch of METHOD.md section 5.
+"""GPT2 and Llama2 in one file, with the method switch of docs/METHOD.md section 5.
 
 GPT2 follows nanoGPT (and so GPT-2 itself): learned positions, pre-LN, GELU, tied lm_head, and
 GPT-2's own parameter names (transformer.wte, wpe, h.N.attn.c_attn, ...), so a GPT-2 checkpoint
