@@ -298,7 +298,8 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
 
     model_args and state_dict as in a training checkpoint: model_args' PQT keys (older checkpoints)
     are ignored, b_i dropped, PQT layers' weights w written as they are (eval mode uses w itself).
-    out_dir must not exist or be empty; it is written whole or not at all."""
+    out_dir must not exist or be empty; it is written whole or not at all. Returns (the names of the
+    files written, None or why no tokenizer files were written)."""
     from model import ModelConfig
     args = {k: v for k, v in model_args.items() if k not in PQT_KEYS}
     sd = {k.removeprefix("_orig_mod."): v.detach().cpu() for k, v in state_dict.items() if not k.endswith(".b_i")}
@@ -309,7 +310,7 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
     config = ModelConfig(**args)
     out, hf = (_to_gpt2 if config.arch == "gpt2" else _to_llama)(sd, config)
     hf["torch_dtype"] = str(sd["transformer.wte.weight"].dtype).removeprefix("torch.")
-    files = tokenizer.hf_files() if tokenizer is not None else {}
+    files, why = tokenizer.hf_files() if tokenizer is not None else ({}, "no tokenizer given")
     # our data puts the end-of-sequence token between documents: it both ends one and begins the next
     eot = tokenizer.eot if tokenizer is not None else None
     hf.update(bos_token_id=eot, eos_token_id=eot)
@@ -334,7 +335,7 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
-    return sorted(["config.json", "model.safetensors", *files])
+    return sorted(["config.json", "model.safetensors", *files]), why
 
 
 # --- the command line -----------------------------------------------------------------------------
@@ -364,8 +365,11 @@ def data_tokenizer(ckpt, data_dir=None):
             meta = json.load(f)
     except (OSError, ValueError) as e:
         return None, f"cannot read {meta_path} ({type(e).__name__})"
-    tok = tokenizer.from_meta(meta, data_dir)  # a missing tokenizer file is an error: the data is incomplete
-    return tok, None if tok.hf_files() else f"the data's tokenizer {meta['tokenizer']!r} has no transformers files"
+    spec = str(meta.get("tokenizer"))
+    if not spec.startswith(("sentencepiece:", "tokenizers:")):
+        hint = "; GPT-2's own is openai-community/gpt2's" if spec == "tiktoken:gpt2" else ""
+        return None, f"the data's tokenizer {spec!r} has no transformers files{hint}"
+    return tokenizer.from_meta(meta, data_dir), None  # a missing tokenizer file is an error: the data is incomplete
 
 
 def main(argv):
@@ -381,7 +385,8 @@ def main(argv):
         tok, why = data_tokenizer(ckpt, args.data_dir)
     except tokenizer.TokenizerError as e:
         raise HFError(str(e)) from None
-    written = save_pretrained(ckpt["model_args"], ckpt["model"], args.out, tok)
+    written, no_tokenizer = save_pretrained(ckpt["model_args"], ckpt["model"], args.out, tok)
+    why = why or no_tokenizer
     print(f"wrote {args.out}: {', '.join(written)}" + (f" (no tokenizer files: {why})" if why else ""))
 
 

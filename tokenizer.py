@@ -147,23 +147,52 @@ class Tokenizer:
             os.replace(path + ".tmp", path)
 
     def hf_files(self):
-        """{name: bytes} that make a transformers tokenizer (AutoTokenizer) of this one; {} when there
-        is none to write (tiktoken, bytes)."""
+        """({name: bytes}, why) for a transformers tokenizer (AutoTokenizer) equal to this one: the
+        files, or {} and why there are none (tiktoken, bytes, a model transformers converts otherwise)."""
         if self.kind == "tokenizers":
-            return dict(self.files)
+            return dict(self.files), None
         if self.kind == "sentencepiece":
-            import sentencepiece as spm
-            sp = spm.SentencePieceProcessor()
-            sp.LoadFromSerializedProto(self.files[self.name])
-            piece = lambda i: sp.id_to_piece(i) if i >= 0 else None  # noqa: E731
-            # LlamaTokenizer reads a SentencePiece model; no BOS is added, as the data has none
-            config = {"tokenizer_class": "LlamaTokenizer", "bos_token": piece(sp.bos_id()),
-                      "eos_token": piece(sp.eos_id()), "unk_token": piece(sp.unk_id()), "pad_token": None,
-                      "add_bos_token": False, "add_eos_token": False, "legacy": True,
-                      "clean_up_tokenization_spaces": False}
-            return {"tokenizer.model": self.files[self.name],
-                    "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
-        return {}
+            return _sentencepiece_hf_files(self)
+        return {}, f"the data's tokenizer {self.meta()['tokenizer']!r} has no transformers files"
+
+
+def _sentencepiece_hf_files(tok):
+    """tokenizer.json for a SentencePiece BPE model as Llama 2's, checked against SentencePiece itself.
+
+    transformers converts tokenizer.model (LlamaTokenizer), but its Metaspace pre-tokenizer merges
+    a leading space into SentencePiece's dummy prefix; the normalizer of the Llama-2-hf
+    tokenizer.json (prepend "▁", spaces to "▁") tokenizes as SentencePiece does. No BOS is added:
+    the data has none, documents are separated by the end-of-sequence token.
+    """
+    import tempfile
+    from tokenizers import normalizers, processors
+    from transformers import AutoTokenizer
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_proto=tok.files[tok.name])
+    piece = lambda i: sp.id_to_piece(i) if i >= 0 else None  # noqa: E731
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": piece(sp.bos_id()),
+              "eos_token": piece(sp.eos_id()), "unk_token": piece(sp.unk_id()), "add_bos_token": False,
+              "add_eos_token": False, "clean_up_tokenization_spaces": False}
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "tokenizer.model"), "wb") as f:
+            f.write(tok.files[tok.name])
+        with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+            json.dump({**config, "tokenizer_class": "LlamaTokenizer", "legacy": True}, f)
+        try:
+            backend = AutoTokenizer.from_pretrained(d).backend_tokenizer
+        except Exception as e:
+            return {}, f"transformers cannot convert the SentencePiece model ({_reason(e)})"
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.pre_tokenizer = None
+    backend.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")  # no BOS
+    n = sp.get_piece_size()
+    probe = ["Hello world", " leading space", "two  spaces", "line\nbreak\n\n", "tail ", "digits 12345",
+             "héllo 数据 🙂"] + [sp.decode(list(range(i, min(i + 16, n)))) for i in range(0, n, 16)]
+    for text in probe:
+        if backend.encode(text).ids != sp.encode(text):
+            return {}, f"transformers' conversion of the SentencePiece model tokenizes {text[:40]!r} otherwise"
+    return {"tokenizer.json": backend.to_str().encode(), "tokenizer.model": tok.files[tok.name],
+            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}, None
 
 
 def _eos_from_config(files):
