@@ -187,8 +187,8 @@ def _from_llama(sd, a, path):
     for i in range(a["n_layer"]):
         p, q = f"model.layers.{i}.", f"transformer.h.{i}."
         out[q + "ln_1.weight"] = take(p + "input_layernorm.weight")
-        out[q + "attn.q.weight"] = _to_pairs(take(p + "self_attn.q_proj.weight"), a["n_head"])
-        out[q + "attn.k.weight"] = _to_pairs(take(p + "self_attn.k_proj.weight"), a["n_kv_head"])
+        out[q + "attn.q.weight"] = take(p + "self_attn.q_proj.weight")  # rotary order: _to_pairs, once shapes are checked
+        out[q + "attn.k.weight"] = take(p + "self_attn.k_proj.weight")
         out[q + "attn.v.weight"] = take(p + "self_attn.v_proj.weight")
         out[q + "attn.out.weight"] = take(p + "self_attn.o_proj.weight")
         out[q + "ln_2.weight"] = take(p + "post_attention_layernorm.weight")
@@ -239,8 +239,13 @@ def load_pretrained(name_or_dir):
     except KeyError as e:
         raise HFError(f"{path} lacks {e.args[0]!r}, which a {arch} config has") from None
     sd = _read_weights(d)
-    out = _from_gpt2(sd, args, d) if arch == "gpt2" else _from_llama(dict(sd), args, d)
+    out = _from_gpt2(sd, args, d) if arch == "gpt2" else _from_llama(sd, args, d)
     _check_shapes(args, out, d)
+    if arch == "llama2":
+        for i in range(args["n_layer"]):
+            for name, heads in (("q", args["n_head"]), ("k", args["n_kv_head"])):
+                key = f"transformer.h.{i}.attn.{name}.weight"
+                out[key] = _to_pairs(out[key], heads).contiguous()
     return args, out
 
 

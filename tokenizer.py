@@ -98,6 +98,7 @@ class Tokenizer:
         except Exception as e:
             raise TokenizerError(f"{self.source or self.name} is not a tokenizer.json of Hugging Face "
                                  f"tokenizers ({_reason(e)})") from None
+        tok.encode_special_tokens = True  # "</s>" inside a document stays text, as with SentencePiece
         eos = self._eos_token or _eos_from_config(self.files)
         eot = tok.token_to_id(eos) if eos else None
         if eot is None:
@@ -122,14 +123,16 @@ class Tokenizer:
         return ids
 
     def decode(self, ids):
-        """Text of ids; each end-of-sequence token shows as its text (SentencePiece would drop it)."""
-        if self.eot is None:
-            return self.backend["decode"](ids)
+        """Text of ids; each end-of-sequence token shows as its text (SentencePiece would drop it), and
+        an id outside the vocabulary as U+FFFD: a model's vocab_size may be padded beyond the data's."""
+        marks = {self.eot: self.eot_text} if self.eot is not None else {}
         parts, start = [], 0
-        for i in [i for i, t in enumerate(ids) if t == self.eot] + [len(ids)]:
+        for i in [i for i, t in enumerate(ids) if t in marks or not 0 <= t < self.vocab_size] + [len(ids)]:
             parts.append(self.backend["decode"](ids[start:i]) if i > start else "")
+            if i < len(ids):
+                parts.append(marks.get(ids[i], "\ufffd"))
             start = i + 1
-        return self.eot_text.join(parts)
+        return "".join(parts)
 
     def meta(self):
         """What meta.json records, all JSON."""
