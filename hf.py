@@ -249,6 +249,28 @@ def load_pretrained(name_or_dir):
     return args, out
 
 
+def fit_pretrained(model_args, state_dict, requested, source="the pretrained model"):
+    """(model_args, state_dict) of load_pretrained with the user's explicit ModelConfig keys applied.
+
+    A pretrained model fixes its shape: a requested key that differs is refused in one line, except
+    block_size, which may shrink (GPT2's position table is cut, as nanoGPT's crop_block_size; Llama's
+    rotary positions need no table), and dropout, which is no weight. PQT keys are ignored."""
+    args, sd = dict(model_args), dict(state_dict)
+    for key, value in requested.items():
+        if key == "dropout":
+            args[key] = value
+        elif key in PQT_KEYS or value == args.get(key, value):
+            continue
+        elif key == "block_size" and 0 < value < args["block_size"]:
+            args[key] = value
+            if "transformer.wpe.weight" in sd:
+                sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"][:value].clone()
+        else:
+            raise HFError(f"{source} has {key}={args.get(key)!r}; --{key}={value!r} conflicts with it: drop it "
+                          f"(only block_size may be smaller, and dropout set)")
+    return args, sd
+
+
 # --- writing ---------------------------------------------------------------------------------------
 
 def _to_gpt2(sd, config):

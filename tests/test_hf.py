@@ -116,6 +116,20 @@ def test_the_layouts_matter_so_the_equality_above_can_fail(tmp_path):
     assert (wrong - right).abs().max() > 0.1 * right.abs().max()
 
 
+def test_a_pretrained_shape_is_kept_except_a_shorter_block_size(tmp_path):
+    theirs = hf_gpt2()
+    theirs.save_pretrained(tmp_path)
+    model_args, sd = hf.load_pretrained(str(tmp_path))
+    args, short = hf.fit_pretrained(model_args, sd, {"block_size": 8, "dropout": 0.1, "n_layer": 2, "method": "bf16"})
+    assert args["block_size"] == 8 and args["dropout"] == 0.1 and short["transformer.wpe.weight"].shape[0] == 8
+    x = tokens()[:, :8]  # causal: the first 8 positions do not depend on the rest
+    assert_logits_equal(our_logits(ours_from({**args, "dropout": 0.0}, short), x), hf_logits(theirs, x))
+    for key, value in (("n_layer", 4), ("block_size", 32), ("vocab_size", 128)):
+        with pytest.raises(hf.HFError) as e:
+            hf.fit_pretrained(model_args, sd, {key: value}, source="gpt2")
+        assert f"--{key}={value}" in one_line(e.value) and f"gpt2 has {key}={model_args[key]}" in str(e.value)
+
+
 def our_model(arch):
     torch.manual_seed(2)
     args = (dict(arch="gpt2", n_layer=2, n_head=4, n_embd=32, ffn_hidden=48, vocab_size=VOCAB, block_size=T)
