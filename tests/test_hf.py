@@ -97,6 +97,19 @@ def test_a_transformers_model_gives_our_model_its_logits(tmp_path, make):
         assert model_args["n_kv_head"] == 2 < model_args["n_head"] and model_args["rope_theta"] == 500.0
 
 
+def test_gpt2s_own_hub_file_layout_loads_the_same(tmp_path):
+    """openai-community/gpt2's model.safetensors: GPT2Model's names (no "transformer."), no lm_head,
+    and each layer's causal-mask buffer "h.N.attn.bias"."""
+    from safetensors.torch import load_file, save_file
+    theirs = hf_gpt2()
+    theirs.save_pretrained(tmp_path)
+    sd = {k.removeprefix("transformer."): v for k, v in load_file(tmp_path / "model.safetensors").items()}
+    sd.update({f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, T, T)) for i in range(2)})
+    save_file(sd, tmp_path / "model.safetensors")
+    ours = ours_from(*hf.load_pretrained(str(tmp_path)))
+    assert_logits_equal(our_logits(ours, tokens()), hf_logits(theirs, tokens()))
+
+
 def test_the_layouts_matter_so_the_equality_above_can_fail(tmp_path):
     """Without the rotary permutation (Llama) or the Conv1D transpose (GPT2) the logits are far off."""
     theirs = hf_llama()
