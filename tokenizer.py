@@ -45,6 +45,12 @@ class Tokenizer:
         b = self.backend  # a bad file or a tokenizer without an end-of-sequence token fails here
         self.vocab_size, self.eot, self.eot_text = b["vocab_size"], b["eot"], b["eot_text"]
 
+    def _where(self):
+        """The file a message should name: the user's path, or the file inside the user's directory."""
+        if self.source and not os.path.isdir(os.path.expanduser(self.source)):
+            return self.source
+        return os.path.join(self.source, self.name) if self.source else self.name
+
     def __getstate__(self):
         return {**self.__dict__, "_backend": None}
 
@@ -83,9 +89,9 @@ class Tokenizer:
         try:
             sp.LoadFromSerializedProto(self.files[self.name])
         except Exception as e:
-            raise TokenizerError(f"{self.source or self.name} is not a SentencePiece model ({_reason(e)})") from None
+            raise TokenizerError(f"{self._where()} is not a SentencePiece model ({_reason(e)})") from None
         if sp.eos_id() < 0:
-            raise TokenizerError(f"the SentencePiece model {self.source or self.name} has no end-of-sequence "
+            raise TokenizerError(f"the SentencePiece model {self._where()} has no end-of-sequence "
                                  f"token (eos_id=-1) to separate documents; train it with eos_id >= 0")
         # encode adds no BOS/EOS (SentencePiece's default); control symbols like </s> in a text stay text
         return dict(vocab_size=sp.get_piece_size(), eot=sp.eos_id(), eot_text=sp.id_to_piece(sp.eos_id()),
@@ -96,13 +102,13 @@ class Tokenizer:
         try:
             tok = HFTokenizer.from_str(self.files[self.name].decode("utf-8"))
         except Exception as e:
-            raise TokenizerError(f"{self.source or self.name} is not a tokenizer.json of Hugging Face "
+            raise TokenizerError(f"{self._where()} is not a tokenizer.json of Hugging Face "
                                  f"tokenizers ({_reason(e)})") from None
         tok.encode_special_tokens = True  # "</s>" inside a document stays text, as with SentencePiece
         eos = self._eos_token or _eos_from_config(self.files)
         eot = tok.token_to_id(eos) if eos else None
         if eot is None:
-            raise TokenizerError(f"{self.source or self.name}: no end-of-sequence token to separate documents "
+            raise TokenizerError(f"{self._where()}: no end-of-sequence token to separate documents "
                                  f"({'tokenizer_config.json names no eos_token' if not eos else f'{eos!r} is not in its vocabulary'})")
         return dict(vocab_size=tok.get_vocab_size(with_added_tokens=True), eot=eot, eot_text=eos,
                     encode=lambda texts: [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)],
@@ -212,8 +218,11 @@ def _eos_from_config(files):
 
 
 def _read(path):
-    with open(path, "rb") as f:
-        return f.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise TokenizerError(f"cannot read {path} ({_reason(e)})") from None
 
 
 def _from_path(path, source):
@@ -292,6 +301,6 @@ def from_meta(meta, data_dir=None):
             elif n == name:
                 raise TokenizerError(f"{path} is missing: meta.json's tokenizer {spec!r} needs it; prepare the "
                                      f"data again")
-        return Tokenizer(kind, name, files, eos_token=None, source=meta.get("tokenizer_source"))
+        return Tokenizer(kind, name, files, source=os.path.join(data_dir or ".", name))
     raise TokenizerError(f"unknown tokenizer {spec!r} in meta.json; expected 'bytes', 'tiktoken:<encoding>', "
                          f"'sentencepiece:<file>' or 'tokenizers:<file>'")

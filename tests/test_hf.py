@@ -403,7 +403,7 @@ def test_sample_names_a_missing_tokenizer_file_in_one_line(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"not a model")
     with pytest.raises(tokenizer.TokenizerError) as e:
         tokenizer.from_meta(meta, str(tmp_path))
-    assert "is not a SentencePiece model" in one_line(e.value)
+    assert f"{tmp_path / 'tokenizer.model'} is not a SentencePiece model" in one_line(e.value)
 
 
 def test_a_tokenizer_json_directory_separates_documents_with_its_eos(tmp_path):
