@@ -259,7 +259,7 @@ def fit_pretrained(model_args, state_dict, requested, source="the pretrained mod
     for key, value in requested.items():
         if key == "dropout":
             args[key] = value
-        elif key in PQT_KEYS or value == args.get(key, value):
+        elif key in PQT_KEYS or value is None or value == args.get(key, value):  # None: not set
             continue
         elif key == "block_size" and 0 < value < args["block_size"]:
             args[key] = value

@@ -133,7 +133,8 @@ def test_a_pretrained_shape_is_kept_except_a_shorter_block_size(tmp_path):
     theirs = hf_gpt2()
     theirs.save_pretrained(tmp_path)
     model_args, sd = hf.load_pretrained(str(tmp_path))
-    args, short = hf.fit_pretrained(model_args, sd, {"block_size": 8, "dropout": 0.1, "n_layer": 2, "method": "bf16"})
+    args, short = hf.fit_pretrained(model_args, sd, {"block_size": 8, "dropout": 0.1, "n_layer": 2, "method": "bf16",
+                                                       "ffn_hidden": None})
     assert args["block_size"] == 8 and args["dropout"] == 0.1 and short["transformer.wpe.weight"].shape[0] == 8
     x = tokens()[:, :8]  # causal: the first 8 positions do not depend on the rest
     assert_logits_equal(our_logits(ours_from({**args, "dropout": 0.0}, short), x), hf_logits(theirs, x))
