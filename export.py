@@ -45,6 +45,7 @@ DEFAULTS = dict(
     layers="pqt",  # quantized weights: "pqt" (the PQT layers; every block Linear in a run without any) or "all" (every block Linear)
     other_dtype="bfloat16",  # every tensor that is not quantized: "bfloat16" or "float32"
     export_dir="",  # where model-<format>.safetensors, bitwidths.json and bitwidths.png go; "" -> out_dir
+    plot=True,  # draw bitwidths.png (matplotlib)
     save=True,  # False: evaluate the formats without writing the model files
     overwrite=False,  # replace model files that exist
     evaluate=True,  # val loss of each exported model beside the unquantized one
@@ -408,7 +409,7 @@ def plot_bitwidths(report, path):
     """Histograms of b_t per role and overall (the paper's Fig. 5), Table C's tier bounds dashed; PNG at path."""
     from matplotlib.figure import Figure  # optional dependency, needed only here; no pyplot, no backend
     groups = list(report["roles"].items()) + [("all", report["overall"])]
-    fig = Figure(figsize=(7, 1.6 * len(groups) + 0.6), layout="constrained")
+    fig = Figure(figsize=(7, 1.6 * len(groups) + 0.6), layout="tight")
     axes = fig.subplots(len(groups), 1, sharex=True, squeeze=False)[:, 0]
     edges = report["overall"]["hist"]["edges"]
     for ax, (name, r) in zip(axes, groups):
@@ -599,7 +600,8 @@ def main(argv):
     if report:
         with open(os.path.join(export_dir, "bitwidths.json"), "w") as f:
             json.dump(report, f, indent=1)
-        plot_bitwidths(report, os.path.join(export_dir, "bitwidths.png"))
+        if cfg["plot"]:
+            plot_bitwidths(report, os.path.join(export_dir, "bitwidths.png"))
 
     metadata = {"pqt_export": "1", "model_args": json.dumps(arch_args), "pqt": json.dumps(pqt),
                 "config": json.dumps(config), "meta": json.dumps(meta), "iter_num": json.dumps(iter_num)}
@@ -632,7 +634,7 @@ def main(argv):
         print(f"note: {note}")
     if report:
         print_bitwidths(report)
-        print(f"wrote {os.path.join(export_dir, 'bitwidths.json')} and bitwidths.png")
+        print(f"wrote {os.path.join(export_dir, 'bitwidths.json')}" + (" and bitwidths.png" if cfg["plot"] else ""))
     else:
         print(f"{ckpt_path} has no PQT layers: no learned bitwidths to report")
     print(f"\n{'format':<12}{'bits/w':>8}{'file MB':>9}  mix (share of quantized weights)")
