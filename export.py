@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import train
 from configurator import ConfigError, configure
 from kernels import BL
 from model import GPT, ModelConfig
@@ -380,11 +381,10 @@ def bitwidth_report(b_t, shapes, roles, pqt):
         cum = wt[order].cumsum(0) / wt.sum()
         at = lambda p: min(int(torch.searchsorted(cum, p / 100)), len(x) - 1)
         quant = {f"p{p}": x[order][at(p)].item() for p in (1, 10, 50, 90, 99)}
-        tiers, below = {}, 0.0
+        tiers, lower = {}, -math.inf
         for bound, label in TIERS:
-            share = wt[x <= bound].sum().item() / wt.sum().item()
-            tiers[label] = share - below
-            below = share
+            tiers[label] = wt[(x > lower) & (x <= bound)].sum().item() / wt.sum().item()
+            lower = bound
         share = torch.histogram(x, bins=edges, weight=wt)[0] / wt.sum()
         return dict(layers=len(names), blocks=len(x), weights=int(wt.sum().item()),
                     mean=(x * wt).sum().item() / wt.sum().item(), min=x.min().item(), max=x.max().item(),
@@ -412,14 +412,15 @@ def plot_bitwidths(report, path):
     fig = Figure(figsize=(7, 1.6 * len(groups) + 0.6), layout="tight")
     axes = fig.subplots(len(groups), 1, sharex=True, squeeze=False)[:, 0]
     edges = report["overall"]["hist"]["edges"]
+    xlim = (min(edges[0], 3.5), max(edges[-1], 5.5))  # the 4 and 5 bounds always show
     for ax, (name, r) in zip(axes, groups):
         ax.stairs([100 * s for s in r["hist"]["share"]], r["hist"]["edges"], fill=True, color="tab:blue")
         for bound, _ in TIERS[:-1]:
-            if edges[0] - 1 <= bound <= edges[-1] + 1:
+            if xlim[0] <= bound <= xlim[1]:
                 ax.axvline(bound, color="k", linestyle="--", linewidth=0.8)
         ax.set_ylabel("% of weights")
         ax.set_title(f"{name}: mean b_t {r['mean']:.2f}, {r['blocks']} blocks", fontsize=9, loc="left")
-    axes[-1].set_xlim(min(edges[0], 3.5), max(edges[-1], 5.5))
+    axes[-1].set_xlim(*xlim)
     axes[-1].set_xlabel("learned bitwidth b_t of a 32x32 block (dashed: Table C tiers 4, 5, 9, 12)")
     fig.suptitle(f"{report['method']}: b_init {report['b_init']}, b_target {report['b_target']}", fontsize=10)
     fig.savefig(path, dpi=110)
@@ -450,7 +451,7 @@ def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata):
         layer = key[:-len(".weight")]
         if key.endswith(".weight") and layer in quantized:
             ids = format_ids_for(layer, fmt_name, b_t.get(layer), value.shape)
-            parts = quantize_weight(key, value.detach().float(), ids)
+            parts = quantize_weight(key, value.detach().float().cpu(), ids)
             tensors.update({f"{key}.{suffix}": t for suffix, t in parts.items()})
             quantized_bytes += sum(t.numel() * t.element_size() for t in parts.values())
             shapes[key] = list(value.shape)
@@ -459,7 +460,7 @@ def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata):
                 weights_by_format[FORMATS[fid].name] = (weights_by_format.get(FORMATS[fid].name, 0)
                                                         + int(counts[ids.flatten() == fid].sum().item()))
         else:
-            tensors[key] = value.detach().to(other_dtype).contiguous()
+            tensors[key] = value.detach().to(other_dtype).cpu().contiguous()
     n = sum(weights_by_format.values())
     mix = dict(format=fmt_name, quantized_weights=n, quantized_bytes=quantized_bytes,
                bits_per_weight=8 * quantized_bytes / n if n else None,
@@ -518,7 +519,6 @@ def load(path, device="cpu"):
 def eval_batches(config, block_size, eval_iters):
     """train.py's evaluation batches of the val split: for k < eval_iters, batch_size windows of
     block_size + 1 tokens drawn by batch_generator(seed, "val", "eval", k)."""
-    import train
     data_dir = os.path.join(ROOT, "data", config["dataset"])  # a path stays a path, as in train.py
     meta = train.read_meta(data_dir)
     data = train.open_split(data_dir, "val", meta, block_size)
@@ -576,6 +576,10 @@ def main(argv):
     ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
     state_dict, arch_args, pqt, train_config, iter_num = read_checkpoint(ckpt_path)
     model = build_model(state_dict, arch_args)
+    for key, value in model.state_dict().items():
+        if not torch.isfinite(value).all():
+            raise ExportError(f"{key} holds {int((~torch.isfinite(value)).sum())} non-finite values (NaN or Inf) in "
+                              f"{ckpt_path}; a non-finite model cannot be exported: export an earlier checkpoint")
     arch = model.config.arch
     b_t = learned_bitwidths(state_dict, pqt)
     linears = block_linears(state_dict, arch)
@@ -586,7 +590,6 @@ def main(argv):
         notes.append(f"{ckpt_path} has no PQT layers (method {pqt.get('method', 'bf16')!r}), so auto and auto-int have "
                      f"no learned b_t to choose a format from: they keep its block Linears in bf16")
 
-    import train
     config = {**train.DEFAULTS, **train_config}
     meta = None
     try:
@@ -594,6 +597,10 @@ def main(argv):
     except ConfigError:
         if cfg["evaluate"]:
             raise
+    batches = None
+    if cfg["evaluate"]:
+        batches = eval_batches(config, model.config.block_size, cfg["eval_iters"] or config["eval_iters"])
+        reference = val_loss(model.to(cfg["device"]), batches, config["dtype"], cfg["device"])
     report = bitwidth_report(b_t, shapes, linears, pqt) if b_t else None
     if cfg["save"] or report:
         os.makedirs(export_dir, exist_ok=True)
@@ -605,10 +612,7 @@ def main(argv):
 
     metadata = {"pqt_export": "1", "model_args": json.dumps(arch_args), "pqt": json.dumps(pqt),
                 "config": json.dumps(config), "meta": json.dumps(meta), "iter_num": json.dumps(iter_num)}
-    batches, results = None, []
-    if cfg["evaluate"]:
-        batches = eval_batches(config, model.config.block_size, cfg["eval_iters"] or config["eval_iters"])
-        reference = val_loss(model, batches, config["dtype"], cfg["device"])
+    results = []
     other_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["other_dtype"]]
     for fmt_name in formats:
         data, mix = export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata)
