@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULTS = dict(
     out_dir="out",  # the run directory holding ckpt.pt
     format="auto",  # an element format, auto, auto-int, or a comma list of them (each exported and evaluated)
-    layers="pqt",  # quantized weights: "pqt" (the PQT layers; every block Linear in a run without any) or "all" (every block Linear)
+    layers="pqt",  # "pqt": quantize the PQT layers (every block Linear in a run without any); "all": every block Linear
     other_dtype="bfloat16",  # every tensor that is not quantized: "bfloat16" or "float32"
     export_dir="",  # where model-<format>.safetensors, bitwidths.json and bitwidths.png go; "" -> out_dir
     plot=True,  # draw bitwidths.png (matplotlib)
@@ -71,7 +71,7 @@ class Format:
     bits: int  # bits per element code
     ebits: int = 0
     mbits: int = 0
-    emax: int = 0  # exponent of the largest normal value (OCP MX v1.0, Table 1)
+    emax: int = 0  # exponent of the largest normal value (as the OCP MX v1.0 spec lists it per format)
     max: float = 0.0  # largest finite value: conversions saturate here
     scaled: bool = True  # carries a per-block scale (bf16 and fp32 span every weight with their own exponent)
 
@@ -177,7 +177,7 @@ def fp_decode(codes, fmt):
 
 
 def e8m0_exponents(amax, fmt):
-    """The shared scale X = 2^k of each block, OCP MX v1.0 (section 6.3): k = floor(log2 amax) - emax,
+    """The shared scale X = 2^k of each block, by the OCP MX v1.0 conversion: k = floor(log2 amax) - emax,
     emax that of the element format's largest normal, clamped to E8M0's range [-127, 127]. The
     largest weight then lands in [2^emax, 2^(emax+1)); above fmt.max it saturates. An all-zero
     block gets the smallest scale, 2^-127 (any scale codes its zeros)."""
@@ -341,7 +341,10 @@ def build_model(state_dict, arch_args):
 
 
 def learned_bitwidths(state_dict, pqt):
-    """{module path: b_t (float64, one per 32x32 block)} of the PQT layers: b_t = b_target + b_i (b_init - b_target) (Eq. 11)."""
+    """{module path: b_t (float64, one per 32x32 block)} of the PQT layers.
+
+    Eq. 11: b_t = b_target + b_i (b_init - b_target), b_i saved beside each PQT layer's weight.
+    """
     b_i = {k[:-len(".b_i")]: v for k, v in state_dict.items() if k.endswith(".b_i")}
     if b_i and not {"b_init", "b_target"} <= set(pqt):
         raise ExportError("the checkpoint has b_i but no b_init/b_target, so its bitwidths b_t are unknown")
@@ -650,7 +653,8 @@ def main(argv):
         print(f"\nval loss on {len(batches)} batches of train.py's evaluation ({config['dtype']}):")
         print(f"{'format':<12}{'val loss':>10}{'unquantized':>13}{'increase':>10}")
         for r in results:
-            print(f"{r['format']:<12}{r['val_loss']:>10.4f}{r['val_loss_unquantized']:>13.4f}{r['increase_pct']:>9.2f}%")
+            print(f"{r['format']:<12}{r['val_loss']:>10.4f}{r['val_loss_unquantized']:>13.4f}"
+                  f"{r['increase_pct']:>9.2f}%")
 
 
 def cli(argv):

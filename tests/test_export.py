@@ -82,7 +82,8 @@ def run(argv, capsys):
 
 def blocks_of(w):
     """(i, j, view) of every 32x32 block of w, edge blocks partial."""
-    return [(i // 32, j // 32, w[i:i + 32, j:j + 32]) for i in range(0, w.shape[0], 32) for j in range(0, w.shape[1], 32)]
+    m, n = w.shape
+    return [(i // 32, j // 32, w[i:i + 32, j:j + 32]) for i in range(0, m, 32) for j in range(0, n, 32)]
 
 
 # --- element formats -------------------------------------------------------------------------
@@ -102,7 +103,7 @@ SMALL = [("mxfp4", 2, 1), ("mxfp6_e2m3", 2, 3), ("mxfp6_e3m2", 3, 2)]
 def test_every_code_of_fp4_and_fp6_decodes_as_its_bits_say(name, e, m):
     codes = torch.arange(2 ** (1 + e + m))
     expected = torch.tensor([hand_decode(c, e, m) for c in codes.tolist()], dtype=torch.float64)
-    if name == "mxfp4":  # OCP MX v1.0, Table 5: the eight magnitudes of e2m1
+    if name == "mxfp4":  # the eight magnitudes of e2m1, as the OCP MX v1.0 spec lists them
         assert expected[:8].tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
     assert torch.equal(E.fp_decode(codes, FMT[name]), expected)
     assert expected.abs().max().item() == FMT[name].max
@@ -373,8 +374,8 @@ def test_bitwidth_report_shares_of_weights_per_tier(data_dir, tmp_path, capsys):
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=auto", "--evaluate=False", "--plot=True"], capsys)
     assert rc == 0, err
     report = json.loads((tmp_path / "bitwidths.json").read_text())
-    weights = {role: sum(v.numel() for k, v in sd.items() if k.endswith(".weight") and roles.get(".".join(k.split(".")[3:-1])) == role)
-               for role in tiers}
+    role_of = {k: roles.get(".".join(k.split(".")[3:-1])) for k in sd if k.endswith(".weight")}
+    weights = {role: sum(sd[k].numel() for k, r in role_of.items() if r == role) for role in tiers}
     total = sum(weights.values())
     assert report["overall"]["tiers"] == pytest.approx({"<=4": weights["qkv"] / total, "4-5": weights["out"] / total,
                                                         "5-9": weights["up"] / total, "9-12": 0.0,
