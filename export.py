@@ -422,8 +422,15 @@ def plot_bitwidths(report, path):
             if xlim[0] <= bound <= xlim[1]:
                 ax.axvline(bound, color="k", linestyle="--", linewidth=0.8)
         ax.set_ylabel("% of weights")
-        ax.set_title(f"{name}: mean b_t {r['mean']:.2f}, {r['blocks']} blocks", fontsize=9, loc="left")
+        ax.set_title(f"{name}: mean b_t {r['mean']:.2f}, {r['blocks']} blocks", fontsize=9, loc="left", pad=12)
     axes[-1].set_xlim(*xlim)
+    lower = xlim[0]  # name each tier by the format auto gives it, above the first histogram
+    for (bound, _), name in zip(TIERS, ("fp6 e3m2", "fp8 e4m3", "bf16", "fp16", "fp32")):
+        left, right = max(lower, xlim[0]), min(bound, xlim[1])
+        if left < right:
+            axes[0].text((left + right) / 2, 1.02, name, transform=axes[0].get_xaxis_transform(), ha="center",
+                         va="bottom", fontsize=8, color="dimgray")
+        lower = bound
     axes[-1].set_xlabel("learned bitwidth b_t of a 32x32 block (dashed: Table C tiers 4, 5, 9, 12)")
     fig.suptitle(f"{report['method']}: b_init {report['b_init']}, b_target {report['b_target']}", fontsize=10)
     fig.savefig(path, dpi=110)

@@ -404,6 +404,9 @@ def test_bad_input_is_one_line_and_changes_nothing(data_dir, tmp_path, capsys):
     assert rc == 0, err
     assert E.load(str(target))[1]["format"] == "mxfp4"
 
+    with pytest.raises(E.ExportError, match="not a model file written by export.py"):
+        E.load(str(tmp_path / "ckpt.pt"))
+
     make_checkpoint(tmp_path / "nan", data_dir, nan=True)
     rc, out, err = run([f"--out_dir={tmp_path / 'nan'}", "--format=mxfp4"], capsys)
     assert rc == 1 and "non-finite" in err and len(err.strip().splitlines()) == 1
