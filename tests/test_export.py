@@ -431,3 +431,31 @@ def test_command_line_error_has_no_traceback(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), f"--out_dir={tmp_path}", "--format=fp5"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "unknown format 'fp5'" in p.stderr
+
+
+# --- the runs whose b_t falls ----------------------------------------------------------------
+
+def test_cpu_configs_pull_b_t_into_the_low_tiers_and_have_a_bf16_twin(capsys):
+    """config/cpu/: each passes train.py's dry run; AdamW's decoupled decay alone (b_i *= 1 - lr * decay
+    every step, lr on the config's warmup + cosine schedule) leaves b_t <= 5 (lowbit) and < 3 (3bit);
+    the bf16 twin differs only in its method and out_dir."""
+    settings = {}
+    for name in ("gaussws_lowbit", "gaussws_3bit", "bf16"):
+        path = os.path.join(ROOT, "config", "cpu", name + ".py")
+        train.main([path, "--dry_run=True"])
+        settings[name] = json.loads(capsys.readouterr().out.split("\nparameters")[0])
+    for name, ceiling in (("gaussws_lowbit", 5.0), ("gaussws_3bit", 3.0)):
+        s = settings[name]
+        b_i = 1.0
+        for it in range(s["max_iters"]):
+            if it < s["warmup_iters"]:
+                lr = s["learning_rate"] * (it + 1) / (s["warmup_iters"] + 1)
+            else:
+                ratio = (it - s["warmup_iters"]) / (s["lr_decay_iters"] - s["warmup_iters"])
+                lr = s["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (s["learning_rate"] - s["min_lr"])
+            b_i *= 1 - lr * s["bitwidth_weight_decay"]
+        assert s["b_target"] + b_i * (s["b_init"] - s["b_target"]) < ceiling - 0.3, name
+        assert s["method"] == "gaussws[all]" and s["dataset"] == "default"
+    differ = {k for k in settings["bf16"] if settings["bf16"][k] != settings["gaussws_lowbit"][k]}
+    assert differ <= {"out_dir", "method", "b_target", "bitwidth_weight_decay", "model_args"}
+    assert settings["bf16"]["method"] == "bf16" and settings["bf16"]["seed"] == settings["gaussws_lowbit"]["seed"]
