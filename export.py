@@ -576,6 +576,8 @@ def main(argv):
         raise ExportError(f"--layers={cfg['layers']!r}: expected 'pqt' or 'all'")
     if cfg["other_dtype"] not in ("bfloat16", "float32"):
         raise ExportError(f"--other_dtype={cfg['other_dtype']!r}: expected 'bfloat16' or 'float32'")
+    if cfg["eval_iters"] < 0:
+        raise ExportError(f"--eval_iters={cfg['eval_iters']}: expected >= 1 batches, or 0 for the run's own")
     export_dir = cfg["export_dir"] or cfg["out_dir"]
     paths = {f: os.path.join(export_dir, f"model-{f}.safetensors") for f in formats}
     if cfg["save"] and not cfg["overwrite"]:
@@ -600,10 +602,14 @@ def main(argv):
         notes.append(f"{ckpt_path} has no PQT layers (method {pqt.get('method', 'bf16')!r}), so auto and auto-int have "
                      f"no learned b_t to choose a format from: they keep its block Linears in bf16")
 
-    config = {**train.DEFAULTS, **train_config}
+    config = train_config
+    lacking = [k for k in ("dataset", "seed", "batch_size", "eval_iters", "dtype") if k not in config]
+    if cfg["evaluate"] and lacking:
+        raise ExportError(f"{ckpt_path} does not record {', '.join(lacking)} of its run, so train.py's evaluation "
+                          f"batches cannot be drawn again; pass --evaluate=False to export without the loss")
     meta = None
     try:
-        meta = train.read_meta(os.path.join(ROOT, "data", config["dataset"]))
+        meta = train.read_meta(os.path.join(ROOT, "data", config["dataset"])) if "dataset" in config else None
     except ConfigError:
         if cfg["evaluate"]:
             raise
