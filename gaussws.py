@@ -1,6 +1,6 @@
 """Gaussian weight sampling (GaussWS): pseudo-quantization training (PQT) of Linear weights.
 
-Each training step replaces a weight w by (Eq. 3, METHOD.md section 1)
+Each training step replaces a weight w by (Eq. 3, docs/METHOD.md section 1)
 
     w_hat = w + R * broadcast_bl(max_bl(|w|) * 2^(1 - b_t))
 
@@ -296,7 +296,7 @@ class PQTLinear(nn.Linear):
         return f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"
 
 
-# --- seeds (METHOD.md section 4) -------------------------------------------------------------
+# --- seeds (docs/METHOD.md section 4) --------------------------------------------------------
 # user seed -> one seed per layer -> one seed per (layer, optimizer step) for the device Philox.
 # Counter-based rather than stateful: the seed of any step is a pure function of (user seed,
 # layer, step), so forward and backward agree, every data-parallel rank draws the same R, and a

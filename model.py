@@ -1,4 +1,4 @@
-"""GPT2 and Llama2 in one file, with the method switch of METHOD.md section 5.
+"""GPT2 and Llama2 in one file, with the method switch of docs/METHOD.md section 5.
 
 GPT2 follows nanoGPT (and so GPT-2 itself): learned positions, pre-LN, GELU, tied lm_head, and
 GPT-2's own parameter names (transformer.wte, wpe, h.N.attn.c_attn, ...), so a GPT-2 checkpoint
@@ -33,6 +33,7 @@ class ModelConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0  # llama2 rotary base
     norm_eps: float = 1e-5  # llama2 RMSNorm epsilon (gpt2 LayerNorm keeps PyTorch's 1e-5)
+    gelu: str = None  # gpt2 MLP: None, exact GELU as nanoGPT; "tanh", GPT-2's own approximation (HF gelu_new)
     method: str = "bf16"  # which block Linears get PQT, e.g. "gaussws[all]", "diffq[od]" (gaussws.parse_method)
     b_init: float = 6.0  # b_t at initialisation (Eq. 11)
     b_target: float = 4.0  # b_t that weight decay on b_i pulls toward (Eq. 11)
@@ -47,6 +48,8 @@ class ModelConfig:
             raise ValueError(f"gpt2 has no grouped-query attention: n_kv_head={self.n_kv_head} must equal n_head")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+        if self.gelu not in (None, "tanh"):
+            raise ValueError(f"gelu={self.gelu!r}: expected None (exact GELU) or 'tanh' (GPT-2's approximation)")
         if self.arch == "llama2" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rotary embeddings need an even head size, got {self.n_embd // self.n_head}")
         if self.ffn_hidden is None:
@@ -115,7 +118,7 @@ class MLP(nn.Module):
     def __init__(self, config, linear):
         super().__init__()
         self.c_fc = linear("up", config.n_embd, config.ffn_hidden, config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = nn.GELU(approximate=config.gelu or "none")
         self.c_proj = linear("down", config.ffn_hidden, config.n_embd, config.bias)
         self.dropout = nn.Dropout(config.dropout)
 

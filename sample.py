@@ -34,18 +34,15 @@ class UsageError(Exception):
 
 
 def load_tokenizer(meta):
-    """(encode, decode) for meta.json's "tokenizer": "bytes" (UTF-8 bytes) or "tiktoken:<encoding>"."""
-    name = meta.get("tokenizer")
-    if name == "bytes":
-        return (lambda s: list(s.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
-    if isinstance(name, str) and name.startswith("tiktoken:"):
-        import tiktoken
-        try:
-            enc = tiktoken.get_encoding(name.split(":", 1)[1])
-        except Exception as e:  # unknown name, or its BPE file cannot be downloaded
-            raise UsageError(f"cannot load tokenizer {name!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-        return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
-    raise UsageError(f"unknown tokenizer {name!r} in meta.json; expected 'bytes' or 'tiktoken:<encoding>'")
+    """(encode, decode) with the tokenizer that meta.json names (tokenizer.from_meta): bytes, tiktoken,
+    or a SentencePiece / tokenizers file kept beside meta.json in meta["data_dir"]. The prompt may
+    hold the end-of-sequence token's text (<|endoftext|>, </s>): it is read as that token."""
+    import tokenizer
+    try:
+        tok = tokenizer.from_meta(meta, meta.get("data_dir"))
+    except tokenizer.TokenizerError as e:
+        raise UsageError(str(e)) from None
+    return (lambda s: tok.encode(s, special=True)), tok.decode
 
 
 def load_checkpoint(out_dir, device):
@@ -79,7 +76,7 @@ def load_meta(ckpt):
                          f"run python data/{dataset}/prepare.py")
     try:
         with open(path) as f:
-            return json.load(f)
+            return {**json.load(f), "data_dir": os.path.dirname(path)}  # where its tokenizer files lie
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot read {path} ({type(e).__name__}): prepare the dataset again")
 

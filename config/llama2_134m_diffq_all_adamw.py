@@ -1,9 +1,8 @@
 # Fig. 4 (top row): Llama2-134M on C4, diffq[all] with AdamW.
 # Token budget: 300B (paper): 300e9 / 524,288 tokens/step = 572,204.6 -> max_iters 572,205 (300.0B).
 # Shape: the paper's Llama2-134M: dim 768, 12 layers, 12 heads, FFN 2048, vocab 32000 (Llama 2's
-# tokenizer), untied head; sequence 2048. data/c4/prepare.py tokenizes with tiktoken's gpt2
-# (50257 tokens), which train.py refuses for a 32000-token model: prepare C4 with a tokenizer of at
-# most 32000 tokens (--tokenizer), or add --vocab_size=50304 (+14.3M parameters at 134M).
+# tokenizer), untied head; sequence 2048. Data: python data/c4/prepare.py
+# --tokenizer=path/to/tokenizer.model (Llama 2's own, 32000 tokens; see the README).
 # Our choices (the paper's settings appendix is missing): 2^19 = 524,288 tokens per step (16 x 2048
 # x 16; a micro-batch of 16 leaves room on an A100-40G, where the paper's throughput test ran 24),
 # and nanoGPT's GPT2 recipe for the rest: lr 6e-4 cosine to 6e-5 after 2000 warmup steps, weight

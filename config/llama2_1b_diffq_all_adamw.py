@@ -1,9 +1,9 @@
 # Fig. 4 (bottom row): Llama2-1B on C4, diffq[all] with AdamW.
 # Token budget: 275B (paper): 275e9 / 524,288 tokens/step = 524,520.9 -> max_iters 524,521 (275.0B).
 # Shape: TinyLlama-1.1B's, as the paper prints none: dim 2048, 22 layers, 32 heads, 4 kv heads, FFN
-# 5632, vocab 32000 (Llama 2's tokenizer), untied head; sequence 2048. data/c4/prepare.py
-# tokenizes with tiktoken's gpt2 (50257 tokens), which train.py refuses for a 32000-token model:
-# prepare C4 with a tokenizer of at most 32000 tokens (--tokenizer), or add --vocab_size=50304.
+# 5632, vocab 32000 (Llama 2's tokenizer), untied head; sequence 2048. Data: python
+# data/c4/prepare.py --tokenizer=path/to/tokenizer.model (Llama 2's own, 32000 tokens; see the
+# README).
 # Our choices (the paper's settings appendix is missing): 2^19 = 524,288 tokens per step (8 x 2048 x
 # 32; a micro-batch of 8, as the paper's throughput test on an A100-40G), and nanoGPT's GPT2 recipe
 # for the rest: lr 6e-4 cosine to 6e-5 after 2000 warmup steps, weight decay 0.1, betas (0.9, 0.95),

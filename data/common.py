@@ -1,7 +1,8 @@
 """
 What data/openwebtext/prepare.py and data/c4/prepare.py share: load documents (from the Hugging
-Face hub or local files), tokenize them with tiktoken in parallel processes, and write
-train.bin/val.bin (one end-of-text token after every document) and meta.json atomically.
+Face hub or local files), tokenize them (tokenizer.py: tiktoken, SentencePiece, Hugging Face
+tokenizers) in parallel processes, and write train.bin/val.bin (the tokenizer's end-of-sequence
+token after every document), meta.json and the tokenizer's files atomically.
 """
 import argparse
 import glob
@@ -14,7 +15,8 @@ from functools import partial
 import numpy as np
 from tqdm import tqdm
 
-EOT = "<|endoftext|>"
+import tokenizer  # the repo root's; the prepare scripts put the root on sys.path
+
 # datasets' builder for each local file type; a .txt file is one document, as in OpenWebText's
 # own archives (one .txt per web page)
 BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
@@ -36,22 +38,12 @@ def reason(e):
 
 
 def get_encoding(encoding):
-    """A tiktoken.Encoding, given one or a tiktoken encoding name (plugins included)."""
-    import tiktoken
-    if isinstance(encoding, tiktoken.Encoding):
-        enc = encoding
-    elif encoding not in tiktoken.list_encoding_names():
-        raise DataError(f"unknown tokenizer {encoding!r}; tiktoken knows {tiktoken.list_encoding_names()}")
-    else:
-        try:
-            enc = tiktoken.get_encoding(encoding)
-        except Exception as e:
-            cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or "/tmp/data-gym-cache"
-            raise DataError(f"could not download tiktoken's {encoding!r} BPE files ({reason(e)}); without network, "
-                            f"copy tiktoken's cache ({cache}) from a machine that has run get_encoding({encoding!r})")
-    if EOT not in enc.special_tokens_set:
-        raise DataError(f"tokenizer {enc.name!r} has no {EOT} token to separate documents")
-    return enc
+    """The tokenizer.Tokenizer that --tokenizer names (tokenizer.load: a tiktoken name, a SentencePiece
+    tokenizer.model, a tokenizer.json or its directory, a hub name), or one given as an object."""
+    try:
+        return tokenizer.load(encoding)
+    except tokenizer.TokenizerError as e:
+        raise DataError(str(e)) from None
 
 
 def load_hub(path, name=None, streaming=False, num_proc=None, offline="--data_files=path/to/*.jsonl"):
@@ -128,20 +120,19 @@ def write_bins(splits, encoding, out_dir, num_proc, source):
     <split>.bin and meta.json into out_dir. Everything goes to .tmp files first and is renamed
     only when all is written, so an interrupted run leaves earlier good files as they were."""
     from datasets import Features, Sequence, Value
-    enc, eot = encoding, encoding.eot_token
-    dtype = np.uint16 if enc.n_vocab <= 2**16 else np.uint32
+    enc, eot = encoding, encoding.eot
+    dtype = np.uint16 if enc.vocab_size <= 2**16 else np.uint32
     for split, ds in splits.items():
         if len(ds) == 0:
             raise DataError(f"the {split} split has no documents ({source})")
 
     def process(batch):
-        ids = [enc.encode_ordinary(text) + [eot] for text in batch["text"]]  # ordinary: "<|endoftext|>" in a text stays text
+        ids = [x + [eot] for x in enc.encode_batch(batch["text"])]  # an eot's text inside a text stays text
         return {"ids": ids, "len": [len(x) for x in ids]}
 
     features = Features({"ids": Sequence(Value(np.dtype(dtype).name)), "len": Value("int64")})
     os.makedirs(out_dir, exist_ok=True)
-    meta = {"vocab_size": enc.n_vocab, "dtype": np.dtype(dtype).name, "tokenizer": f"tiktoken:{enc.name}",
-            "eot_token": eot}
+    meta = {"vocab_size": enc.vocab_size, "dtype": np.dtype(dtype).name, **enc.meta()}
     final = {os.path.join(out_dir, f"{split}.bin"): None for split in splits}
     final[os.path.join(out_dir, "meta.json")] = None
     try:
@@ -168,6 +159,7 @@ def write_bins(splits, encoding, out_dir, num_proc, source):
             json.dump(meta, f, indent=2)
         if os.path.exists(path):
             os.remove(path)  # between the renames below the data counts as incomplete, as in data/default
+        enc.save(out_dir)  # the tokenizer's files, which meta.json names (SentencePiece, tokenizers)
         for path, tmp in final.items():  # meta.json last
             os.replace(tmp, path)
             final[path] = None
@@ -192,7 +184,9 @@ def argument_parser(doc, out_dir):
     p.add_argument("--out_dir", default=out_dir, help="where train.bin, val.bin and meta.json go (default: %(default)s)")
     p.add_argument("--num_proc", type=positive, default=max(1, (os.cpu_count() or 2) // 2),
                    help="processes for loading and tokenizing (default: %(default)s)")
-    p.add_argument("--tokenizer", dest="encoding", metavar="NAME", default="gpt2", help="tiktoken encoding name (default: %(default)s)")
+    p.add_argument("--tokenizer", dest="encoding", metavar="NAME", default="gpt2",
+                   help="a tiktoken encoding name, a SentencePiece model (Llama 2's tokenizer.model), a tokenizer.json "
+                   "or a directory holding one, or a Hugging Face hub name (default: %(default)s)")
     p.add_argument("--streaming", action="store_true",
                    help="read documents as they arrive instead of downloading the whole dataset first")
     p.add_argument("--max_docs", type=positive, help="use at most this many documents (per split where the "

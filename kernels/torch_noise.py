@@ -155,29 +155,52 @@ COMPILE_MIN_NUMEL = 2**15  # smaller tensors run eagerly: compiling would cost m
 RECOMPILE_LIMIT = 64  # one compiled loop per tensor shape; a model has a handful of shapes
 
 
+def is_compile_failure(e):
+    """True when torch.compile itself could not build the loop: its backend failed (no working C++
+    compiler, no Triton, a GPU too old for Triton, an inductor bug). False for anything else, e.g. a
+    bug in the function or an out-of-memory error, which must reach the caller as it would eagerly."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor import exc as inductor_exc
+
+    if isinstance(e, BackendCompilerFailed):  # InductorError is one; the cause is in inner_exception
+        return not isinstance(getattr(e, "inner_exception", None), (torch.OutOfMemoryError, MemoryError))
+    # The same causes, should one escape unwrapped (e.g. a kernel compiled lazily at its first call).
+    return isinstance(e, (inductor_exc.InvalidCxxCompiler, inductor_exc.CppCompileError,
+                          inductor_exc.TritonMissing, inductor_exc.GPUTooOldForTriton))
+
+
 class Compiled:
     """torch.compile'd per shape (static shapes vectorise best) for large tensors, eager otherwise.
 
     `numel(*args)` is the number of elements the call works on (default: those of the first
-    argument). Falls back to eager, warned once, where compile does not work (no C compiler, ...).
+    argument). Falls back to eager, warned once, where compile does not work (an unsupported
+    Python, no C++ compiler, ...: see is_compile_failure); every other error propagates.
     """
 
     def __init__(self, fn, numel=lambda first, *rest: first.numel()):
         self.fn, self.numel = fn, numel
         self.compiled = None
 
+    def _fall_back(self, why):
+        warnings.warn(f"torch.compile unavailable for the noise ({why}); running eager")
+        self.compiled = False
+
     @torch.no_grad()
     def __call__(self, *args):
         if self.numel(*args) < COMPILE_MIN_NUMEL or self.compiled is False:
             return self.fn(*args)
+        if self.compiled is None:
+            if not torch._dynamo.is_dynamo_supported():  # e.g. a Python version torch.compile refuses
+                self._fall_back("torch._dynamo does not support this platform")
+                return self.fn(*args)
+            self.compiled = torch.compile(self.fn, dynamic=False)
         try:
-            if self.compiled is None:
-                self.compiled = torch.compile(self.fn, dynamic=False)
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 return self.compiled(*args)
-        except Exception as e:  # no C compiler, unsupported platform, ...
-            warnings.warn(f"torch.compile unavailable for the noise ({type(e).__name__}: {e}); running eager")
-            self.compiled = False
+        except Exception as e:
+            if not is_compile_failure(e):
+                raise
+            self._fall_back(f"{type(e).__name__}: {e}")
             return self.fn(*args)
 
 

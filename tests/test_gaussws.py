@@ -1,4 +1,4 @@
-"""The method's properties (METHOD.md), each checked against an independent computation."""
+"""The method's properties (docs/METHOD.md), each checked against an independent computation."""
 import math
 
 import pytest

@@ -18,7 +18,7 @@ from model import GPT, PRESETS, ModelConfig, apply_rope, rope_cos_sin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The modules of a block that each layer name of METHOD.md section 5 denotes.
+# The modules of a block that each layer name of docs/METHOD.md section 5 denotes.
 GPT2_MODULES = {"qkv": "attn.c_attn", "out": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"}
 LLAMA2_MODULES = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "out": "attn.out",
                   "gate": "mlp.gate", "up": "mlp.up", "down": "mlp.down"}

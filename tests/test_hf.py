@@ -1,0 +1,423 @@
+"""Hugging Face interop against transformers' own models, and Llama 2-style tokenization end to end.
+
+Truth here is transformers' forward of GPT2LMHeadModel / LlamaForCausalLM and SentencePiece's own
+encoder; all offline: models are initialised at random and the SentencePiece model is trained here.
+
+Tolerance of "our logits equal theirs": FP32, |ours - theirs| <= 1e-5 * (1 + max|logit|). The two
+forwards do the same arithmetic in another order (rotate_half vs adjacent pairs, RMSNorm's
+rsqrt then weight vs torch.nn.RMSNorm, attention kernels), so each result carries a few FP32
+roundings (2^-24 ~ 6e-8 relative) summed over at most 64-term dot products and 2 layers: about
+1e-6 relative; 1e-5 leaves a margin yet is four orders below the error of a wrong layout, which
+the tests show (a missing rotary permutation or transpose moves logits by > 1e-1 relative).
+"""
+import gzip
+import importlib.util
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import hf
+import tokenizer
+from model import GPT, ModelConfig
+
+transformers = pytest.importorskip("transformers", reason="the truth here is transformers' own models")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB, T = 96, 16
+
+
+def assert_logits_equal(ours, theirs):
+    scale = 1 + theirs.abs().max().item()
+    assert (ours - theirs).abs().max().item() <= 1e-5 * scale
+
+
+def hf_gpt2(activation="gelu_new"):
+    torch.manual_seed(0)
+    # initializer_range 0.2, not 0.02: attention that is far from uniform, so a layout error shows
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_inner=48, vocab_size=VOCAB, n_positions=T,
+                                     activation_function=activation, initializer_range=0.2,
+                                     bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # nonzero biases and norms, which random init leaves at 0 and 1
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "ln" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def hf_llama(tied=False):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
+                                      rope_theta=500.0, rms_norm_eps=1e-5, initializer_range=0.2,
+                                      tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model, x):
+    with torch.no_grad():
+        return model(x).logits
+
+
+def our_logits(model, x):
+    with torch.no_grad():
+        return model(x, torch.zeros_like(x))[0]  # with targets: the logits of every position
+
+
+def ours_from(model_args, sd):
+    model = GPT(ModelConfig(**model_args))
+    model.load_state_dict(sd)
+    return model.eval()
+
+
+def tokens():
+    return torch.randint(0, VOCAB, (3, T), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("make", [hf_gpt2, lambda: hf_gpt2("gelu"), hf_llama, lambda: hf_llama(tied=True)],
+                         ids=["gpt2", "gpt2-exact-gelu", "llama-gqa", "llama-tied"])
+def test_a_transformers_model_gives_our_model_its_logits(tmp_path, make):
+    theirs = make()
+    theirs.save_pretrained(tmp_path)
+    model_args, sd = hf.load_pretrained(str(tmp_path))
+    ours = ours_from(model_args, sd)
+    assert_logits_equal(our_logits(ours, tokens()), hf_logits(theirs, tokens()))
+    if model_args["arch"] == "llama2":
+        assert model_args["n_kv_head"] == 2 < model_args["n_head"] and model_args["rope_theta"] == 500.0
+
+
+def test_gpt2s_own_hub_file_layout_loads_the_same(tmp_path):
+    """openai-community/gpt2's model.safetensors: GPT2Model's names (no "transformer."), no lm_head,
+    and each layer's causal-mask buffer "h.N.attn.bias"."""
+    from safetensors.torch import load_file, save_file
+    theirs = hf_gpt2()
+    theirs.save_pretrained(tmp_path)
+    sd = {k.removeprefix("transformer."): v for k, v in load_file(tmp_path / "model.safetensors").items()}
+    sd.update({f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, T, T)) for i in range(2)})
+    save_file(sd, tmp_path / "model.safetensors")
+    ours = ours_from(*hf.load_pretrained(str(tmp_path)))
+    assert_logits_equal(our_logits(ours, tokens()), hf_logits(theirs, tokens()))
+
+
+def test_the_layouts_matter_so_the_equality_above_can_fail(tmp_path):
+    """Without the rotary permutation (Llama) or the Conv1D transpose (GPT2) the logits are far off."""
+    theirs = hf_llama()
+    theirs.save_pretrained(tmp_path / "llama")
+    model_args, sd = hf.load_pretrained(str(tmp_path / "llama"))
+    for k in [k for k in sd if k.endswith(("attn.q.weight", "attn.k.weight"))]:
+        heads = model_args["n_head"] if ".q." in k else model_args["n_kv_head"]
+        sd[k] = hf._to_halves(sd[k], heads)  # back to Hugging Face's order
+    wrong, right = our_logits(ours_from(model_args, sd), tokens()), hf_logits(theirs, tokens())
+    assert (wrong - right).abs().max() > 0.1 * right.abs().max()
+
+    theirs = hf_gpt2()
+    theirs.save_pretrained(tmp_path / "gpt2")
+    model_args, sd = hf.load_pretrained(str(tmp_path / "gpt2"))
+    sd = {k: v.t() if k.endswith("attn.c_proj.weight") else v for k, v in sd.items()}  # square: loads untransposed
+    wrong, right = our_logits(ours_from(model_args, sd), tokens()), hf_logits(theirs, tokens())
+    assert (wrong - right).abs().max() > 0.1 * right.abs().max()
+
+
+def test_a_pretrained_shape_is_kept_except_a_shorter_block_size(tmp_path):
+    theirs = hf_gpt2()
+    theirs.save_pretrained(tmp_path)
+    model_args, sd = hf.load_pretrained(str(tmp_path))
+    args, short = hf.fit_pretrained(model_args, sd, {"block_size": 8, "dropout": 0.1, "n_layer": 2, "method": "bf16",
+                                                       "ffn_hidden": None})
+    assert args["block_size"] == 8 and args["dropout"] == 0.1 and short["transformer.wpe.weight"].shape[0] == 8
+    x = tokens()[:, :8]  # causal: the first 8 positions do not depend on the rest
+    assert_logits_equal(our_logits(ours_from({**args, "dropout": 0.0}, short), x), hf_logits(theirs, x))
+    for key, value in (("n_layer", 4), ("block_size", 32), ("vocab_size", 128)):
+        with pytest.raises(hf.HFError) as e:
+            hf.fit_pretrained(model_args, sd, {key: value}, source="gpt2")
+        assert f"--{key}={value}" in one_line(e.value) and f"gpt2 has {key}={model_args[key]}" in str(e.value)
+
+
+def our_model(arch):
+    torch.manual_seed(2)
+    args = (dict(arch="gpt2", n_layer=2, n_head=4, n_embd=32, ffn_hidden=48, vocab_size=VOCAB, block_size=T)
+            if arch == "gpt2" else
+            dict(arch="llama2", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, vocab_size=VOCAB,
+                 block_size=T, rope_theta=500.0))
+    model = GPT(ModelConfig(**args)).eval()
+    with torch.no_grad():  # weights of 0.2, not 0.02, for sharp attention; norms and biases not at 1 and 0
+        for name, p in model.named_parameters():
+            p.copy_(0.2 * torch.randn_like(p) if p.dim() == 2 else 1 + 0.1 * torch.randn_like(p)
+                    if name.endswith("weight") else 0.1 * torch.randn_like(p))
+    return args, model
+
+
+def checkpoint_state(model):
+    """A training checkpoint's model state: PQT layers add b_i (one per 32x32 block), which export drops."""
+    sd = dict(model.state_dict())
+    for k in [k for k in sd if k.endswith((".q.weight", ".c_attn.weight"))]:
+        sd[k[:-len("weight")] + "b_i"] = torch.ones(-(-sd[k].shape[0] // 32), -(-sd[k].shape[1] // 32))
+    return sd
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama2"])
+def test_an_export_loads_in_transformers_with_our_logits_and_comes_back_bit_exact(tmp_path, arch):
+    args, model = our_model(arch)
+    old_layout = {**args, "method": "gaussws[all]", "b_init": 6.0, "b_target": 4.0}  # older checkpoints' model_args
+    files, why = hf.save_pretrained(old_layout, checkpoint_state(model), tmp_path / "export")
+    assert files == ["config.json", "model.safetensors"] and why == "no tokenizer given"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(theirs).__name__ == {"gpt2": "GPT2LMHeadModel", "llama2": "LlamaForCausalLM"}[arch]
+    assert_logits_equal(our_logits(model, tokens()), hf_logits(theirs, tokens()))
+
+    back_args, back = hf.load_pretrained(str(tmp_path / "export"))
+    assert ModelConfig(**back_args) == model.config
+    assert back.keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(back[k], v), k
+
+
+def test_export_refuses_a_non_finite_model_and_an_occupied_directory(tmp_path):
+    args, model = our_model("llama2")
+    sd = model.state_dict()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(hf.HFError, match="not an empty directory"):
+        hf.save_pretrained(args, sd, tmp_path / "taken")
+    assert os.listdir(tmp_path / "taken") == ["keep.txt"]
+    sd["transformer.h.1.mlp.up.weight"][0, 0] = float("nan")
+    with pytest.raises(hf.HFError, match="non-finite weights"):
+        hf.save_pretrained(args, sd, tmp_path / "nan")
+    assert not (tmp_path / "nan").exists() and sorted(os.listdir(tmp_path)) == ["taken"]  # no temporary left
+
+
+# --- bad input: one line each ---------------------------------------------------------------------
+
+def one_line(e):
+    assert "\n" not in str(e) and str(e)
+    return str(e)
+
+
+def test_a_directory_that_is_not_a_model_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(hf.HFError) as e:
+        hf.load_pretrained(str(tmp_path))
+    assert "no config.json" in one_line(e.value)
+    with pytest.raises(hf.HFError, match="no such directory"):
+        hf.load_pretrained(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8,
+                                                      "num_attention_heads": 2, "num_hidden_layers": 1,
+                                                      "intermediate_size": 16, "vocab_size": 10,
+                                                      "max_position_embeddings": 8}))
+    with pytest.raises(hf.HFError) as e:
+        hf.load_pretrained(str(tmp_path))
+    assert "no *.safetensors" in one_line(e.value)
+
+
+@pytest.mark.parametrize("config, expect", [
+    ({"architectures": ["BertForMaskedLM"], "model_type": "bert"}, "unsupported architecture BertForMaskedLM"),
+    ({"model_type": "mistral"}, "unsupported architecture mistral"),
+    ({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "rope_type='linear' is not supported"),
+    ({"architectures": ["GPT2LMHeadModel"], "activation_function": "relu"}, "activation_function='relu'"),
+])
+def test_an_unsupported_architecture_is_refused(tmp_path, config, expect):
+    base = {"LlamaForCausalLM": dict(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=16,
+                                     vocab_size=10, max_position_embeddings=8),
+            "GPT2LMHeadModel": dict(n_embd=8, n_head=2, n_layer=1, vocab_size=10, n_positions=8)}
+    (tmp_path / "config.json").write_text(json.dumps({**base.get((config.get("architectures") or [""])[0], {}),
+                                                      **config}))
+    with pytest.raises(hf.HFError) as e:
+        hf.load_pretrained(str(tmp_path))
+    assert expect in one_line(e.value)
+
+
+def test_weights_of_another_shape_are_refused(tmp_path):
+    theirs = hf_llama()
+    theirs.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
+    with pytest.raises(hf.HFError) as e:
+        hf.load_pretrained(str(tmp_path))
+    assert "self_attn.k_proj" in one_line(e.value) or "attn.k.weight" in one_line(e.value)
+
+
+def offline_env(tmp_path):
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               OMP_NUM_THREADS="1", HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+    env.pop("NO_PROXY", None), env.pop("no_proxy", None)
+    return env
+
+
+def run(tmp_path, script, *args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
+                          env=offline_env(tmp_path), cwd=tmp_path, timeout=120)
+
+
+def error_line(r):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_hub_names_offline_fail_in_one_line_that_says_how_to_use_local_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(hf.HFError) as e:
+        hf.load_pretrained("gpt2")
+    assert "openai-community/gpt2" in one_line(e.value) and "local directory" in str(e.value)
+    with pytest.raises(tokenizer.TokenizerError) as e:
+        tokenizer.load("meta-llama/Llama-2-7b-hf")
+    assert "--tokenizer=path/to/tokenizer.model" in one_line(e.value)
+
+
+def test_export_of_a_missing_or_foreign_checkpoint_is_refused(tmp_path):
+    with pytest.raises(hf.HFError, match="no checkpoint at"):
+        hf.main([f"--ckpt={tmp_path / 'missing.pt'}", f"--out={tmp_path / 'x'}"])
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(hf.HFError) as e:
+        hf.main([f"--ckpt={tmp_path / 'other.pt'}", f"--out={tmp_path / 'x'}"])
+    assert "not a checkpoint of train.py" in one_line(e.value) and not (tmp_path / "x").exists()
+
+
+def test_prepare_cli_bad_tokenizer_is_one_line(tmp_path):
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text('{"text": "a document"}\n{"text": "another"}\n')
+    line = error_line(run(tmp_path, "data/c4/prepare.py", "--data_files=a.jsonl", "--val_data_files=b.jsonl",
+                          f"--tokenizer={tmp_path / 'nowhere' / 'tokenizer.model'}"))
+    assert "no such file or directory" in line and "nowhere" in line
+    line = error_line(run(tmp_path, "data/openwebtext/prepare.py", "--data_files=a.jsonl",
+                          "--tokenizer=no-such-org/no-such-tokenizer"))
+    assert "Hugging Face hub" in line and "--tokenizer=path/to/tokenizer.model" in line
+
+
+# --- Llama 2's tokenizer, end to end --------------------------------------------------------------
+
+WORDS = ["the", "river", "bank", "money", "sat", "on", "a", "mat", "héllo", "数据", "don't", "42", "1999", "\n"]
+
+
+def make_docs(n, seed):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) for _ in range(n)]
+
+
+def train_sentencepiece(path, docs, vocab_size=320):
+    """A SentencePiece BPE model set up as Llama 2's (byte fallback, split digits, no normalization,
+    unk/bos/eos = 0/1/2), on generated documents."""
+    import sentencepiece as spm
+    f = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_writer=f, vocab_size=vocab_size,
+                                   model_type="bpe", byte_fallback=True, split_digits=True, unk_id=0, bos_id=1,
+                                   eos_id=2, pad_id=-1, character_coverage=1.0, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, minloglevel=2)
+    path.write_bytes(f.getvalue())
+    return spm.SentencePieceProcessor(model_file=str(path))
+
+
+def write_c4(path, docs):
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"text": d, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://c4.test/{i}"}) + "\n")
+
+
+def load_prepare(name):
+    """A prepare script as a module, the way `python data/<name>/prepare.py` runs it."""
+    spec = importlib.util.spec_from_file_location(f"prepare_{name}", os.path.join(ROOT, "data", name, "prepare.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sentencepiece_c4_prepare_train_sample_export(tmp_path, capsys, monkeypatch):
+    """In this process (train.main, sample.main, hf.main take the command line's flags): a subprocess
+    would import torch and transformers again for each step."""
+    import datasets
+    import sample
+    import train
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    train_docs, val_docs = make_docs(120, seed=0), make_docs(20, seed=1)
+    sp = train_sentencepiece(tmp_path / "tokenizer.model", train_docs)
+    write_c4(tmp_path / "c4-train.00000-of-00001.json.gz", train_docs)
+    write_c4(tmp_path / "c4-validation.00000-of-00001.json.gz", val_docs)
+    data = tmp_path / "c4"
+    load_prepare("c4").prepare(data_files=f"{tmp_path}/c4-train.*.json.gz", out_dir=data, num_proc=1,
+                               val_data_files=f"{tmp_path}/c4-validation.*.json.gz",
+                               encoding=str(tmp_path / "tokenizer.model"))
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["tokenizer"] == "sentencepiece:tokenizer.model" and meta["vocab_size"] == sp.get_piece_size()
+    assert meta["eot_token"] == sp.eos_id() == 2 and meta["tokenizer_source"] == str(tmp_path / "tokenizer.model")
+    assert (data / "tokenizer.model").read_bytes() == (tmp_path / "tokenizer.model").read_bytes()
+    for split, docs in (("train", train_docs), ("val", val_docs)):  # SentencePiece's own ids, each doc + </s>
+        want = [t for d in docs for t in sp.encode(d) + [sp.eos_id()]]
+        assert np.fromfile(data / f"{split}.bin", dtype=meta["dtype"]).tolist() == want
+
+    # the data's vocabulary must fit the model's: one line when it does not
+    config = [os.path.join(ROOT, "config", "llama2_134m_gaussws_all_adamw.py"), f"--dataset={data}",
+              f"--out_dir={tmp_path / 'out'}", "--n_layer=1", "--n_embd=64", "--n_head=2", "--ffn_hidden=128",
+              "--block_size=32", "--batch_size=2", "--gradient_accumulation_steps=1", "--max_iters=2",
+              "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1", "--lr_decay_iters=2", "--log_interval=1",
+              "--wandb_log=False", "--compile=False", "--device=cpu", "--dtype=float32"]
+    with pytest.raises(Exception) as e:
+        train.main(config + ["--vocab_size=256"])
+    assert f"vocabulary of {sp.get_piece_size()} tokens" in one_line(e.value) and "vocab_size=256" in str(e.value)
+
+    train.main(config)  # the config's Llama 2 vocabulary of 32000 holds the tokenizer's
+    ckpt = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    assert any(k.endswith(".b_i") for k in ckpt["model"])  # gaussws[all]: PQT layers, which export writes as w
+
+    prompt = "the river bank"
+    capsys.readouterr()
+    sample.main([f"--out_dir={tmp_path / 'out'}", f"--start={prompt}", "--num_samples=1", "--max_new_tokens=8",
+                 "--device=cpu", "--temperature=0"])
+    text = capsys.readouterr().out.split("---------------")[0]
+    assert text.startswith(prompt) and len(text) > len(prompt)  # SentencePiece decodes the prompt back exactly
+
+    # export: transformers' model gives our checkpoint's logits; its tokenizer is SentencePiece's
+    hf.main([f"--ckpt={tmp_path / 'out' / 'ckpt.pt'}", f"--out={tmp_path / 'hf'}"])
+    assert "tokenizer.json" in capsys.readouterr().out
+    args = {k: v for k, v in ckpt["model_args"].items() if k not in hf.PQT_KEYS}
+    ours = ours_from(args, {k: v for k, v in ckpt["model"].items() if not k.endswith(".b_i")})
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.tensor([sp.encode(val_docs[0])[:32]])
+    assert_logits_equal(our_logits(ours, x), hf_logits(theirs, x))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for d in val_docs + [" leading space", "two  spaces", "line\nbreak", "digits 31415"]:
+        assert hf_tok(d)["input_ids"] == sp.encode(d)  # no BOS, as in the data
+        assert hf_tok.decode(sp.encode(d)) == sp.decode(sp.encode(d))
+    assert hf_tok.eos_token_id == theirs.config.eos_token_id == sp.eos_id()
+
+
+def test_sample_names_a_missing_tokenizer_file_in_one_line(tmp_path):
+    meta = {"tokenizer": "sentencepiece:tokenizer.model", "eot_token": 2, "vocab_size": 320}
+    with pytest.raises(tokenizer.TokenizerError) as e:
+        tokenizer.from_meta(meta, str(tmp_path))
+    assert str(tmp_path / "tokenizer.model") in one_line(e.value) and "prepare the data again" in str(e.value)
+    (tmp_path / "tokenizer.model").write_bytes(b"not a model")
+    with pytest.raises(tokenizer.TokenizerError) as e:
+        tokenizer.from_meta(meta, str(tmp_path))
+    assert f"{tmp_path / 'tokenizer.model'} is not a SentencePiece model" in one_line(e.value)
+
+
+def test_a_tokenizer_json_directory_separates_documents_with_its_eos(tmp_path):
+    """A transformers tokenizer directory (tokenizer.json + tokenizer_config.json), as on the hub."""
+    sp = train_sentencepiece(tmp_path / "tokenizer.model", make_docs(60, seed=3), vocab_size=300)
+    files, why = tokenizer.load(str(tmp_path / "tokenizer.model")).hf_files()
+    assert why is None
+    (tmp_path / "dir").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "dir" / name).write_bytes(files[name])
+    tok = tokenizer.load(str(tmp_path / "dir"))
+    assert tok.kind == "tokenizers" and tok.eot == sp.eos_id() and tok.vocab_size == sp.get_piece_size()
+    doc = "the river bank</s> is text"
+    assert tok.encode(doc) == sp.encode(doc)  # "</s>" inside a document stays text
+    assert tok.encode("a</s>b", special=True) == sp.encode("a") + [2] + sp.encode("b")  # prompts may name it
+    assert tok.decode(sp.encode("a") + [2] + sp.encode("b")) == "a</s>b"
