@@ -371,7 +371,7 @@ def markdown(results):
         bits = "-" if not b["mean"]["n"] else f"{b['mean']['mean']:.2f} [{b['min']['mean']:.2f}, {b['max']['mean']:.2f}]"
         wall = "-" if not a["wall_s"]["n"] else f"{a['wall_s']['mean'] / 60:.1f}"
         row = [arm_label(a), seeds, fmt_stats(a["val_loss"]), fmt_stats(a["train_loss"]),
-               ", ".join(f"{t / 1e6:.2f}M" for t in a["tokens"]) or "-", wall, bits]
+               ", ".join(f"{t:,}" for t in a["tokens"]) or "-", wall, bits]
         for f in export_formats:
             e = a.get("export", {}).get(f)
             if e is None:
@@ -385,7 +385,8 @@ def markdown(results):
     lines += ["", "b_t: the last log line's mean, min and max over all blocks, averaged over seeds. "
               "Increase: the exported model's val loss over the unquantized checkpoint's on the same batches "
               "(export.py), in %, mean ± std over seeds; bits/w: export.py's bits per quantized weight, scales included. "
-              "Plots: plots/loss.png, plots/bitwidth.png.", ""]
+              "Plots: plots/loss.png, plots/bitwidth.png; the b_t histograms per layer role of each exported PQT "
+              "run: runs/<run>/bitwidths.png (export.py).", ""]
     return "\n".join(lines)
 
 
