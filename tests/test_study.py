@@ -230,3 +230,14 @@ def test_3bit_arms_decay_alone_brings_b_t_below_3():
                 lr = s["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (s["learning_rate"] - s["min_lr"])
             b_i *= 1 - lr * s["bitwidth_weight_decay"]
         assert s["b_target"] + b_i * (s["b_init"] - s["b_target"]) < 3.0 - 0.3, a
+
+
+def test_dry_run_lists_every_run_with_its_command_and_nproc_uses_torchrun(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # main() works in the repository; the test's directory is restored after
+    assert study.main(["fig3a", "--dry_run", f"--root={tmp_path}"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if "[to run]" in l]
+    assert len(lines) == 5 and all("python train.py config/mini_gpt2.py" in l for l in lines)
+    assert study.main(["fig4", "--dry_run", "--nproc=2", f"--root={tmp_path}"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if "[to run]" in l]
+    assert len(lines) == 9
+    assert all("-m torch.distributed.run --standalone --nproc_per_node=2 train.py config/mini_llama2.py" in l for l in lines)
