@@ -26,6 +26,9 @@ NOT_A_SETTING = {"seed", "out_dir", "init_from", "overwrite", "dry_run", "eval_o
                  "recompute_w_hat", "save_checkpoints", "always_save_checkpoint", "log_interval",
                  "world_size", "versions"}
 
+NEEDED = ("method", "learning_rate", "optimizer", "b_init", "b_target", "bitwidth_weight_decay", "arch", "n_layer",
+          "n_embd", "dataset", "max_iters", "batch_size", "block_size", "gradient_accumulation_steps")
+
 
 class PlotError(Exception):
     """Bad input; the message is one line."""
@@ -71,6 +74,9 @@ def read_run(run_dir):
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise PlotError(f"{config_path} is missing or unreadable ({type(e).__name__}); train.py writes it at the start of a run") from None
+    lacking = [k for k in NEEDED if k not in config]
+    if lacking:
+        raise PlotError(f"{config_path} lacks {', '.join(lacking)}: not a config.json that train.py wrote")
     evals, logs = read_metrics(metrics)
     if not evals and not logs:
         raise PlotError(f"{metrics} holds no records yet")

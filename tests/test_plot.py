@@ -129,3 +129,12 @@ def test_a_resumed_log_counts_each_step_once_the_later_record_winning(tmp_path):
 def test_tokens_count_every_process_and_micro_step(runs):
     run = plot.read_run(runs[0])
     assert run["tokens_per_iter"] == 2 * 4 * 16  # gradient_accumulation_steps x batch_size x block_size
+
+
+def test_a_config_json_that_train_py_did_not_write_is_refused_with_one_line(tmp_path):
+    run = make_run(tmp_path / "r", config())
+    with open(os.path.join(run, "config.json"), "w") as f:
+        json.dump({"method": "bf16"}, f)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), run, f"--out={tmp_path / 'plots'}"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "lacks learning_rate" in r.stderr
