@@ -199,12 +199,23 @@ class _MetadataUnpickler(pickle.Unpickler):
     file cannot run code (what weights_only does for torch.load)."""
 
     def find_class(self, module, name):
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
-                ("collections", "OrderedDict"), ("torch", "Size")) or (
-                module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                              torch.memory_format))):
+        if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
+        obj = None
+        if module.split(".")[0] == "torch":  # importing torch's own modules is safe
+            try:
+                obj = super().find_class(module, name)
+            except (ImportError, AttributeError):
+                pass
+        if (module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+                and isinstance(obj, type)) or (
+                module == "torch" and isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))):
+            return obj
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+    # torch.Size of shapes, _get_layout("torch.strided"), the checkpoint's path as DCP recorded it
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+               ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
 
 
 def _reader(directory):
@@ -224,7 +235,8 @@ def _reader(directory):
 
 
 def _planner(empty):
-    """DCP's load planner, but non-tensor values (optimizer param_groups) with weights_only=True."""
+    """DCP's load planner, but non-tensor values (optimizer param_groups) with weights_only=True;
+    empty: build the state dict from the checkpoint (its "model" part only) instead of filling one."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
     class Planner(_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner):
@@ -236,11 +248,12 @@ def _planner(empty):
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
-    return Planner()
+    return Planner(keys={"model"}) if empty else Planner()
 
 
-def _target(path):
-    """The directory a sharded checkpoint's symlink points to, checked file by file against crc32.json."""
+def _target(path, part=(0, 1)):
+    """The directory a sharded checkpoint's symlink points to, checked file by file against
+    crc32.json; part=(i, n): check only every n-th file from the i-th (rank i of n checks its share)."""
     if not os.path.lexists(path):
         raise CheckpointError(f"no checkpoint at {path}")
     directory = os.path.realpath(path)
@@ -255,7 +268,7 @@ def _target(path):
         raise CheckpointError(f"{path} is not a sharded checkpoint of this code (no {CRCS})") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupt: {CRCS} is not valid JSON ({_first_line(e)})") from None
-    for name, crc in sorted(crcs.items()):
+    for name, crc in sorted(crcs.items())[part[0]::part[1]]:
         file = os.path.join(directory, name)
         try:
             if _crc32(file) != crc:
@@ -318,17 +331,52 @@ def save_sharded(path, model, optimizers, header):
             dist.barrier()  # no rank goes on (or reads path) before the swap
 
 
+def _dcp_load(path, state, directory, empty):
+    """dcp.load, its failures (which it wraps per rank) as one line; out of memory raised as is."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        import torch.distributed as dist
+        if empty:  # dcp.load fills only the keys given; torch's own dcp_to_torch_save does this
+            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+            _load_state_dict(state, storage_reader=_reader(directory), planner=_planner(empty), no_dist=True)
+        else:
+            dcp.load(state, storage_reader=_reader(directory), planner=_planner(empty),
+                     no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        failures = list(e.failures.values())
+        causes = [getattr(f, "exc", f) for f in failures]  # _WrappedException keeps the original as .exc
+        for cause in causes:
+            if isinstance(cause, (MemoryError, torch.OutOfMemoryError)):
+                raise cause from e
+        raise CheckpointError(f"cannot load {path}: {_first_line(causes[0]) if causes else _first_line(e)}") from None
+    except (pickle.UnpicklingError, AssertionError, RuntimeError, KeyError, ValueError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {_first_line(e)}") from None
+
+
 def load_sharded(path, model, optimizers):
     """Collective: verify the checkpoint at path, load each rank's part of the model and the
     optimizers in place (resharded for this world size) and return the header dict."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
-    directory = _target(path)
+    if dist.is_initialized():  # each rank checks its share of the files; all fail together
+        try:
+            directory, error = _target(path, (dist.get_rank(), dist.get_world_size())), None
+        except CheckpointError as e:
+            directory, error = None, str(e)
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        if any(errors):
+            raise CheckpointError(next(e for e in errors if e))
+    else:
+        directory = _target(path)
     header = load(os.path.join(directory, HEADER))
     state = {"model": get_model_state_dict(model),
              "optimizer": {str(i): get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)}}
-    dcp.load(state, storage_reader=_reader(directory), planner=_planner(empty=False))
+    _dcp_load(path, state, directory, empty=False)
     set_model_state_dict(model, state["model"])
     for i, o in enumerate(optimizers):
         set_optimizer_state_dict(model, o, state["optimizer"][str(i)])
@@ -344,12 +392,8 @@ def load_model(path, map_location="cpu"):
         if not isinstance(ckpt, dict) or "model" not in ckpt:
             raise CheckpointError(f"{path} is not a checkpoint of train.py: it has no 'model'")
         return ckpt
-    import torch.distributed.checkpoint as dcp
     directory = _target(path)
     header = load(os.path.join(directory, HEADER), map_location)
     state = {}
-    dcp.load(state, storage_reader=_reader(directory), planner=_planner(empty=True), no_dist=True)
-    # _EmptyStateDictLoadPlanner fills the dict by the flattened names ("model.<param>") ...
-    model = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-    model = model or state.get("model", {})  # ... or nested, depending on the torch version
-    return {**header, "model": {k: v.to(map_location) for k, v in model.items()}}
+    _dcp_load(path, state, directory, empty=True)
+    return {**header, "model": {k: v.to(map_location) for k, v in state["model"].items()}}

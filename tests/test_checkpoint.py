@@ -188,3 +188,116 @@ def test_a_second_writer_is_refused_until_the_first_dies(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded: FSDP2 on 2 processes (gloo, CPU) saves; 1 and 2 processes load
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(),
+                                                              torch.nn.Linear(24, 16)) for _ in range(2))
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def build(seed, fsdp):
+    torch.manual_seed(seed)
+    model = Tiny()
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
+
+def train_step(model, opt, step):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def full_state(model, opt):
+    """The whole model and optimizer state, gathered by torch's own FSDP state-dict API."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"model": get_model_state_dict(model, options=options),
+            "optimizer": get_optimizer_state_dict(model, opt, options=options)}
+
+
+def sharded_worker(rank, world_size, init_file, path, tmp):
+    """Save a trained FSDP model twice, then load it into a fresh one with other weights."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model, opt = build(0, fsdp=True)
+        train_step(model, opt, 0)
+        checkpoint.save_sharded(path, model, [opt], {"iter_num": 1})
+        first = os.path.realpath(path)
+        train_step(model, opt, 1)
+        checkpoint.save_sharded(path, model, [opt], {"iter_num": 2, "rng_state": torch.get_rng_state()})
+        assert os.path.realpath(path) != first and not os.path.exists(first)  # swapped, the old one gone
+        saved = full_state(model, opt)
+
+        model, opt = build(1, fsdp=True)  # other weights ...
+        train_step(model, opt, 5)  # ... and other optimizer state, all to be overwritten
+        header = checkpoint.load_sharded(path, model, [opt])
+        assert header["iter_num"] == 2
+        loaded = full_state(model, opt)
+        if rank == 0:
+            torch.save(saved, os.path.join(tmp, "saved.pt"))
+            torch.save(loaded, os.path.join(tmp, "loaded2.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), (a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (a.keys(), b.keys())
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b, (a, b)
+
+
+def test_sharded_checkpoint_saved_by_2_loads_in_1_and_2(tmp_path):
+    import torch.multiprocessing as mp
+    path = tmp_path / "ckpt.dcp"
+    mp.spawn(sharded_worker, args=(2, str(tmp_path / "init"), str(path), str(tmp_path)), nprocs=2, join=True)
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)
+    assert_same(saved, torch.load(tmp_path / "loaded2.pt", weights_only=True))  # 2 processes, FSDP
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.dcp", os.path.basename(os.path.realpath(path)),
+                                                  "saved.pt", "loaded2.pt", "init"])
+
+    model, opt = build(2, fsdp=False)  # 1 process, no process group
+    train_step(model, opt, 5)
+    header = checkpoint.load_sharded(path, model, [opt])
+    assert header["iter_num"] == 2 and header["rng_state"].dtype == torch.uint8
+    assert_same(saved, full_state(model, opt))
+
+    ckpt = checkpoint.load_model(path)  # what sample.py reads
+    assert ckpt["iter_num"] == 2 and "optimizer" not in ckpt
+    assert_same(saved["model"], ckpt["model"])
+
+    shard = os.path.join(os.path.realpath(path), "__1_0.distcp")
+    flip(shard, os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError, match="corrupt") as e:
+        checkpoint.load_model(path)
+    assert "__1_0.distcp" in one_line(e.value)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        checkpoint.load_sharded(path, model, [opt])
