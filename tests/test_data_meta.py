@@ -42,6 +42,38 @@ def test_two_runs_preparing_the_default_corpus_at_once(tmp_path, fn):
     assert meta["max_token"] == max(train.max(), val.max()) and len(train) == meta["train_tokens"]
 
 
+def test_a_second_preparation_waits_for_the_first(tmp_path, monkeypatch):
+    """Deterministic: the first is held between writing train.bin and the rest; the second (another
+    process) must not write into the folder meanwhile, and both end with whole, matching files."""
+    import threading
+    sys.path.insert(0, os.path.join(ROOT, "data", "default"))
+    import prepare
+    out, go = tmp_path / "default", tmp_path / "go"
+    held, release, real = threading.Event(), threading.Event(), common.write_atomic
+
+    def write_then_hold(path, data):
+        real(path, data)
+        if path.endswith("train.bin"):
+            held.set()
+            release.wait(60)
+    monkeypatch.setattr(common, "write_atomic", write_then_hold)
+    first = threading.Thread(target=prepare.prepare, args=(str(out),))
+    first.start()
+    assert held.wait(60)
+    go.touch()
+    code = RACE.format(default=os.path.join(ROOT, "data", "default"), fn="prepare")
+    second = subprocess.Popen([sys.executable, "-c", code, str(out), str(go)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    time.sleep(3)  # ample time for the second to prepare the corpus (0.5 s), were it not waiting
+    assert second.poll() is None and sorted(os.listdir(out)) == ["train.bin"]
+    release.set()
+    first.join(60)
+    _, err = second.communicate(timeout=60)
+    assert second.returncode == 0, err
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
+    common.load_meta(str(out))
+
+
 def dataset(tmp_path, meta, train=b"\x01\x00" * 100, val=b"\x02\x00" * 10):
     d = tmp_path / "data"
     d.mkdir(exist_ok=True)
