@@ -28,6 +28,7 @@ import os
 import pickle
 import secrets
 import shutil
+import warnings
 import zipfile
 import zlib
 
@@ -341,8 +342,10 @@ def _dcp_load(path, state, directory, empty):
             from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
             _load_state_dict(state, storage_reader=_reader(directory), planner=_planner(empty), no_dist=True)
         else:
-            dcp.load(state, storage_reader=_reader(directory), planner=_planner(empty),
-                     no_dist=not dist.is_initialized())
+            with warnings.catch_warnings():  # DCP warns that one process loads alone: that is the point
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+                dcp.load(state, storage_reader=_reader(directory), planner=_planner(empty),
+                         no_dist=not dist.is_initialized())
     except CheckpointException as e:
         failures = list(e.failures.values())
         causes = [getattr(f, "exc", f) for f in failures]  # _WrappedException keeps the original as .exc
