@@ -5,7 +5,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 import zipfile
 
 import pytest
