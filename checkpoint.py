@@ -294,6 +294,7 @@ def save_sharded(path, model, optimizers, header):
     A crash at any point leaves path pointing at the previous complete checkpoint."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     path = os.path.abspath(path)
@@ -322,14 +323,21 @@ def save_sharded(path, model, optimizers, header):
             _fsync_dir(parent)
             if old and old != directory and os.path.isdir(old):
                 shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
+    except (OSError, CheckpointException) as e:  # DCP gathers every rank's failure into the latter
         if rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
-        raise CheckpointError(f"cannot save {path}: {_first_line(e)}; the previous checkpoint there, "
+        causes = _causes(e) or [e]
+        raise CheckpointError(f"cannot save {path}: {_first_line(causes[0])}; the previous checkpoint there, "
                               f"if any, is unchanged") from None
     finally:
         if dist.is_initialized():
             dist.barrier()  # no rank goes on (or reads path) before the swap
+
+
+def _causes(e):
+    """The exceptions of the ranks that failed, out of DCP's CheckpointException ((exc, stack) pairs)."""
+    failures = getattr(e, "failures", None) or {}
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
 
 
 def _dcp_load(path, state, directory, empty):
@@ -347,8 +355,7 @@ def _dcp_load(path, state, directory, empty):
                 dcp.load(state, storage_reader=_reader(directory), planner=_planner(empty),
                          no_dist=not dist.is_initialized())
     except CheckpointException as e:
-        failures = list(e.failures.values())
-        causes = [getattr(f, "exc", f) for f in failures]  # _WrappedException keeps the original as .exc
+        causes = _causes(e)
         for cause in causes:
             if isinstance(cause, (MemoryError, torch.OutOfMemoryError)):
                 raise cause from e

@@ -289,6 +289,11 @@ def test_sharded_checkpoint_saved_by_2_loads_in_1_and_2(tmp_path):
     assert header["iter_num"] == 2 and header["rng_state"].dtype == torch.uint8
     assert_same(saved, full_state(model, opt))
 
+    other = torch.nn.Linear(3, 3)  # another model: one line, not DCP's traceback
+    with pytest.raises(CheckpointError, match="cannot load") as e:
+        checkpoint.load_sharded(path, other, [torch.optim.AdamW(other.parameters())])
+    one_line(e.value)
+
     ckpt = checkpoint.load_model(path)  # what sample.py reads
     assert ckpt["iter_num"] == 2 and "optimizer" not in ckpt
     assert_same(saved["model"], ckpt["model"])
