@@ -129,3 +129,21 @@ def test_write_atomic_leaves_the_old_file_when_writing_fails(tmp_path, monkeypat
     with pytest.raises(OSError):
         common.write_atomic(str(path), b"new data")
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["train.bin"]
+
+
+def test_write_bins_records_the_largest_token_and_the_counts(tmp_path):
+    import tiktoken
+    from datasets import Dataset
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks[b"zz"] = 300  # a merge with the largest id but the end-of-text token's
+    enc = tiktoken.Encoding(name="tiny", pat_str=r"\w+|\s+|[^\w\s]+", mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": 301})
+    splits = {"train": Dataset.from_dict({"text": ["abc zz", "hello"]}), "val": Dataset.from_dict({"text": ["q"]})}
+    common.write_bins(splits, enc, str(tmp_path), 1, "test")
+    meta = common.load_meta(str(tmp_path))
+    tokens = {s: np.fromfile(tmp_path / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")}
+    assert meta["max_token"] == max(t.max() for t in tokens.values()) == 301  # eot ends every document
+    counts = [sum(len(enc.encode_ordinary(t)) + 1 for t in splits[s]["text"]) for s in ("train", "val")]
+    assert [meta["train_tokens"], meta["val_tokens"]] == [len(tokens["train"]), len(tokens["val"])] == counts
+    assert 300 in tokens["train"]  # the merge was used
+    assert sorted(os.listdir(tmp_path)) == ["meta.json", "train.bin", "val.bin"]
