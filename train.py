@@ -507,9 +507,9 @@ def main(argv):
             # cannot free it: its two worker threads and its TCP loop thread stay alive through the
             # interpreter's teardown and exit()'s C++ static destructors. A native thread that needs
             # the GIL then is ended by CPython with pthread_exit, and unwinding through a noexcept
-            # destructor aborts ("terminate called without an active exception"), the random
-            # SIGABRT of 2-process FSDP runs. Everything is written and flushed by now, so the
-            # process ends without that teardown.
+            # destructor aborts ("terminate called without an active exception"): the likely cause
+            # of the random SIGABRT of 2-process FSDP runs. Everything is written and flushed by
+            # now, so the process ends without that teardown.
             if wandb_log and master:
                 wandb.finish()
             if metrics_file:
