@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+import checkpoint
 from configurator import ConfigError, configure
 from model import GPT, ModelConfig
 
@@ -46,15 +47,18 @@ def load_tokenizer(meta):
 
 
 def load_checkpoint(out_dir, device):
-    """(model in eval mode, checkpoint dict) from <out_dir>/ckpt.pt."""
+    """(model in eval mode, checkpoint dict) from <out_dir>/ckpt.pt, or from the sharded
+    checkpoint <out_dir>/ckpt.dcp of an FSDP run; verified before it is loaded (checkpoint.py)."""
     path = os.path.join(out_dir, "ckpt.pt")
-    if not os.path.isfile(path):
+    if not os.path.exists(path) and os.path.lexists(os.path.join(out_dir, "ckpt.dcp")):
+        path = os.path.join(out_dir, "ckpt.dcp")
+    if not os.path.lexists(path):
         raise UsageError(f"no checkpoint at {path}: train one (python train.py --out_dir={out_dir}) "
                          f"or point --out_dir at a directory that holds ckpt.pt")
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
-        raise UsageError(f"cannot read {path} ({type(e).__name__}): it is damaged or not a checkpoint of train.py")
+        ckpt = checkpoint.load_model(path, map_location=device)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(str(e)) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UsageError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
     try:

@@ -502,6 +502,21 @@ def main(argv):
                       f"{tokens_per_iter / dt:,.0f} tokens/s{bits}", flush=True)
     if ddp:
         torch.distributed.destroy_process_group()
+        if fsdp:
+            # fully_shard keeps the gloo process group referenced from C++, so destroy_process_group
+            # cannot free it: its two worker threads and its TCP loop thread stay alive through the
+            # interpreter's teardown and exit()'s C++ static destructors. A native thread that needs
+            # the GIL then is ended by CPython with pthread_exit, and unwinding through a noexcept
+            # destructor aborts ("terminate called without an active exception"): the likely cause
+            # of the random SIGABRT of 2-process FSDP runs. Everything is written and flushed by
+            # now, so the process ends without that teardown.
+            if wandb_log and master:
+                wandb.finish()
+            if metrics_file:
+                metrics_file.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ tokenizers) in parallel processes, and write train.bin/val.bin (the tokenizer's 
 token after every document), meta.json and the tokenizer's files atomically.
 """
 import argparse
+import fcntl
 import glob
 import json
 import math
 import os
+import secrets
 import sys
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -115,10 +118,115 @@ def materialize(ds, max_docs, cache_dir):
         raise DataError(f"reading the stream failed ({reason(e)})") from e
 
 
+# ---------------------------------------------------------------------------------------------
+# writing and reading a prepared dataset safely
+
+DTYPES = ("uint16", "uint32")  # token ids on disk: uint16 while the vocabulary fits, else uint32
+
+
+def temp_path(path):
+    """A temporary name beside path that no other process uses (pid and a random token), so two
+    runs preparing the same folder never write into each other's files."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def fsync_dir(directory):
+    """Make the renames in directory durable: without it a power cut can undo them."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp, path):
+    """Rename the finished file tmp to path: its data on disk first (fsync), then the rename."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_atomic(path, data):
+    """bytes to path through a unique temporary file: a reader sees the old file or the new one."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        commit(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@contextmanager
+def prepare_lock(out_dir):
+    """One preparation of out_dir at a time: an fcntl lock on the folder itself (no lock file to
+    leave behind; the kernel drops it if the process dies). A second run waits for the first
+    instead of interleaving its files with it."""
+    os.makedirs(out_dir, exist_ok=True)
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def load_meta(data_dir):
+    """meta.json of a prepared dataset, checked against its .bin files before anything trains on
+    them. Raises DataError (one line: what is wrong, the value, what is accepted)."""
+    path = os.path.join(data_dir, "meta.json")
+    again = f"prepare the data again (python {os.path.join(data_dir, 'prepare.py')})"
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path} not found; prepare the data first") from None
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise DataError(f"{path} is corrupt or unreadable ({reason(e)}); {again}") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path} is corrupt: a JSON {type(meta).__name__}, expected an object; {again}")
+    vocab = meta.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
+        raise DataError(f"{path}: vocab_size={vocab!r}; expected an integer > 0")
+    dtype = meta.setdefault("dtype", "uint16")  # nanoGPT's other datasets: uint16, not recorded
+    if dtype not in DTYPES:
+        raise DataError(f"{path}: dtype={dtype!r}; expected one of {', '.join(DTYPES)}")
+    itemsize = np.dtype(dtype).itemsize
+    if vocab > np.iinfo(dtype).max + 1:
+        raise DataError(f"{path}: vocab_size={vocab} does not fit dtype {dtype} (at most {np.iinfo(dtype).max + 1})")
+    for split in ("train", "val"):
+        bin_path = os.path.join(data_dir, f"{split}.bin")
+        try:
+            size = os.path.getsize(bin_path)
+        except OSError:
+            raise DataError(f"{bin_path} not found; {again}") from None
+        tokens = meta.get(f"{split}_tokens")
+        if tokens is not None and size != tokens * itemsize:
+            raise DataError(f"{bin_path} holds {size} bytes, but meta.json says {tokens} tokens of {dtype} "
+                            f"({tokens * itemsize} bytes): the dtype or the file is wrong; {again}")
+        if size % itemsize:
+            raise DataError(f"{bin_path} holds {size} bytes, not a whole number of {dtype} tokens; {again}")
+    max_token = meta.get("max_token")
+    if max_token is not None and not (isinstance(max_token, int) and 0 <= max_token < vocab):
+        raise DataError(f"{path}: max_token={max_token!r} but vocab_size={vocab}: the data holds tokens the "
+                        f"vocabulary does not; prepare it with the tokenizer of that vocabulary")
+    return meta
+
+
 def write_bins(splits, encoding, out_dir, num_proc, source):
+    """_write_bins under prepare_lock(out_dir): two runs preparing one folder take turns."""
+    with prepare_lock(out_dir):
+        return _write_bins(splits, encoding, out_dir, num_proc, source)
+
+
+def _write_bins(splits, encoding, out_dir, num_proc, source):
     """Tokenize {"train": Dataset, "val": Dataset} (one eot after each document) and write
-    <split>.bin and meta.json into out_dir. Everything goes to .tmp files first and is renamed
-    only when all is written, so an interrupted run leaves earlier good files as they were."""
+    <split>.bin and meta.json into out_dir. Everything goes to uniquely named temporary files first
+    and is renamed (after an fsync) only when all is written, so an interrupted run leaves earlier
+    good files as they were, and a second run on the same out_dir waits for the first."""
     from datasets import Features, Sequence, Value
     enc, eot = encoding, encoding.eot
     dtype = np.uint16 if enc.vocab_size <= 2**16 else np.uint32
@@ -141,27 +249,29 @@ def write_bins(splits, encoding, out_dir, num_proc, source):
                                num_proc=num_proc if num_proc > 1 else None, desc=f"tokenizing {split}")
             n = int(np.sum(tokenized.with_format("numpy")["len"], dtype=np.uint64))
             path = os.path.join(out_dir, f"{split}.bin")
-            final[path] = path + ".tmp"
+            final[path] = temp_path(path)
             arr = np.memmap(final[path], dtype=dtype, mode="w+", shape=(n,))
-            idx = 0
+            idx, max_token = 0, 0
             for batch in tqdm(tokenized.with_format("arrow").iter(batch_size=WRITE_BATCH),
                               total=math.ceil(len(tokenized) / WRITE_BATCH), desc=f"writing {path}"):
                 ids = batch["ids"].combine_chunks().flatten().to_numpy()
                 arr[idx: idx + len(ids)] = ids
                 idx += len(ids)
+                max_token = max(max_token, int(ids.max(initial=0)))
             arr.flush()
             del arr
             meta[f"{split}_tokens"], meta[f"{split}_docs"] = n, len(ds)
+            meta["max_token"] = max(meta.get("max_token", 0), max_token)
         meta["source"] = source
         path = os.path.join(out_dir, "meta.json")
-        final[path] = path + ".tmp"
+        final[path] = temp_path(path)
         with open(final[path], "w") as f:
             json.dump(meta, f, indent=2)
         if os.path.exists(path):
             os.remove(path)  # between the renames below the data counts as incomplete, as in data/default
         enc.save(out_dir)  # the tokenizer's files, which meta.json names (SentencePiece, tokenizers)
         for path, tmp in final.items():  # meta.json last
-            os.replace(tmp, path)
+            commit(tmp, path)
             final[path] = None
     finally:
         for tmp in final.values():

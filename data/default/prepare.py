@@ -11,15 +11,21 @@ decodes them). Split: document i (in the order above) goes to
 val when i % 20 == 0, else to train: about 5%, and the same on every run of the same Python.
 Writes train.bin and val.bin (uint16, like nanoGPT's other datasets, so train.py reads every
 dataset the same way) and meta.json. meta.json is written last: its presence means the data is
-complete.
+complete. Files are written under unique temporary names and renamed after an fsync, and one
+preparation of a folder runs at a time (data/common.py), so two first runs that both find the
+corpus missing neither collide nor see half-written files.
 
     python data/default/prepare.py
 """
 import json
 import os
+import sys
 import sysconfig
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
+from data import common  # noqa: E402
 
 VAL_EVERY = 20  # document i goes to val when i % VAL_EVERY == 0
 MAX_BYTES = 8 * 2**20  # stop adding documents past this, so preparing stays about a second on any Python
@@ -51,13 +57,6 @@ def documents():
     return kept
 
 
-def _write_atomic(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def unigram_entropy(tokens, vocab_size=256):
     """Entropy in nats of the token frequencies: the loss of a model that ignores all context."""
     p = np.bincount(tokens, minlength=vocab_size) / len(tokens)
@@ -67,6 +66,11 @@ def unigram_entropy(tokens, vocab_size=256):
 
 def prepare(out_dir=os.path.dirname(os.path.abspath(__file__))):
     """Write train.bin, val.bin and meta.json into out_dir; return the meta dict."""
+    with common.prepare_lock(out_dir):
+        return _prepare(out_dir)
+
+
+def _prepare(out_dir):
     docs = documents()
     train = b"".join(text for i, (_, text) in enumerate(docs) if i % VAL_EVERY)
     val = b"".join(text for i, (_, text) in enumerate(docs) if i % VAL_EVERY == 0)
@@ -78,18 +82,30 @@ def prepare(out_dir=os.path.dirname(os.path.abspath(__file__))):
         "dtype": np.dtype(DTYPE).name,
         "train_tokens": len(train_ids),
         "val_tokens": len(val_ids),
+        "max_token": int(max(train_ids.max(), val_ids.max())),
         "unigram_entropy_nats": unigram_entropy(train_ids),
         "documents": len(docs),
         "source": f"Python {sysconfig.get_python_version()} standard library and pydoc topics",
     }
-    os.makedirs(out_dir, exist_ok=True)
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path):
         os.remove(meta_path)  # until the new one lands, the data counts as incomplete
-    _write_atomic(os.path.join(out_dir, "train.bin"), train_ids.tobytes())
-    _write_atomic(os.path.join(out_dir, "val.bin"), val_ids.tobytes())
-    _write_atomic(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
+    common.write_atomic(os.path.join(out_dir, "train.bin"), train_ids.tobytes())
+    common.write_atomic(os.path.join(out_dir, "val.bin"), val_ids.tobytes())
+    common.write_atomic(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
     return meta
+
+
+def prepare_if_missing(out_dir=os.path.dirname(os.path.abspath(__file__))):
+    """The meta dict of out_dir, preparing it first unless a complete copy is there. Under the
+    preparation lock, so when two runs start at once the second waits for the first and uses its
+    files (prepare() would write them again, removing meta.json while the first run reads it)."""
+    with common.prepare_lock(out_dir):
+        try:
+            return common.load_meta(out_dir)
+        except common.DataError:
+            pass
+        return _prepare(out_dir)
 
 
 def main():

@@ -1,0 +1,409 @@
+"""Checkpoints that survive crashes, full disks, concurrent runs and flipped bits.
+
+Single file (one process, or DDP where rank 0 holds everything):
+    save(state, path)            atomic: unique temporary file, fsync, rename, fsync of the directory
+    load(path, map_location)     verifies every zip CRC32 first, then torch.load(weights_only=True)
+
+Sharded (FSDP: each rank writes its own part, loadable at any other world size):
+    save_sharded(path, model, optimizers, header)   collective; path is a directory name
+    load_sharded(path, model, optimizers)           collective; returns the header
+A sharded checkpoint is a directory written by torch.distributed.checkpoint (DCP) plus
+header.pt (everything but the tensors of model and optimizers) and crc32.json (a CRC32 of every
+file). `path` itself is a symlink to the directory, swapped atomically, as the file above is renamed.
+
+Readers (sample.py, export): load_model(path) gives {"model": full state dict, **header} from either.
+One writer per out_dir: lock(out_dir).
+
+Why the zip CRCs rather than a hash written beside the file: torch.save already writes a CRC32 of
+every record in its zip archive (torch.load never checks them), so verifying costs one read and
+no second file that would have to be renamed together with the first; it also verifies checkpoints
+written before this module existed. CRC32 catches every burst of up to 32 flipped bits and all
+but 2^-32 of other corruptions, which is what is to be caught here: bad disks, truncated copies,
+not an adversary (a weights_only load is what stops malicious pickles).
+"""
+import errno
+import fcntl
+import json
+import os
+import pickle
+import secrets
+import shutil
+import warnings
+import zipfile
+import zlib
+
+import torch
+
+HEADER = "header.pt"  # sharded: everything but the model's and optimizers' tensors
+CRCS = "crc32.json"  # sharded: {file name: CRC32} of every other file in the directory
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, corrupt, not one, or cannot be written; one line, says what to do."""
+
+
+def _first_line(e):
+    text = getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def _fsync_dir(directory):
+    """Make a rename in directory durable: without it a power cut can undo the rename."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_name(path):
+    """A name beside path that no other process uses (O_EXCL makes sure), hidden from globs."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def save(state, path):
+    """torch.save(state) to path atomically: a crash, a full disk or a second writer leaves the
+    previous file whole and no temporary file behind. Raises CheckpointError (one line)."""
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"cannot save {path}: {directory} is not a directory")
+    tmp = _temp_name(path)
+    try:
+        # tempfile's own recipe (O_CREAT | O_EXCL, a random name), but mode 0o666 so the umask
+        # decides, as for any file torch.save would create
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+        os.replace(tmp, path)
+        _fsync_dir(directory)  # and the rename is on disk before we report success
+    except BaseException as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
+            # torch.save reports a full disk as RuntimeError ("... file write failed")
+            raise CheckpointError(f"cannot save {path}: {_first_line(e)}; the previous checkpoint there, "
+                                  f"if any, is unchanged") from None
+        raise
+
+
+def verify(path):
+    """Raise CheckpointError unless path is a torch zip archive whose every record passes its CRC32."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path}") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+    if magic != b"PK\x03\x04":
+        raise CheckpointError(f"{path} is not a checkpoint (not a torch.save zip archive)")
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
+                raise CheckpointError(f"{path} is a zip archive but not a checkpoint (no data.pkl)")
+            bad = z.testzip()  # reads every record and checks its CRC32
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:  # truncated, or its directory damaged
+        raise CheckpointError(f"{path} is corrupt ({_first_line(e)}); use an earlier copy or start a new run") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+    if bad is not None:
+        raise CheckpointError(f"{path} is corrupt: record {bad} fails its CRC32 check; "
+                              f"use an earlier copy or start a new run")
+
+
+def load(path, map_location="cpu"):
+    """The object saved at path, after verify(path), with torch.load(weights_only=True).
+
+    CheckpointError (one line) for a missing, corrupt or unreadable file or one that is not a
+    checkpoint; anything else (out of memory, a map_location that does not exist) is raised as is."""
+    path = os.fspath(path)
+    verify(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused an object: not a checkpoint of ours
+        raise CheckpointError(f"{path} is not a checkpoint this code can read: it holds objects that "
+                              f"weights_only loading refuses ({_first_line(e)[:200]})") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+
+
+class Lock:
+    """An exclusive fcntl.flock on <out_dir>/.lock, held while this object lives (or until
+    release()). The kernel drops it when the process dies, however it dies, so a crash leaves no
+    stale lock to clean up by hand."""
+
+    def __init__(self, out_dir):
+        self.path, self._fd = os.path.join(out_dir, ".lock"), None
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise CheckpointError(f"cannot lock {out_dir}: {_first_line(e)}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            self._fd = None
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CheckpointError(f"{out_dir} is in use by another run (pid {holder}); wait for it to end, "
+                                      f"stop it, or choose another --out_dir") from None
+            raise CheckpointError(f"cannot lock {out_dir}: {_first_line(e)}") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # the holder, for the message above
+
+    def release(self):
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __del__(self):
+        self.release()
+
+
+def lock(out_dir):
+    """Lock out_dir for this process (call it on the one rank that owns out_dir, rank 0): a second
+    run on the same out_dir gets CheckpointError naming the holder's pid. Keep the returned Lock."""
+    return Lock(out_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded checkpoints (torch.distributed.checkpoint)
+
+def _crc32(path):
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle; this allows only the classes DCP puts there, so a crafted
+    file cannot run code (what weights_only does for torch.load)."""
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        obj = None
+        if module.split(".")[0] == "torch":  # importing torch's own modules is safe
+            try:
+                obj = super().find_class(module, name)
+            except (ImportError, AttributeError):
+                pass
+        if (module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+                and isinstance(obj, type)) or (
+                module == "torch" and isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))):
+            return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+    # torch.Size of shapes, _get_layout("torch.strided"), the checkpoint's path as DCP recorded it
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+               ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+
+
+def _reader(directory):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(os.path.join(self.path, ".metadata"), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(directory)
+
+
+def _planner(empty):
+    """DCP's load planner, but non-tensor values (optimizer param_groups) with weights_only=True;
+    empty: build the state dict from the checkpoint (its "model" part only) instead of filling one."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+    class Planner(_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            from torch.distributed.checkpoint._traverse import set_element
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Planner(keys={"model"}) if empty else Planner()
+
+
+def _target(path, part=(0, 1)):
+    """The directory a sharded checkpoint's symlink points to, checked file by file against
+    crc32.json; part=(i, n): check only every n-th file from the i-th (rank i of n checks its share)."""
+    if not os.path.lexists(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    directory = os.path.realpath(path)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{path} is not a sharded checkpoint (not a directory)")
+    try:
+        with open(os.path.join(directory, CRCS)) as f:
+            crcs = json.load(f)
+        if not isinstance(crcs, dict):
+            raise ValueError("not a dict")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a sharded checkpoint of this code (no {CRCS})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is corrupt: {CRCS} is not valid JSON ({_first_line(e)})") from None
+    for name, crc in sorted(crcs.items())[part[0]::part[1]]:
+        file = os.path.join(directory, name)
+        try:
+            if _crc32(file) != crc:
+                raise CheckpointError(f"{path} is corrupt: {name} fails its CRC32 check; use an earlier copy "
+                                      f"or start a new run")
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is incomplete: {name} is missing") from None
+        except OSError as e:
+            raise CheckpointError(f"cannot read {file}: {_first_line(e)}") from None
+    return directory
+
+
+def _is_sharded(path):
+    return os.path.isdir(path)
+
+
+def save_sharded(path, model, optimizers, header):
+    """Collective (every rank calls it): each rank writes its own shards of the model and the
+    optimizers with DCP into a fresh directory beside path; rank 0 adds header.pt (header: a dict
+    of everything else, e.g. model_args, iter_num, rng_state) and crc32.json, then points the
+    symlink path at the new directory (an atomic rename) and deletes the previous one.
+    A crash at any point leaves path pointing at the previous complete checkpoint."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    token = [secrets.token_hex(4) if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)  # one directory name for all ranks
+    directory = os.path.join(parent, f"{name}.{token[0]}")
+    state = {"model": get_model_state_dict(model),
+             "optimizer": {str(i): get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)}}
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, sync_files=True))
+        if rank == 0:
+            save(header, os.path.join(directory, HEADER))
+            crcs = {f: _crc32(os.path.join(directory, f)) for f in sorted(os.listdir(directory))}
+            with open(os.path.join(directory, CRCS), "w") as f:
+                json.dump(crcs, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(directory)
+            old = os.path.realpath(path) if os.path.islink(path) else None
+            link = _temp_name(path)
+            os.symlink(os.path.basename(directory), link)  # relative: out_dir can be moved
+            os.replace(link, path)
+            _fsync_dir(parent)
+            if old and old != directory and os.path.isdir(old):
+                shutil.rmtree(old, ignore_errors=True)
+    except (OSError, CheckpointException) as e:  # DCP gathers every rank's failure into the latter
+        if rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+        causes = _causes(e) or [e]
+        raise CheckpointError(f"cannot save {path}: {_first_line(causes[0])}; the previous checkpoint there, "
+                              f"if any, is unchanged") from None
+    finally:
+        if dist.is_initialized():
+            dist.barrier()  # no rank goes on (or reads path) before the swap
+
+
+def _causes(e):
+    """The exceptions of the ranks that failed, out of DCP's CheckpointException ((exc, stack) pairs)."""
+    failures = getattr(e, "failures", None) or {}
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+
+
+def _dcp_load(path, state, directory, empty):
+    """dcp.load, its failures (which it wraps per rank) as one line; out of memory raised as is."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        import torch.distributed as dist
+        if empty:  # dcp.load fills only the keys given; torch's own dcp_to_torch_save does this
+            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+            _load_state_dict(state, storage_reader=_reader(directory), planner=_planner(empty), no_dist=True)
+        else:
+            with warnings.catch_warnings():  # DCP warns that one process loads alone: that is the point
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+                dcp.load(state, storage_reader=_reader(directory), planner=_planner(empty),
+                         no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        causes = _causes(e)
+        for cause in causes:
+            if isinstance(cause, (MemoryError, torch.OutOfMemoryError)):
+                raise cause from e
+        raise CheckpointError(f"cannot load {path}: {_first_line(causes[0]) if causes else _first_line(e)}") from None
+    except (pickle.UnpicklingError, AssertionError, RuntimeError, KeyError, ValueError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {_first_line(e)}") from None
+
+
+def load_sharded(path, model, optimizers):
+    """Collective: verify the checkpoint at path, load each rank's part of the model and the
+    optimizers in place (resharded for this world size) and return the header dict."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    if dist.is_initialized():  # each rank checks its share of the files; all fail together
+        try:
+            directory, error = _target(path, (dist.get_rank(), dist.get_world_size())), None
+        except CheckpointError as e:
+            directory, error = None, str(e)
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        if any(errors):
+            raise CheckpointError(next(e for e in errors if e))
+    else:
+        directory = _target(path)
+    header = load(os.path.join(directory, HEADER))
+    state = {"model": get_model_state_dict(model),
+             "optimizer": {str(i): get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)}}
+    _dcp_load(path, state, directory, empty=False)
+    set_model_state_dict(model, state["model"])
+    for i, o in enumerate(optimizers):
+        set_optimizer_state_dict(model, o, state["optimizer"][str(i)])
+    return header
+
+
+def load_model(path, map_location="cpu"):
+    """For readers (sample.py, export): {"model": full state dict, **the rest} from a single-file
+    checkpoint or a sharded one, in one process, without the optimizer state of a sharded one."""
+    path = os.fspath(path)
+    if not _is_sharded(path):
+        ckpt = load(path, map_location)
+        if not isinstance(ckpt, dict) or "model" not in ckpt:
+            raise CheckpointError(f"{path} is not a checkpoint of train.py: it has no 'model'")
+        return ckpt
+    directory = _target(path)
+    header = load(os.path.join(directory, HEADER), map_location)
+    state = {}
+    _dcp_load(path, state, directory, empty=True)
+    return {**header, "model": {k: v.to(map_location) for k, v in state["model"].items()}}

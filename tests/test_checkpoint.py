@@ -1,0 +1,338 @@
+"""checkpoint.py against a hostile environment: flipped bytes, full disks, unwritable and
+concurrent out_dirs, and sharded FSDP checkpoints read back at another world size."""
+import os
+import signal
+import struct
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint import CheckpointError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def a_state():
+    g = torch.Generator().manual_seed(0)
+    return {"model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(64, generator=g)},
+            "iter_num": 7, "config": {"seed": 1}}
+
+
+def data_offset(path, member_suffix):
+    """Where the bytes of the zip record ending in member_suffix start, read from its local header
+    (the zip format itself, not checkpoint.py)."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(member_suffix))
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        header = f.read(30)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def flip(path, offset, mask=0x01):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
+
+
+def one_line(e):
+    text = str(e)
+    assert text and "\n" not in text, text
+    return text
+
+
+def test_save_then_load_is_exact(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    state = a_state()
+    checkpoint.save(state, path)
+    back = checkpoint.load(path)
+    assert back["iter_num"] == 7 and back["config"] == {"seed": 1}
+    for k in state["model"]:
+        assert torch.equal(back["model"][k], state["model"][k])
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left
+
+
+@pytest.mark.parametrize("where", ["tensor", "pickle"])
+def test_flipped_bytes_are_refused_in_one_line(tmp_path, where):
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save(a_state(), path)
+    start, size = data_offset(path, "data/0" if where == "tensor" else "data.pkl")
+    flip(path, start + size // 2, 0x10)
+    # torch.load itself does not notice (this is what the check is for) ...
+    if where == "tensor":
+        torch.load(path, weights_only=True)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load(path)
+    assert "corrupt" in one_line(e.value) and "CRC32" in str(e.value)
+
+
+def test_truncated_missing_and_foreign_files(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save(a_state(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt") as e:
+        checkpoint.load(path)
+    one_line(e.value)
+    with pytest.raises(CheckpointError, match="no checkpoint at") as e:
+        checkpoint.load(tmp_path / "nothing.pt")
+    path.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="not a checkpoint") as e:
+        checkpoint.load(path)
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as z:
+        z.writestr("readme.txt", "hello")
+    with pytest.raises(CheckpointError, match="not a checkpoint") as e:
+        checkpoint.load(tmp_path / "other.zip")
+
+
+class Foreign:  # a class weights_only refuses to build
+    pass
+
+
+def test_objects_that_weights_only_refuses_are_not_a_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": Foreign()}, path)
+    with pytest.raises(CheckpointError, match="not a checkpoint this code can read") as e:
+        checkpoint.load(path)
+    one_line(e.value)
+
+
+def test_out_of_memory_is_not_called_a_bad_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save(a_state(), path)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(torch, "load", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        checkpoint.load(path)
+
+
+def test_full_disk_keeps_the_old_checkpoint_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save(a_state(), path)
+    before = path.read_bytes()
+    real_save = torch.save
+
+    def save_until_full(obj, f, *args, **kwargs):  # writes part of the file, then the disk is full
+        f.write(b"PK\x03\x04 partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", save_until_full)
+    with pytest.raises(CheckpointError, match="No space left on device") as e:
+        checkpoint.save({"model": {}}, path)
+    assert "unchanged" in one_line(e.value)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["ckpt.pt"]
+    # torch's own writer reports a failed write as a RuntimeError: the same outcome
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/0: file write failed")))
+    with pytest.raises(CheckpointError, match="file write failed"):
+        checkpoint.save({"model": {}}, path)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["ckpt.pt"]
+    monkeypatch.setattr(torch, "save", real_save)
+    checkpoint.load(path)
+
+
+def test_an_out_dir_that_is_a_file_is_one_line(tmp_path):
+    blocker = tmp_path / "out"
+    blocker.write_text("a file where the out_dir should be")
+    with pytest.raises(CheckpointError, match="not a directory") as e:
+        checkpoint.save(a_state(), blocker / "ckpt.pt")
+    one_line(e.value)
+    with pytest.raises(CheckpointError, match="cannot lock") as e:
+        checkpoint.lock(blocker)
+    one_line(e.value)
+
+
+def test_failed_rename_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save(a_state(), path)
+    before = path.read_bytes()
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with pytest.raises(CheckpointError, match="Permission denied"):
+        checkpoint.save({"model": {}}, path)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+HOLD = """
+import sys, time
+sys.path.insert(0, {root!r})
+import checkpoint
+held = checkpoint.lock(sys.argv[1])
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_writer_is_refused_until_the_first_dies(tmp_path):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(root=ROOT), str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError) as e:
+            checkpoint.lock(out)
+        assert f"pid {holder.pid}" in one_line(e.value) and "another run" in str(e.value)
+        holder.send_signal(signal.SIGKILL)  # the kernel releases a dead process's lock
+        holder.wait(timeout=10)
+        with checkpoint.lock(out):
+            with pytest.raises(CheckpointError):  # one lock per out_dir, in one process too
+                checkpoint.lock(out)
+        checkpoint.lock(out).release()  # and released on exit from the with block
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded: FSDP2 on 2 processes (gloo, CPU) saves; 1 and 2 processes load
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(),
+                                                              torch.nn.Linear(24, 16)) for _ in range(2))
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def build(seed, fsdp):
+    torch.manual_seed(seed)
+    model = Tiny()
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
+
+def train_step(model, opt, step):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def full_state(model, opt):
+    """The whole model and optimizer state, gathered by torch's own FSDP state-dict API."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"model": get_model_state_dict(model, options=options),
+            "optimizer": get_optimizer_state_dict(model, opt, options=options)}
+
+
+def sharded_worker(rank, world_size, init_file, path, tmp):
+    """Save a trained FSDP model twice, then load it into a fresh one with other weights."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model, opt = build(0, fsdp=True)
+        train_step(model, opt, 0)
+        checkpoint.save_sharded(path, model, [opt], {"iter_num": 1})
+        first = os.path.realpath(path)
+        train_step(model, opt, 1)
+        checkpoint.save_sharded(path, model, [opt], {"iter_num": 2, "rng_state": torch.get_rng_state()})
+        assert os.path.realpath(path) != first and not os.path.exists(first)  # swapped, the old one gone
+        saved = full_state(model, opt)
+
+        model, opt = build(1, fsdp=True)  # other weights ...
+        train_step(model, opt, 5)  # ... and other optimizer state, all to be overwritten
+        header = checkpoint.load_sharded(path, model, [opt])
+        assert header["iter_num"] == 2
+        loaded = full_state(model, opt)
+        if rank == 0:
+            torch.save(saved, os.path.join(tmp, "saved.pt"))
+            torch.save(loaded, os.path.join(tmp, "loaded2.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), (a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (a.keys(), b.keys())
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b, (a, b)
+
+
+def test_sharded_checkpoint_saved_by_2_loads_in_1_and_2(tmp_path):
+    import torch.multiprocessing as mp
+    path = tmp_path / "ckpt.dcp"
+    mp.spawn(sharded_worker, args=(2, str(tmp_path / "init"), str(path), str(tmp_path)), nprocs=2, join=True)
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)
+    assert_same(saved, torch.load(tmp_path / "loaded2.pt", weights_only=True))  # 2 processes, FSDP
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.dcp", os.path.basename(os.path.realpath(path)),
+                                                  "saved.pt", "loaded2.pt", "init"])
+
+    model, opt = build(2, fsdp=False)  # 1 process, no process group
+    train_step(model, opt, 5)
+    header = checkpoint.load_sharded(path, model, [opt])
+    assert header["iter_num"] == 2 and header["rng_state"].dtype == torch.uint8
+    assert_same(saved, full_state(model, opt))
+
+    other = torch.nn.Linear(3, 3)  # another model: one line, not DCP's traceback
+    with pytest.raises(CheckpointError, match="cannot load") as e:
+        checkpoint.load_sharded(path, other, [torch.optim.AdamW(other.parameters())])
+    one_line(e.value)
+
+    ckpt = checkpoint.load_model(path)  # what sample.py reads
+    assert ckpt["iter_num"] == 2 and "optimizer" not in ckpt
+    assert_same(saved["model"], ckpt["model"])
+
+    shard = os.path.join(os.path.realpath(path), "__1_0.distcp")
+    flip(shard, os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError, match="corrupt") as e:
+        checkpoint.load_model(path)
+    assert "__1_0.distcp" in one_line(e.value)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        checkpoint.load_sharded(path, model, [opt])
+
+
+# ---------------------------------------------------------------------------------------------
+# readers: sample.py
+
+
+def a_model_checkpoint(out_dir):
+    from dataclasses import asdict
+
+    from model import GPT, ModelConfig
+    torch.manual_seed(0)
+    config = ModelConfig(n_layer=1, n_head=2, n_embd=64, block_size=16, vocab_size=256)
+    model = GPT(config)
+    checkpoint.save({"model": model.state_dict(), "model_args": asdict(config), "iter_num": 1,
+                     "config": {"dataset": "default"}}, out_dir / "ckpt.pt")
+    return model
+
+
+def test_sample_refuses_a_checkpoint_with_flipped_bytes_in_one_line(tmp_path):
+    import sample
+    model = a_model_checkpoint(tmp_path)
+    loaded, _ = sample.load_checkpoint(str(tmp_path), "cpu")  # the intact one loads, weights equal
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    start, size = data_offset(tmp_path / "ckpt.pt", "data/0")
+    flip(tmp_path / "ckpt.pt", start + size // 2, 0x04)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={tmp_path}", "--device=cpu",
+                        "--num_samples=1", "--max_new_tokens=2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "is corrupt" in line and "CRC32" in line
