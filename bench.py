@@ -484,7 +484,7 @@ def _bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
-def gpu_parity(device, shapes=PARITY_SHAPES, seeds=PARITY_SEEDS):
+def gpu_parity(device, shapes=PARITY_SHAPES, seeds=PARITY_SEEDS, bm_shape=(256, 4096)):
     """Rows (kernel, method, cases, result): Triton on `device` tensors against the PyTorch twin on CPU.
 
     gen and apply must agree bit for bit (kernels/__init__.py); block sums to within the bound of
@@ -532,8 +532,8 @@ def gpu_parity(device, shapes=PARITY_SHAPES, seeds=PARITY_SEEDS):
             rows.append((kernel, method, f"{cases} x {what[kernel]}",
                          "identical" if not failures and kernel != "block_sums" else
                          "within" if not failures else f"FAILED {len(failures)}: {failures[:3]}"))
-    w = torch.zeros(256, 4096, device=device)
-    r = triton_noise.bm(w, torch.ones(8, 128, device=device), seed=3).float()
+    w = torch.zeros(bm_shape, device=device)
+    r = triton_noise.bm(w, torch.ones(-(-bm_shape[0] // BL), -(-bm_shape[1] // BL), device=device), seed=3).float()
     zeros = (r == 0).float().mean().item()
     sigma = math.sqrt(0.682689 * (1 - 0.682689) / r.numel())
     ok = abs(zeros - 0.682689) < 5 * sigma and set(r.unique().tolist()) <= {-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0}

@@ -13,6 +13,7 @@ broadcast (not a scale per element). tests/test_triton_compile.py compiles every
 sm_80, sm_90, sm_100 and gfx942 from KERNEL_SPECS below and checks these properties in the PTX.
 """
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -204,6 +205,7 @@ def _tile_args(r_type):
     return {"r_ptr": r_type, "m": "i32", "n": "i32", "n_words_row": "i32", "nbn": "i32"}
 
 
+@functools.lru_cache(maxsize=None)  # the launchers read it at every call
 def kernel_specs(backend):
     """{variant: KernelSpec} for a device backend: 'cuda', 'hip' or 'interpreter'."""
     tiles = {"BM": TILE_M, "BN": TILE_N, "BLK": BL}

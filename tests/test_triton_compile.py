@@ -11,8 +11,8 @@ Any compile error fails.
 
 Then the properties of a memory-bound kernel are read from the code, per thread (the kernels have
 no loops, so each instruction in the code runs once per thread):
-  - no local memory: no `.local` in the PTX and no LDL/STL in the SASS (ptxas's register spills),
-    no scratch and no spilled registers in the AMDGCN;
+  - no local memory: no `.local` in the PTX, no stack or local memory in the cubin (where ptxas's
+    register spills go), no scratch and no spilled registers in the AMDGCN;
   - the main streams (w or g, R, out) move in the widest vector accesses, and exactly as many as
     their bytes need; the only other global accesses are one block scale per thread and one
     block-sum store.
@@ -65,14 +65,15 @@ def _compile_one(job):
         return {**out, "error": f"{type(e).__name__}: {e}"[-4000:]}
     if backend == "hip":
         return {**out, "amdgcn": kernel.asm["amdgcn"]}
-    sass = None
-    nvdisasm = triton.knobs.nvidia.nvdisasm.path
-    if nvdisasm and os.path.exists(nvdisasm):
+    resources = None  # what ptxas allocated: registers, stack and local memory (where spills go)
+    cuobjdump = triton.knobs.nvidia.cuobjdump.path
+    if cuobjdump and os.path.exists(cuobjdump):
         cubin = os.path.join(os.environ["PQT_COMPILE_DIR"], f"{variant}-{target}-{w_type[1:]}.cubin")
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
-        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
-    return {**out, "ptx": kernel.asm["ptx"], "sass": sass}
+        resources = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True,
+                                   check=True).stdout
+    return {**out, "ptx": kernel.asm["ptx"], "resources": resources}
 
 
 def jobs():
@@ -185,9 +186,10 @@ def test_kernel_compiles_without_local_memory(compiled, job):
     assert "error" not in r, f"{_id(job)} does not compile: {r.get('error')}"
     if "ptx" in r:
         assert ".local" not in r["ptx"], "local memory in the PTX"
-        # The SASS is what runs: ptxas's register spills show only here.
-        assert r["sass"] is not None, "nvdisasm (shipped with Triton) not found"
-        assert not re.search(r"\b(LDL|STL)\b", r["sass"]), "local loads/stores (spills) in the SASS"
+        # The cubin is what runs: ptxas's register spills show only there, as stack or local memory.
+        assert r["resources"] is not None, "cuobjdump (shipped with Triton) not found"
+        usage = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", r["resources"]))
+        assert usage.get("LOCAL") == "0" and usage.get("STACK") == "0", f"ptxas resource usage {usage}"
     else:
         scratch = [int(x) for x in re.findall(r"ScratchSize:\s*(\d+)", r["amdgcn"])]
         spills = [int(x) for x in re.findall(r"[sv]gpr_spill_count:\s*(\d+)", r["amdgcn"])]
@@ -215,6 +217,24 @@ def test_unaligned_variants_are_the_ones_with_scalar_r():
     assert triton_noise._variant("apply", "gaussws", 4096) == "apply_gaussws"
     assert triton_noise._variant("apply", "gaussws", 4100) == "apply_gaussws_unaligned"
     assert triton_noise._variant("block_sums", "diffq", 4100) == "block_sums_diffq"
+
+
+def test_launch_refuses_what_the_specs_do_not_state():
+    """The launchers go through _launch, so a type or argument the specs do not state cannot reach a
+    kernel uncompiled by the tests above."""
+    import torch
+
+    from kernels import triton_noise
+
+    args = dict(w_ptr=torch.zeros(32, 128), r_ptr=torch.zeros(512, dtype=torch.int32),
+                scale_ptr=torch.ones(1, 4), out_ptr=torch.zeros(32, 128, dtype=torch.int16), m=32, n=128,
+                n_words_row=16, nbn=4)
+    with pytest.raises(TypeError, match="w_ptr is None"):
+        triton_noise._launch("apply_gaussws", (1, 1), **{**args, "w_ptr": args["w_ptr"].double()})
+    with pytest.raises(TypeError, match="r_ptr is \\*bf16"):
+        triton_noise._launch("apply_gaussws", (1, 1), **{**args, "r_ptr": torch.zeros(4096, dtype=torch.bfloat16)})
+    with pytest.raises(TypeError, match="arguments"):
+        triton_noise._launch("apply_gaussws", (1, 1), **{k: v for k, v in args.items() if k != "nbn"})
 
 
 def test_access_counting_reads_ptx_and_amdgcn():
