@@ -10,7 +10,7 @@ The memory-bound kernels (apply, block sums, bm) work on TILE_M x TILE_N tiles: 
 every global access is a wide vector: for gaussws R a (TILE_M, TILE_N / 8) tile of int32 words
 unpacked with shifts (not a word per element), for the scale one value per block of the tile,
 broadcast (not a scale per element). tests/test_triton_compile.py compiles every kernel for
-sm_80, sm_90, sm_100 and gfx942 from KERNEL_SPECS below and checks these properties in the PTX.
+sm_80, sm_90, sm_100 and gfx942 from kernel_specs() below and checks these properties in the code.
 """
 import dataclasses
 import functools
@@ -244,8 +244,8 @@ def _backend(device):
 
 
 def _launch(variant, grid, **args):
-    """kernel[grid](**args) with the constexprs and options of KERNEL_SPECS; the argument types must
-    be those stated there."""
+    """kernel[grid](**args) with the constexprs and options of kernel_specs(); the argument types
+    must be those stated there."""
     first = next(v for v in args.values() if isinstance(v, torch.Tensor))
     spec = kernel_specs(_backend(first.device))[variant]
     if set(args) != set(spec.signature):

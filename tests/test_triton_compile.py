@@ -2,11 +2,13 @@
 
 Triton compiles for a GPU target with no GPU present (triton.compile(ASTSource(...), target=
 GPUTarget(...))): PTX, then a cubin by the ptxas that Triton ships, for NVIDIA; AMDGCN, then an
-hsaco by the LLVM linker inside Triton, for AMD. Every variant of kernels.triton_noise.KERNEL_SPECS,
-with the argument types and constexprs its launcher passes, is compiled for sm_80 (A100), sm_90
-(H100), sm_100 (B200) and gfx942 (MI300) with the runtime's specialisation of a usual call: every
-pointer 16-byte aligned (as torch allocates) and every int32 argument a multiple of 16 (as in every
-model shape here, 16 | n); the `_unaligned` variants (8 does not divide n) with no int divisibility.
+hsaco by the LLVM linker inside Triton, for AMD. Every variant of kernels.triton_noise.kernel_specs(),
+with the argument types and constexprs its launcher passes (FP32 w on every target; the BF16 and
+FP16 w the launchers also accept on sm_90), is compiled for sm_80 (A100), sm_90 (H100), sm_100
+(B200) and gfx942 (MI300) with the runtime's specialisation of the launcher's call on a weight of
+Llama2-134M (2048 x 768): every pointer 16-byte aligned (as torch allocates), the int arguments
+that are multiples of 16 marked so (n = 768, n / 8 = 96, not nbn = 24); the `_unaligned` variants
+on 2048 x 770.
 Any compile error fails.
 
 Then the properties of a memory-bound kernel are read from the code, per thread (the kernels have
@@ -34,6 +36,16 @@ TARGETS = {"sm_80": ("cuda", 80, 32), "sm_90": ("cuda", 90, 32), "sm_100": ("cud
 VECTOR_BYTES = 16  # the widest global load/store of a thread: ld.global.v4.b32, global_load_dwordx4
 
 
+MODEL_SHAPE = (2048, 768)  # Llama2-134M's mlp.up and mlp.gate weight: (ffn_hidden, n_embd)
+
+
+def call_ints(variant):
+    """The int arguments of the launcher's call on a w of MODEL_SHAPE (two more columns for the
+    `_unaligned` variants, whose n is not a multiple of 8)."""
+    m, n = MODEL_SHAPE[0], MODEL_SHAPE[1] + (2 if "unaligned" in variant else 0)
+    return {"m": m, "n": n, "n_words_row": n // 8, "nbn": -(-n // 32), "n_words": m * n // 8, "numel": m * n}
+
+
 def _arg_types(spec, w_type):
     """The signature of one compile: w/g as `w_type` where the spec allows several float types."""
     return {k: (w_type if isinstance(v, tuple) else v) for k, v in spec.signature.items()}
@@ -53,8 +65,10 @@ def _compile_one(job):
     names = spec.kernel.arg_names
     types = _arg_types(spec, w_type)
     signature = {k: types.get(k, "constexpr") for k in names}
-    # The runtime's "D" specialisation (triton/backends/compiler.py: tt.divisibility 16).
-    divisible = [k for k, t in types.items() if t.startswith("*") or (t == "i32" and "unaligned" not in variant)]
+    # The runtime's "D" specialisation (triton/backends/compiler.py: tt.divisibility 16 for a pointer
+    # aligned to 16 bytes and an int that is a multiple of 16), for a call on MODEL_SHAPE.
+    ints = call_ints(variant)
+    divisible = [k for k, t in types.items() if t.startswith("*") or (t == "i32" and ints[k] % 16 == 0)]
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in divisible}
     out = {"variant": variant, "target": target, "w_type": w_type, "elements": spec.elements,
            "threads": spec.options["num_warps"] * warp_size}
