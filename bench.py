@@ -703,7 +703,8 @@ def parse_args(argv):
     """(command, namespace of settings) from the command line; BenchError for bad input."""
     if not argv or argv[0] not in ("kernel", "train"):
         got = f"got {argv[0]!r}" if argv else "got nothing"
-        raise BenchError(f"expected 'kernel' or 'train' as the first argument ({got}); see python bench.py --help")
+        raise BenchError(f"expected 'kernel' or 'train' as the first argument, or 'gpu-check' ({got}); "
+                         "see python bench.py --help")
     command = argv[0]
     config = dict(KERNEL_CONFIG if command == "kernel" else TRAIN_CONFIG)
     defaults = dataclasses.asdict(model_lib.ModelConfig()) if command == "train" else {}
