@@ -3,7 +3,16 @@
 triton_noise.py: Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1).
 torch_noise.py:  PyTorch replaying the same Philox bits (CPU, or anywhere Triton is absent).
 Both expose gen(numel, seed, method, device), apply(w, r_store, scale_bl, method) and
-block_sums(g, r_store, method); tests/test_kernels.py holds them equal bit for bit.
+block_sums(g, r_store, method). tests/test_kernels.py holds what they agree on:
+  - gen and apply (R, w_hat): equal bit for bit.
+  - block_sums: the same FP32 products g * R (exact for gaussws, whose R is 0, +-1 or +-2; one
+    rounding each for diffq, no FMA in either backend), each block's 1024 of them summed in FP32
+    in each backend's own order: Triton's tree over threads and warps on the GPU, NumPy's
+    np.sum in the interpreter, PyTorch's sums in PyTorch (rows of 16 first where 16 divides
+    n). Both are therefore within gamma_1023 * sum |g * R| of the exact sum (gamma_k = k u /
+    (1 - k u), u = 2^-24), and equal bit for bit wherever every order is exact (e.g. sums of
+    integers below 2^24). One fixed order in both would cost the GPU kernel a shared-memory round
+    trip per level of an explicit tree.
 """
 BL = 32  # square block size of the scale (MX block size); square makes it transpose-commutative
 

@@ -1,4 +1,5 @@
-"""The noise R in plain PyTorch, bit for bit the same as kernels/triton_noise.py.
+"""The noise R in plain PyTorch, bit for bit the same as kernels/triton_noise.py (block sums:
+the same products, summed in another order; see kernels/__init__.py).
 
 Triton's `tl.randint4x(seed, offset)` is Philox-4x32-10 with counter (offset, 0, 0, 0) and key
 (seed_lo, seed_hi). We replay it with int64 tensors that hold uint32 values (see _mul_hi_lo for

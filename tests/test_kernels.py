@@ -60,14 +60,43 @@ def test_backends_give_identical_r_and_w_hat(method, shape):
             assert torch.equal(_bits(w_hat_triton), _bits(w_hat_torch))
 
 
+def _block_sums_float64(p):
+    """Per 32x32 block: (sum of p, sum of |p|), in float64, for an FP32 (m, n) tensor p."""
+    m, n = p.shape
+    p = torch.nn.functional.pad(p.double(), (0, -n % 32, 0, -m % 32))
+    blocks = p.view(p.shape[0] // 32, 32, p.shape[1] // 32, 32)
+    return blocks.sum(dim=(1, 3)), blocks.abs().sum(dim=(1, 3))
+
+
+# Any order of summing k FP32 numbers x_i gives s with |s - sum x_i| <= gamma_(k-1) * sum |x_i|,
+# gamma_j = j u / (1 - j u), u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms,
+# eq. 4.4). A block has 1024 products; the float64 reference adds its own, far smaller, gamma.
+GAMMA_1023 = 1023 * 2.0**-24 / (1 - 1023 * 2.0**-24) + 1023 * 2.0**-53 / (1 - 1023 * 2.0**-53)
+
+
 @pytest.mark.parametrize("method", ["gaussws", "diffq"])
-def test_backends_give_the_same_block_sums(method):
-    g = torch.randn(97, 70)
+@pytest.mark.parametrize("shape", [(97, 70), (64, 256), (40, 48)])  # 8 does not divide 70: a word per element
+def test_block_sums_are_sums_of_the_same_products_within_the_order_bound(method, shape):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(shape[1]))
     r_store = torch_noise.gen(g.numel(), 99, method, "cpu")
-    a = triton_noise.block_sums(g, r_store, method)
-    b = torch_noise.block_sums(g, r_store, method)
-    assert a.shape == (4, 3)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # only the summation order differs
+    products = g * gaussws.sample_r(shape, 99, method, backend="torch")  # FP32, as both backends form them
+    exact, total_abs = _block_sums_float64(products)
+    for backend in (triton_noise, torch_noise):
+        sums = backend.block_sums(g, r_store, method)
+        assert sums.dtype == torch.float32 and sums.shape == exact.shape
+        assert ((sums.double() - exact).abs() <= GAMMA_1023 * total_abs).all()
+
+
+@pytest.mark.parametrize("shape", [(97, 70), (64, 256)])
+def test_block_sums_are_bit_identical_when_every_order_is_exact(shape):
+    """g integer-valued, |g| <= 8: gaussws products are integers of magnitude <= 16 and every partial
+    sum of a block (< 2^14) is exact in FP32, so both backends must give the same bits."""
+    g = torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(1)).float()
+    r_store = torch_noise.gen(g.numel(), 7, "gaussws", "cpu")
+    a = triton_noise.block_sums(g, r_store, "gaussws")
+    b = torch_noise.block_sums(g, r_store, "gaussws")
+    exact, _ = _block_sums_float64(g * gaussws.sample_r(shape, 7, backend="torch"))
+    assert torch.equal(a, b) and torch.equal(a.double(), exact)
 
 
 def test_packing_is_eight_sign_magnitude_nibbles_per_word():

@@ -1,0 +1,47 @@
+"""bench.py gpu-check: where there is no GPU, one line; its parts run on CPU tensors too."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bench
+from kernels import torch_noise
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the message of a machine without CUDA")
+def test_without_cuda_it_says_so_in_one_line():
+    proc = subprocess.run([sys.executable, "bench.py", "gpu-check"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CUDA" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_parity_rows_pass_on_the_interpreter():
+    """The parity part, with Triton's interpreter on CPU tensors standing in for the GPU."""
+    rows = bench.gpu_parity("cpu", shapes=[(33, 65), (64, 256)], seeds=[5], bm_shape=(64, 1024))
+    assert [(k, m) for k, m, _, _ in rows] == [("gen", "gaussws"), ("apply", "gaussws"), ("block_sums", "gaussws"),
+                                               ("gen", "diffq"), ("apply", "diffq"), ("block_sums", "diffq"),
+                                               ("bm", "box-muller")]
+    assert [r for _, _, _, r in rows] == ["identical", "identical", "within"] * 2 + ["ok"], rows
+
+
+@pytest.mark.parametrize("method", ["gaussws", "diffq"])
+def test_bytes_per_element_are_the_tensors_the_kernels_touch(method):
+    """KERNEL_BYTES against the sizes of the tensors themselves (the scale and sums, 1/1024 of an
+    element's bytes, are left out there)."""
+    m, n = 64, 256
+    w = torch.zeros(m, n)
+    r_store = torch_noise.gen(m * n, 1, method, "cpu")
+    w_hat = torch.zeros(m, n, dtype=torch.bfloat16)
+    per = lambda *ts: sum(t.numel() * t.element_size() for t in ts) / (m * n)
+    assert bench.KERNEL_BYTES[f"gen {method}"] == per(r_store)
+    assert bench.KERNEL_BYTES[f"apply {method}"] == per(w, r_store, w_hat)
+    assert bench.KERNEL_BYTES[f"block_sums {method}"] == per(w, r_store)  # g is FP32 like w
+    assert bench.KERNEL_BYTES["bm"] == per(w, w_hat)
+    assert bench.KERNEL_BYTES["copy"] == per(w, w)
