@@ -11,8 +11,10 @@ import sys
 
 import torch
 
+import gaussws
 from configurator import ConfigError, configure
-from model import GPT, ModelConfig
+from model import GPT, ROLES, ModelConfig
+from train import checkpoint_args
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -55,15 +57,17 @@ def load_checkpoint(out_dir, device):
         raise UsageError(f"no checkpoint at {path}: train one (python train.py --out_dir={out_dir}) "
                          f"or point --out_dir at a directory that holds ckpt.pt")
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UsageError(f"cannot read {path} ({type(e).__name__}): it is damaged or not a checkpoint of train.py")
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UsageError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
     try:
-        model = GPT(ModelConfig(**ckpt["model_args"]))
+        model_args, pqt = checkpoint_args(ckpt)
+        model = GPT(ModelConfig(**model_args))
+        gaussws.convert(model, pqt["method"], ROLES[model.config.arch], b_init=pqt["b_init"], b_target=pqt["b_target"])
         model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError) as e:
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"{path} is not a checkpoint of this project's model: {first}")
     model.eval()  # also turns the PQT noise off: eval-mode PQTLinear is a plain Linear

@@ -3,7 +3,8 @@
 # Shape: the paper's Llama2-134M: dim 768, 12 layers, 12 heads, FFN 2048, vocab 32000 (Llama 2's
 # tokenizer), untied head; sequence 2048. data/c4/prepare.py tokenizes with tiktoken's gpt2
 # (50257 tokens), which train.py refuses for a 32000-token model: prepare C4 with a tokenizer of at
-# most 32000 tokens (--tokenizer), or add --vocab_size=50304 (+14.3M parameters at 134M).
+# most 32000 tokens (--tokenizer), or add --vocab_size=50304 (+28.1M parameters at 134M: the
+# embedding and the untied head grow by 18304 x 768 each; 134.1M -> 162.2M in --dry_run).
 # Our choices (the paper's settings appendix is missing): 2^19 = 524,288 tokens per step (16 x 2048
 # x 16; a micro-batch of 16 leaves room on an A100-40G, where the paper's throughput test ran 24),
 # and nanoGPT's GPT2 recipe for the rest: lr 6e-4 cosine to 6e-5 after 2000 warmup steps, weight
