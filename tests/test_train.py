@@ -78,13 +78,102 @@ def test_resume_continues_the_same_losses(data_dir, tmp_path):
     assert len(losses(part)) == 20
 
 
-def test_checkpoint_loads_with_weights_only_and_has_no_compile_prefix(data_dir, tmp_path):
+def test_compiled_run_trains_as_eager_and_saves_a_loadable_model(data_dir, tmp_path):
     import torch
-    train.main(tiny(data_dir, tmp_path, max_iters=10, compile=True))
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
-    assert {"model", "optimizer", "model_args", "iter_num", "config", "rng_state"} <= set(ckpt)
-    assert ckpt["iter_num"] == 10
+    import gaussws
+    from model import GPT, ROLES, ModelConfig
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    train.main(tiny(data_dir, eager, max_iters=4, eval_interval=4, dtype="float32"))
+    train.main(tiny(data_dir, compiled, max_iters=4, eval_interval=4, dtype="float32", compile=True))
+    a, b = losses(eager), losses(compiled)
+    np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-4)
+    ckpt = torch.load(compiled / "ckpt.pt", weights_only=True)
+    assert {"model", "optimizer", "model_args", "pqt", "iter_num", "config", "rng_state"} <= set(ckpt)
+    assert ckpt["iter_num"] == 4 and ckpt["pqt"] == {"method": "gaussws[all]", "b_init": 6.0, "b_target": 4.0}
+    model = gaussws.convert(GPT(ModelConfig(**ckpt["model_args"])), "gaussws[all]", ROLES["gpt2"])
+    model.load_state_dict(ckpt["model"])  # strict: the same names as a fresh model, whatever compiled it
+
+
+def _originals():
+    import gaussws
+    return {"build_optimizers": gaussws.build_optimizers, "get_batch": train.get_batch}
+
+
+ORIGINAL = _originals()  # before any test patches them
+
+
+def snapshot_start(monkeypatch):
+    """Record the weights train.main starts from (when it builds the optimizers) and every batch it draws."""
+    import gaussws
+    seen = {"batches": []}
+    build, get_batch = ORIGINAL["build_optimizers"], ORIGINAL["get_batch"]
+
+    def recording_build(model, *args, **kw):
+        seen["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
+        return build(model, *args, **kw)
+
+    def recording_get_batch(data, key, **kw):
+        x, y = get_batch(data, key, **kw)
+        seen["batches"].append((key, x.clone(), y.clone()))
+        return x, y
+    monkeypatch.setattr(gaussws, "build_optimizers", recording_build)
+    monkeypatch.setattr(train, "get_batch", recording_get_batch)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama2"])
+def test_every_method_starts_from_the_same_weights_and_batches(data_dir, tmp_path, monkeypatch, arch):
+    import torch
+    runs = {}
+    for method in ("bf16", "gaussws[all]", "diffq[od]"):
+        seen = snapshot_start(monkeypatch)
+        train.main(tiny(data_dir, tmp_path / method, arch=arch, bias=arch == "gpt2", method=method, max_iters=2,
+                        eval_interval=2))
+        runs[method] = seen
+    base = runs["bf16"]
+    for method in ("gaussws[all]", "diffq[od]"):
+        run = runs[method]
+        assert {k for k in run["weights"] if not k.endswith("b_i")} == set(base["weights"])
+        for k, v in base["weights"].items():
+            assert torch.equal(run["weights"][k], v), (method, k)
+        assert len(run["batches"]) == len(base["batches"]) > 2
+        for (key_a, xa, ya), (key_b, xb, yb) in zip(base["batches"], run["batches"]):
+            assert key_a == key_b and torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_pqt_run_started_from_a_bf16_checkpoint_keeps_its_weights(data_dir, tmp_path, monkeypatch):
+    import torch
+    bf16, pqt, back = tmp_path / "bf16", tmp_path / "pqt", tmp_path / "back"
+    train.main(tiny(data_dir, bf16, method="bf16", max_iters=10))
+    source = torch.load(bf16 / "ckpt.pt", weights_only=True)
+    seen = snapshot_start(monkeypatch)
+    train.main(tiny(data_dir, pqt, method="gaussws[od]", init_from=str(bf16), max_iters=4, eval_interval=4))
+    start = seen["weights"]
+    assert set(source["model"]) == {k for k in start if not k.endswith("b_i")}
+    for k, v in source["model"].items():
+        assert torch.equal(start[k], v), k
+    b_i = [v for k, v in start.items() if k.endswith("b_i")]
+    assert len(b_i) == 4 and all(torch.equal(v, torch.ones_like(v)) for v in b_i)  # fresh: b_t = b_init
+    # Evaluation runs without noise: the new run's step-0 losses are the bf16 run's last ones.
+    with open(bf16 / "metrics.jsonl") as f:
+        last = [json.loads(line) for line in f if "val/loss" in line][-1]
+    with open(pqt / "metrics.jsonl") as f:
+        first = [json.loads(line) for line in f if "val/loss" in line][0]
+    assert first["iter"] == 0 and first["val/loss"] == last["val/loss"]
+    ckpt = torch.load(pqt / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 4 and ckpt["pqt"]["method"] == "gaussws[od]"  # a new run: its own steps
+    # And back: a bf16 run from the PQT checkpoint drops the b_i.
+    seen = snapshot_start(monkeypatch)
+    train.main(tiny(data_dir, back, method="bf16", init_from=str(pqt / "ckpt.pt"), max_iters=1, eval_interval=1))
+    assert set(seen["weights"]) == set(source["model"])
+    assert all(torch.equal(seen["weights"][k], v) for k, v in ckpt["model"].items() if not k.endswith("b_i"))
+
+
+def test_init_from_refuses_another_shape_in_one_line(data_dir, trained, tmp_path):
+    r = run_cli(tiny(data_dir, tmp_path / "new", init_from=str(trained), n_layer=3))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "has another shape" in line and "n_layer" in line
 
 
 def torchrun(args):
@@ -109,6 +198,20 @@ def test_two_processes_match_one_with_the_same_global_batch(data_dir, tmp_path, 
     a, b = losses(one), losses(two)
     assert a.keys() == b.keys() and len(a) == 6
     np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-4)
+    # The losses hardly see a gradient scale (Adam divides it out); the weights, b_i and Adam's
+    # moments after 6 steps do: exp_avg is linear in the gradient.
+    import torch
+    c1, c2 = (torch.load(d / "ckpt.pt", weights_only=True) for d in (one, two))
+    assert c1["model"].keys() == c2["model"].keys() and any(k.endswith("b_i") for k in c1["model"])
+    for k, v in c1["model"].items():
+        torch.testing.assert_close(c2["model"][k], v, rtol=1e-4, atol=1e-6, msg=k)
+    if parallel == "ddp":  # the same layout; FSDP's holds parameter names instead of indices
+        moments = lambda ckpt: [t for o in ckpt["optimizer"] for s in o["state"].values() for t in s.values()
+                                if torch.is_tensor(t) and t.numel() > 1]
+        m1, m2 = moments(c1), moments(c2)
+        assert len(m1) == len(m2) > 0
+        for x, y in zip(m1, m2):
+            torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-9)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
