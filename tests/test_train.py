@@ -198,20 +198,23 @@ def test_two_processes_match_one_with_the_same_global_batch(data_dir, tmp_path, 
     a, b = losses(one), losses(two)
     assert a.keys() == b.keys() and len(a) == 6
     np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-4)
-    # The losses hardly see a gradient scale (Adam divides it out); the weights, b_i and Adam's
-    # moments after 6 steps do: exp_avg is linear in the gradient.
+    # The losses hardly see a gradient scale (Adam divides it out); b_i and Adam's moments after 6
+    # steps do (exp_avg is linear in the gradient). The weights agree to a small part of one Adam
+    # step: where a gradient is near zero, Adam's division amplifies the summation order's rounding.
     import torch
     c1, c2 = (torch.load(d / "ckpt.pt", weights_only=True) for d in (one, two))
     assert c1["model"].keys() == c2["model"].keys() and any(k.endswith("b_i") for k in c1["model"])
     for k, v in c1["model"].items():
-        torch.testing.assert_close(c2["model"][k], v, rtol=1e-4, atol=1e-6, msg=k)
-    if parallel == "ddp":  # the same layout; FSDP's holds parameter names instead of indices
-        moments = lambda ckpt: [t for o in ckpt["optimizer"] for s in o["state"].values() for t in s.values()
-                                if torch.is_tensor(t) and t.numel() > 1]
-        m1, m2 = moments(c1), moments(c2)
-        assert len(m1) == len(m2) > 0
-        for x, y in zip(m1, m2):
-            torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-9)
+        tol = dict(rtol=1e-5, atol=1e-6) if k.endswith("b_i") else dict(rtol=1e-4, atol=0.01 * 3e-3)
+        torch.testing.assert_close(c2["model"][k], v, **tol, msg=lambda m: f"{k}: {m}")
+
+    def moments(ckpt):  # every optimizer's tensors, in the order of its parameter groups
+        return [t for o in ckpt["optimizer"] for g in o["param_groups"] for p in g["params"]
+                for _, t in sorted(o["state"][p].items()) if torch.is_tensor(t) and t.numel() > 1]
+    m1, m2 = moments(c1), moments(c2)
+    assert len(m1) == len(m2) > 0
+    for x, y in zip(m1, m2):
+        torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-3 * x.abs().max().item())  # a 2x scale is far off
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
