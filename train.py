@@ -121,16 +121,27 @@ def keep_freed_cpu_memory():
 
 # --- data ----------------------------------------------------------------------------------------
 
+def prepare_hint(data_dir):
+    """How to (re)make a dataset: its prepare.py where it has one."""
+    script = os.path.join(data_dir, "prepare.py")
+    if os.path.isfile(script):
+        return f"python {os.path.relpath(script) if not os.path.isabs(data_dir) else script}"
+    return f"write train.bin, val.bin and meta.json into {data_dir} (it has no prepare.py)"
+
+
 def read_meta(data_dir):
     meta_path = os.path.join(data_dir, "meta.json")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
         meta["vocab_size"] = int(meta["vocab_size"])
+        if meta["vocab_size"] <= 0:
+            raise ValueError(f"vocab_size {meta['vocab_size']} <= 0")
+        np.dtype(meta.setdefault("dtype", "uint16"))
     except FileNotFoundError:
-        fail(f"{meta_path} not found; prepare the data first: python {os.path.join(data_dir, 'prepare.py')}")
+        fail(f"{meta_path} not found; prepare the data first: {prepare_hint(data_dir)}")
     except (ValueError, KeyError, TypeError) as e:
-        fail(f"{meta_path} is corrupt ({type(e).__name__}: {e}); run python {os.path.join(data_dir, 'prepare.py')} again")
+        fail(f"{meta_path} is corrupt ({type(e).__name__}: {e}); prepare the data again: {prepare_hint(data_dir)}")
     return meta
 
 
@@ -138,11 +149,14 @@ def open_split(data_dir, split, meta, block_size):
     path = os.path.join(data_dir, f"{split}.bin")
     dt = np.dtype(meta.get("dtype", "uint16"))
     if not os.path.exists(path):
-        fail(f"{path} not found; prepare the data first: python {os.path.join(data_dir, 'prepare.py')}")
+        fail(f"{path} not found; prepare the data first: {prepare_hint(data_dir)}")
     size = os.path.getsize(path)
-    if size % dt.itemsize or size // dt.itemsize <= block_size + 1:
-        fail(f"{path} is corrupt or too short ({size} bytes of {dt.name} for block_size {block_size}); "
-             f"run python {os.path.join(data_dir, 'prepare.py')} again")
+    if size % dt.itemsize:
+        fail(f"{path} is corrupt ({size} bytes, not a whole number of {dt.name} tokens); prepare the data again: "
+             f"{prepare_hint(data_dir)}")
+    if size // dt.itemsize <= block_size + 1:
+        fail(f"{path} holds {size // dt.itemsize} tokens, too few for block_size={block_size}: "
+             f"use --block_size below {max(size // dt.itemsize - 1, 1)}, or prepare more data")
     return np.memmap(path, dtype=dt, mode="r")
 
 
@@ -286,6 +300,30 @@ def load_state(model, optimizers, checkpoint, fsdp):
         set_optimizer_state_dict(model, o, state, options=options)
 
 
+def kept(saved_step, ckpt_path):
+    """What a stopped run leaves behind, named truthfully."""
+    if saved_step is None:
+        return "this run wrote no checkpoint"
+    return f"the last good checkpoint is {ckpt_path}, step {saved_step}"
+
+
+def open_metrics(path, resumed_step):
+    """metrics.jsonl for appending, holding this run's records only: a new run starts it afresh; a
+    resumed one keeps the records up to its checkpoint's step (what came later is redone)."""
+    keep = []
+    if resumed_step is not None and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["iter"] <= resumed_step:
+                        keep.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+                    pass
+    with open(path, "w") as f:
+        f.writelines(keep)
+    return open(path, "a")
+
+
 def save_checkpoint(state, path):
     tmp = path + ".tmp"
     torch.save(state, tmp)
@@ -294,19 +332,57 @@ def save_checkpoint(state, path):
 
 # --- config ------------------------------------------------------------------------------------------
 
-def validate(c):
+def validate(c, explicit):
+    """Refuse a bad config before anything is built or written: one line naming the key, the value
+    and what is accepted."""
+    for k, v in c.items():
+        if v is None:
+            fail(f"{k}=None: expected a {type(DEFAULTS[k]).__name__} like {DEFAULTS[k]!r}")
+    choices = dict(dtype=("bfloat16", "float32"), optimizer=("adamw", "adam_mini"), parallel=("ddp", "fsdp"),
+                   wandb_mode=("online", "offline", "disabled"), arch=("gpt2", "llama2"))
+    for k, accepted in choices.items():
+        if c[k] not in accepted:
+            fail(f"{k}={c[k]!r}: expected one of {', '.join(accepted)}")
     if c["init_from"] == "":
         fail("init_from='': expected 'scratch', 'resume', or a ckpt.pt or an out_dir holding one")
-    if c["dtype"] not in ("bfloat16", "float32"):
-        fail(f"dtype={c['dtype']!r}: expected 'bfloat16' or 'float32'")
-    if c["optimizer"] not in ("adamw", "adam_mini"):
-        fail(f"optimizer={c['optimizer']!r}: expected 'adamw' or 'adam_mini'")
-    if c["parallel"] not in ("ddp", "fsdp"):
-        fail(f"parallel={c['parallel']!r}: expected 'ddp' or 'fsdp'")
     if c["model"] and c["model"] not in PRESETS:
         fail(f"model={c['model']!r} is not a preset; expected one of {', '.join(PRESETS)} or '' (set the shape by hand)")
-    if min(c["batch_size"], c["gradient_accumulation_steps"], c["max_iters"] + 1, c["eval_iters"]) < 1:
-        fail("batch_size, gradient_accumulation_steps and eval_iters must be >= 1, max_iters >= 0")
+    at_least = dict(batch_size=1, gradient_accumulation_steps=1, eval_iters=1, eval_interval=1, log_interval=1,
+                    max_iters=0, warmup_iters=0, lr_decay_iters=0, n_kv_head=0, ffn_hidden=0, vocab_size=0)
+    if not c["model"] or any(k in explicit for k in ("n_layer", "n_head", "n_embd")):
+        at_least.update(n_layer=1, n_head=1, n_embd=1)  # with a preset, only the keys the user sets
+    for k, low in at_least.items():
+        if c[k] < low:
+            fail(f"{k}={c[k]}: expected an integer >= {low}")
+    if c["block_size"] < 0 or c["block_size"] == 0 and not c["model"]:
+        fail(f"block_size={c['block_size']}: expected an integer >= 1 (0 takes the --model preset's, and none is set)")
+    for k in ("learning_rate", "min_lr", "weight_decay", "bitwidth_weight_decay", "bitwidth_lambda"):
+        if not c[k] >= 0:
+            fail(f"{k}={c[k]}: expected a number >= 0")
+    if not c["grad_clip"] >= 0:
+        fail(f"grad_clip={c['grad_clip']}: expected a number >= 0 (the largest gradient norm; 0 disables clipping)")
+    for k in ("beta1", "beta2", "dropout"):
+        if not 0 <= c[k] < 1:
+            fail(f"{k}={c[k]}: expected a number in [0, 1)")
+    if not 0 <= c["seed"] < 2**63:
+        fail(f"seed={c['seed']}: expected an integer in [0, 2^63)")
+    try:
+        dev = torch.device(c["device"])
+    except (RuntimeError, ValueError):
+        fail(f"device={c['device']!r}: expected cpu, cuda or cuda:N")
+    if dev.type not in ("cpu", "cuda"):
+        fail(f"device={c['device']!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        fail(f"device={c['device']!r}, but torch finds no CUDA GPU here; use --device=cpu")
+    if not c["dry_run"]:
+        out = os.path.abspath(c["out_dir"])
+        if os.path.exists(out) and not os.path.isdir(out):
+            fail(f"out_dir={c['out_dir']!r} is a file; expected a directory (or a path where one can be made)")
+        parent = out
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            fail(f"out_dir={c['out_dir']!r}: {parent} is not a writable directory; choose another --out_dir")
 
 
 def config_model_args(c, explicit):
@@ -328,7 +404,7 @@ def main(argv):
     # config
     c = dict(DEFAULTS)
     explicit = configure(c, argv)
-    validate(c)
+    validate(c, explicit)
     model_args = config_model_args(c, explicit)
     pqt = {k: c[k] for k in PQT_KEYS}
     roles = ROLES.get(model_args.get("arch", "gpt2"), {})
@@ -449,14 +525,22 @@ def main(argv):
         raw_model, c["optimizer"], roles, lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]),
         weight_decay=c["weight_decay"], bitwidth_weight_decay=c["bitwidth_weight_decay"],
         n_embd=mconf.n_embd, n_head=mconf.n_head, n_kv_head=mconf.n_kv_head)
-    iter_num, best_val_loss = 0, 1e9
+    iter_num, best_val_loss, saved_step = 0, 1e9, None  # saved_step: of the checkpoint this run continues from
     if checkpoint is not None:
         load_state(raw_model, optimizers, checkpoint, fsdp)
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+        saved_step = iter_num
         torch.set_rng_state(checkpoint["rng_state"])
         if device_type == "cuda" and "cuda_rng_state" in checkpoint:
             torch.cuda.set_rng_state(checkpoint["cuda_rng_state"], dev)
     checkpoint = None
+    if saved_step is not None and saved_step >= c["max_iters"] and not c["eval_only"]:
+        if master:
+            print(f"{ckpt_path} is at step {saved_step}, max_iters={c['max_iters']}: the run is complete, nothing "
+                  f"to train (raise --max_iters to continue it)")
+        if ddp:
+            torch.distributed.destroy_process_group()
+        return
 
     train_model = torch.compile(raw_model) if c["compile"] else raw_model
     if ddp and not fsdp:
@@ -486,10 +570,10 @@ def main(argv):
         import wandb
         wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], mode=c["wandb_mode"], dir=c["out_dir"],
                    config=run_info)
-    metrics_file = open(os.path.join(c["out_dir"], "metrics.jsonl"), "a") if master else None
+    metrics_file = open_metrics(os.path.join(c["out_dir"], "metrics.jsonl"), saved_step) if master and not c["eval_only"] else None
 
     def log(record):
-        if master:
+        if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             if c["wandb_log"]:
@@ -504,7 +588,8 @@ def main(argv):
         lr = get_lr(iter_num, c)
         for group in (g for o in optimizers for g in o.param_groups):
             group["lr"] = lr
-        if iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"] or c["eval_only"]:
+        evaluate = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
+        if c["eval_only"] or evaluate and iter_num != saved_step:  # the resumed step was evaluated and saved before
             losses = estimate_loss(raw_model, splits, seed=c["seed"], eval_iters=c["eval_iters"], autocast=autocast,
                                    rank=rank, world_size=world_size, **batch_args)
             if master:
@@ -516,9 +601,17 @@ def main(argv):
                     wandb.log({f"b_t/{k}": wandb.Histogram(v) for k, v in hists.items()}, step=iter_num)
             if c["eval_only"]:
                 break
+            if not all(map(math.isfinite, losses.values())):
+                fail(f"eval loss is {losses} at step {iter_num}; stopping without saving "
+                     f"({kept(saved_step, ckpt_path)}). Try a lower --learning_rate or --grad_clip")
             if c["save_checkpoints"] and iter_num > 0 and (losses["val"] < best_val_loss or c["always_save_checkpoint"]):
                 best_val_loss = min(best_val_loss, losses["val"])
                 model_state, optimizer_states = get_state(raw_model, optimizers, fsdp)  # collective under FSDP
+                bad = [k for k, v in model_state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+                if bad:
+                    fail(f"{bad[0]} holds non-finite values at step {iter_num}; stopping without saving "
+                         f"({kept(saved_step, ckpt_path)})")
+                saved_step = iter_num
                 if master:
                     state = {"model": model_state, "optimizer": optimizer_states, "model_args": asdict(mconf),
                              "pqt": pqt, "iter_num": iter_num, "best_val_loss": best_val_loss, "config": c,
@@ -558,9 +651,8 @@ def main(argv):
             loss_sum /= world_size
         step_loss, norm = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()  # one sync a step
         if not (math.isfinite(step_loss) and math.isfinite(norm)):
-            kept = f"the last good checkpoint is {ckpt_path}" if os.path.exists(ckpt_path) else "no checkpoint was written"
             what = f"loss is {step_loss}" if not math.isfinite(step_loss) else f"gradient norm is {norm} (loss {step_loss:.4f})"
-            fail(f"{what} at step {iter_num}; stopping before the update ({kept}). "
+            fail(f"{what} at step {iter_num}; stopping before the update ({kept(saved_step, ckpt_path)}). "
                  f"Try a lower --learning_rate or --grad_clip")
         for o in optimizers:
             o.step()

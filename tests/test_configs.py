@@ -41,7 +41,7 @@ EXPECTED_PARAMS = {
     # Llama-2-70B's published shape with 4 of its 80 layers (the paper's 70B†).
     "llama2_70b": llama2_params(dim=8192, n_layer=4, n_head=64, n_kv_head=8, ffn=28672, vocab=32000),
 }
-# Token budgets of the paper's runs (METHOD.md section 6); bench_ configs have none.
+# Token budgets of the paper's runs (docs/METHOD.md); bench_ configs have none.
 TOKEN_BUDGET = {"gpt2": 300e9, "llama2_134m": 300e9, "llama2_1b": 275e9}
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import train
+from configurator import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,7 +97,7 @@ def test_compiled_run_trains_as_eager_and_saves_a_loadable_model(data_dir, tmp_p
 
 def _originals():
     import gaussws
-    return {"build_optimizers": gaussws.build_optimizers, "get_batch": train.get_batch}
+    return {"build_optimizers": gaussws.build_optimizers, "get_batch": train.get_batch, "load_state": train.load_state}
 
 
 ORIGINAL = _originals()  # before any test patches them
@@ -353,3 +354,127 @@ def test_keep_freed_cpu_memory_puts_large_tensors_in_the_heap():
     default, changed, after = out.stdout.split()
     assert int(default) >= 64 * 2**20  # by default its own mmap, given back at free (and faulted in again)
     assert changed == "True" and int(after) == 0  # now in the heap, where a freed block is reused
+
+
+# --- runs that end, checkpoints that stay good, configs refused before anything is written ---------
+
+def copy_run(trained, tmp_path):
+    import shutil
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    return out
+
+
+@pytest.mark.parametrize("max_iters", [5, 10, 0])
+def test_resume_at_or_past_max_iters_ends_at_once(data_dir, trained, tmp_path, capsys, max_iters):
+    out = copy_run(trained, tmp_path)
+    before, metrics = digest(out / "ckpt.pt"), (out / "metrics.jsonl").read_text()
+    train.main(tiny(data_dir, out, max_iters=max_iters, init_from="resume"))
+    printed = capsys.readouterr().out
+    assert "is at step 10" in printed and "nothing to train" in printed
+    assert digest(out / "ckpt.pt") == before and (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_resume_keeps_metrics_up_to_its_checkpoint(data_dir, trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:  # records of a crashed continuation, the last cut short
+        f.write(json.dumps({"iter": 11, "loss": 1.0}) + "\n" + '{"iter": 12, "lo')
+    train.main(tiny(data_dir, out, max_iters=12, init_from="resume"))
+    with open(out / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    steps = [(r["iter"], "val/loss" in r) for r in records]
+    assert len(steps) == len(set(steps))  # no step logged twice (the eval at 10 not again)
+    assert [i for i, ev in steps if not ev] == list(range(1, 13))
+    assert [i for i, ev in steps if ev] == [0, 10, 12]
+    assert all(r["loss"] != 1.0 for r in records if "loss" in r)
+
+
+def test_a_new_run_starts_its_metrics_afresh(data_dir, trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    train.main(tiny(data_dir, out, max_iters=2, eval_interval=2, overwrite=True))
+    with open(out / "metrics.jsonl") as f:
+        assert [json.loads(line)["iter"] for line in f] == [0, 1, 2, 2]
+
+
+def test_nan_at_an_eval_step_keeps_the_good_checkpoint(data_dir, trained, tmp_path):
+    import torch
+    out = copy_run(trained, tmp_path)
+    before = digest(out / "ckpt.pt")
+    # step 10 is finite and updates with lr 1e30: the model evaluated (and due to be saved) at step 11 is not
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, out, max_iters=20, init_from="resume", learning_rate=1e30, grad_clip=0.0,
+                        warmup_iters=0, decay_lr=False, dtype="float32", eval_interval=1))
+    message = str(error.value)
+    assert "at step 11" in message and f"the last good checkpoint is {out / 'ckpt.pt'}, step 10" in message
+    assert digest(out / "ckpt.pt") == before
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 10 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_an_inf_gradient_with_a_finite_loss_is_not_applied(data_dir, trained, tmp_path, monkeypatch):
+    import torch
+    import gaussws
+    out = copy_run(trained, tmp_path)
+    before = digest(out / "ckpt.pt")
+    build, seen = ORIGINAL["build_optimizers"], {}
+
+    def poisoned(model, *args, **kw):  # one gradient element turns inf in the backward; the loss stays finite
+        seen["model"] = model
+        model.lm_head.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf")))
+        return build(model, *args, **kw)
+    monkeypatch.setattr(gaussws, "build_optimizers", poisoned)
+    weights = {}
+    monkeypatch.setattr(train, "load_state", lambda model, o, ckpt, fsdp: (ORIGINAL["load_state"](model, o, ckpt, fsdp),
+                                                                            weights.update(ckpt["model"])))
+    for grad_clip in (1.0, 0.0):  # clipped or not, the norm is checked
+        with pytest.raises(ConfigError, match=r"gradient norm is (inf|nan) \(loss \d"):
+            train.main(tiny(data_dir, out, max_iters=20, init_from="resume", grad_clip=grad_clip))
+        for k, v in seen["model"].state_dict().items():  # no update reached the weights
+            assert torch.equal(v, weights[k]), k
+    assert digest(out / "ckpt.pt") == before
+
+
+BAD_CONFIG = [
+    ("--max_iters=None", "max_iters=None"),
+    ("--grad_clip=-1", "grad_clip=-1.0: expected a number >= 0"),
+    ("--block_size=0", "block_size=0: expected an integer >= 1"),
+    ("--block_size=-3", "block_size=-3"),
+    ("--n_layer=-1", "n_layer=-1: expected an integer >= 1"),
+    ("--n_embd=0", "n_embd=0"),
+    ("--n_head=0", "n_head=0"),
+    ("--eval_interval=0", "eval_interval=0"),
+    ("--log_interval=0", "log_interval=0"),
+    ("--learning_rate=-1", "learning_rate=-1.0: expected a number >= 0"),
+    ("--beta1=1.5", "beta1=1.5: expected a number in [0, 1)"),
+    ("--beta2=1.0", "beta2=1.0"),
+    ("--dropout=2.0", "dropout=2.0"),
+    ("--wandb_mode=foo", "wandb_mode='foo': expected one of online, offline, disabled"),
+    ("--device=tpu", "device='tpu'"),
+] + ([("--device=cuda", "no CUDA GPU")] if not __import__("torch").cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("arg,message", BAD_CONFIG, ids=[a for a, _ in BAD_CONFIG])
+def test_a_bad_config_is_one_line_before_anything_is_written(data_dir, tmp_path, arg, message):
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, out) + [arg])
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert not out.exists()
+
+
+def test_out_dir_must_be_a_writable_directory(data_dir, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        train.main(tiny(data_dir, tmp_path / "file"))
+    with pytest.raises(ConfigError, match="not a writable directory"):  # a directory that cannot be made
+        train.main(tiny(data_dir, tmp_path / "file" / "out"))
+
+
+def test_data_messages_point_at_the_cause(data_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"too few for block_size=100000: use --block_size below"):
+        train.main(tiny(data_dir, tmp_path / "o", block_size=100000))
+    empty = tmp_path / "mydata"
+    empty.mkdir()
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(str(empty), tmp_path / "o"))
+    assert "has no prepare.py" in str(error.value) and "data/" not in str(error.value).replace(str(empty), "")
