@@ -80,7 +80,7 @@ def load_meta(ckpt):
     path = os.path.join(ROOT, "data", str(dataset), "meta.json")
     if not os.path.isfile(path):
         raise UsageError(f"no {path}, so the tokenizer of dataset {dataset!r} is unknown: "
-                         f"run python data/{dataset}/prepare.py")
+                         f"prepare it ({os.path.join(os.path.dirname(path), 'prepare.py')})")
     try:
         with open(path) as f:
             return json.load(f)
