@@ -300,6 +300,15 @@ def load_state(model, optimizers, checkpoint, fsdp):
         set_optimizer_state_dict(model, o, state, options=options)
 
 
+def all_finite(model, distributed):
+    """Whether every parameter is finite on every process (each checks its own shard under FSDP)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    ok = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
+    if distributed:
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    return bool(ok)
+
+
 def kept(saved_step, ckpt_path):
     """What a stopped run leaves behind, named truthfully."""
     if saved_step is None:
@@ -385,6 +394,44 @@ def validate(c, explicit):
             fail(f"out_dir={c['out_dir']!r}: {parent} is not a writable directory; choose another --out_dir")
 
 
+def starting_point(c, explicit, model_args, pqt, meta, ckpt_path):
+    """(model_args, checkpoint, init_state) for init_from: the checkpoint to resume (init_from=resume),
+    or the state dict a new run starts from (a path), with the architecture each implies."""
+    checkpoint = init_state = None
+    if c["init_from"] == "resume":
+        if not os.path.exists(ckpt_path):
+            fail(f"init_from=resume but {ckpt_path} does not exist; start with --init_from=scratch")
+        checkpoint = load_checkpoint(ckpt_path)
+        saved_args, saved_pqt = checkpoint_args(checkpoint)
+        if not model_args.get("vocab_size"):
+            model_args["vocab_size"] = meta["vocab_size"]
+        try:
+            wanted = {**asdict(ModelConfig(**model_args)), **pqt}
+        except (ValueError, TypeError) as e:
+            fail(str(e))
+        saved = {**saved_args, **saved_pqt}
+        diff = [f"{k}: checkpoint {saved.get(k)!r}, config {v!r}" for k, v in wanted.items() if saved.get(k) != v]
+        if diff:
+            fail(f"{ckpt_path} holds another model ({'; '.join(diff)}); resume with the settings it was trained "
+                 f"with, or use another --out_dir")
+        model_args = saved_args
+    else:
+        if os.path.exists(ckpt_path) and not c["overwrite"]:
+            fail(f"{ckpt_path} holds another run; resume it with --init_from=resume, choose another --out_dir, "
+                 f"or pass --overwrite=True to replace it")
+        if c["init_from"] != "scratch":
+            source_args, init_state = resolve_init(c["init_from"], c["out_dir"])
+            # The architecture is the source's; a shape the user set explicitly must agree with it.
+            asked = {k: v for k, v in model_args.items() if (k in explicit or c["model"] and "model" in explicit)
+                     and k != "dropout" and v is not None}
+            clash = [f"{k}: {c['init_from']} has {source_args.get(k)!r}, config {v!r}" for k, v in asked.items()
+                     if source_args.get(k) != v]
+            if clash:
+                fail(f"init_from={c['init_from']} has another shape ({'; '.join(clash)}); drop those keys")
+            model_args = {**source_args, **({"dropout": c["dropout"]} if "dropout" in explicit else {})}
+    return model_args, checkpoint, init_state
+
+
 def config_model_args(c, explicit):
     """The model's shape from the config: ModelConfig's defaults < the preset < this file's defaults
     where no preset < the user's keys. 0 means "derive it" for n_kv_head, ffn_hidden, block_size."""
@@ -463,38 +510,7 @@ def main(argv):
 
     # the weights to start from: none (scratch), this run's checkpoint (resume), or another's
     ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
-    checkpoint = init_state = None
-    if c["init_from"] == "resume":
-        if not os.path.exists(ckpt_path):
-            fail(f"init_from=resume but {ckpt_path} does not exist; start with --init_from=scratch")
-        checkpoint = load_checkpoint(ckpt_path)
-        saved_args, saved_pqt = checkpoint_args(checkpoint)
-        if not model_args.get("vocab_size"):
-            model_args["vocab_size"] = meta["vocab_size"]
-        try:
-            wanted = {**asdict(ModelConfig(**model_args)), **pqt}
-        except (ValueError, TypeError) as e:
-            fail(str(e))
-        saved = {**saved_args, **saved_pqt}
-        diff = [f"{k}: checkpoint {saved.get(k)!r}, config {v!r}" for k, v in wanted.items() if saved.get(k) != v]
-        if diff:
-            fail(f"{ckpt_path} holds another model ({'; '.join(diff)}); resume with the settings it was trained "
-                 f"with, or use another --out_dir")
-        model_args = saved_args
-    else:
-        if os.path.exists(ckpt_path) and not c["overwrite"]:
-            fail(f"{ckpt_path} holds another run; resume it with --init_from=resume, choose another --out_dir, "
-                 f"or pass --overwrite=True to replace it")
-        if c["init_from"] != "scratch":
-            source_args, init_state = resolve_init(c["init_from"], c["out_dir"])
-            # The architecture is the source's; a shape the user set explicitly must agree with it.
-            asked = {k: v for k, v in model_args.items() if (k in explicit or c["model"] and "model" in explicit)
-                     and k != "dropout" and v is not None}
-            clash = [f"{k}: {c['init_from']} has {source_args.get(k)!r}, config {v!r}" for k, v in asked.items()
-                     if source_args.get(k) != v]
-            if clash:
-                fail(f"init_from={c['init_from']} has another shape ({'; '.join(clash)}); drop those keys")
-            model_args = {**source_args, **({"dropout": c["dropout"]} if "dropout" in explicit else {})}
+    model_args, checkpoint, init_state = starting_point(c, explicit, model_args, pqt, meta, ckpt_path)
     if not model_args.get("vocab_size"):
         model_args["vocab_size"] = meta["vocab_size"]
     if meta["vocab_size"] > model_args["vocab_size"]:
@@ -606,11 +622,10 @@ def main(argv):
                      f"({kept(saved_step, ckpt_path)}). Try a lower --learning_rate or --grad_clip")
             if c["save_checkpoints"] and iter_num > 0 and (losses["val"] < best_val_loss or c["always_save_checkpoint"]):
                 best_val_loss = min(best_val_loss, losses["val"])
-                model_state, optimizer_states = get_state(raw_model, optimizers, fsdp)  # collective under FSDP
-                bad = [k for k, v in model_state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-                if bad:
-                    fail(f"{bad[0]} holds non-finite values at step {iter_num}; stopping without saving "
+                if not all_finite(raw_model, ddp):  # b_i, unseen by the eval, included
+                    fail(f"the model holds non-finite values at step {iter_num}; stopping without saving "
                          f"({kept(saved_step, ckpt_path)})")
+                model_state, optimizer_states = get_state(raw_model, optimizers, fsdp)  # collective under FSDP
                 saved_step = iter_num
                 if master:
                     state = {"model": model_state, "optimizer": optimizer_states, "model_args": asdict(mconf),
