@@ -242,6 +242,10 @@ def checkpoint_args(checkpoint):
     {"method", "b_init", "b_target"}. Older checkpoints kept the method inside model_args."""
     model_args = dict(checkpoint["model_args"])
     pqt = {k: model_args.pop(k) for k in PQT_KEYS if k in model_args}
+    unknown = sorted(set(model_args) - set(MODEL_KEYS))
+    if unknown:
+        fail(f"the checkpoint's model_args hold {', '.join(map(repr, unknown))}, which this code's model does not "
+             f"have (expected fields of model.ModelConfig: {', '.join(MODEL_KEYS)})")
     pqt = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, **pqt, **checkpoint.get("pqt", {})}
     return model_args, pqt
 
@@ -402,6 +406,10 @@ def starting_point(c, explicit, model_args, pqt, meta, ckpt_path):
         if not os.path.exists(ckpt_path):
             fail(f"init_from=resume but {ckpt_path} does not exist; start with --init_from=scratch")
         checkpoint = load_checkpoint(ckpt_path)
+        missing = sorted({"optimizer", "iter_num", "best_val_loss", "rng_state"} - set(checkpoint))
+        if missing:
+            fail(f"{ckpt_path} lacks {', '.join(missing)}: it cannot be resumed; start a new run from its weights "
+                 f"with --init_from={ckpt_path} --out_dir=<new dir>")
         saved_args, saved_pqt = checkpoint_args(checkpoint)
         if not model_args.get("vocab_size"):
             model_args["vocab_size"] = meta["vocab_size"]

@@ -478,3 +478,17 @@ def test_data_messages_point_at_the_cause(data_dir, tmp_path):
     with pytest.raises(ConfigError) as error:
         train.main(tiny(str(empty), tmp_path / "o"))
     assert "has no prepare.py" in str(error.value) and "data/" not in str(error.value).replace(str(empty), "")
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda ckpt: ckpt["model_args"].update(n_expert=4), "'n_expert', which this code's model does not have"),
+    (lambda ckpt: ckpt.pop("optimizer"), "lacks optimizer: it cannot be resumed"),
+])
+def test_a_checkpoint_this_code_cannot_continue_is_one_line(data_dir, trained, tmp_path, damage, message):
+    import torch
+    out = copy_run(trained, tmp_path)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    damage(ckpt)
+    torch.save(ckpt, out / "ckpt.pt")
+    with pytest.raises(ConfigError, match=message):
+        train.main(tiny(data_dir, out, max_iters=20, init_from="resume"))
