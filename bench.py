@@ -15,16 +15,17 @@ The impls are timed interleaved (median of `repeats` blocks each) after warm-up 
         [--recompute_w_hat=False] [--seed=1337]
         [--device=cpu|cuda] [--threads=N] [--json=PATH] [--n_layer=12 ... any model.ModelConfig field]
 
-Table 1: tokens/s of one optimizer step for each method, taken as train.py takes it: gaussws.begin_step
-(this step's noise and w_hat), grad_accum micro-steps of batch_size x block_size random tokens
-(forward and backward under BF16 autocast), gaussws.end_step (Eq. 4), AdamW step, zero_grad; with
---recompute_w_hat=True gaussws.set_step instead, and every micro-step makes w_hat in its forward and
-again in its backward. One
-model per method, all with the same initial weights, run interleaved in one process: after `warmup`
-steps each, `rounds` rounds of one step per method. Reported: median tokens/s; overhead_pct = median
-over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16 in the same round), pairing the
-rounds so that drift in the machine's load cancels; pqt_share_pct (step mode) = median over rounds of
-100 * (seconds in gaussws.begin_step and end_step / the bf16 step of the round): the method's own work,
+Table 1: tokens/s of one optimizer step for each method, taken as train.py takes it, with the same
+code: the model built plain from one seed (so every method starts from the same weights) and
+converted by gaussws.convert, the optimizers of gaussws.build_optimizers with train.py's default
+settings, then per step a gaussws.TrainStep around grad_accum micro-steps of batch_size x block_size
+random tokens (forward and backward under BF16 autocast), train.py's gradient clipping, the
+optimizer step and zero_grad. --recompute_w_hat=True converts as train.py does with it (w_hat made
+in every micro-step's forward and again in its backward). All methods run interleaved in one
+process: after `warmup` steps each, `rounds` rounds of one step per method. Reported: median
+tokens/s; overhead_pct = median over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16
+in the same round), pairing the rounds so that drift in the machine's load cancels; pqt_share_pct (step mode) = median over rounds of
+100 * (seconds in TrainStep's begin and end / the bf16 step of the round): the method's own work,
 timed apart from the matmuls and so far steadier than the overhead on a noisy machine.
 Memory, extra_bytes_per_param = (memory of the method - memory of bf16) / (number of weight elements
 in the method's PQT layers):
@@ -36,7 +37,7 @@ in the method's PQT layers):
     for the backward, so a saved w_hat takes the place of that copy rather than adding to it.
 
 Options are `--key=value`, checked as train.py checks its own (configurator.py). Lists are written
-with commas. The full CPU measurement of issue 5 (GPT2-124M, 1 x 1024 tokens per micro-step):
+with commas. The full CPU measurement (GPT2-124M, 1 x 1024 tokens per micro-step):
     python bench.py train --model=gpt2-124m --grad_accum=1 --rounds=5     # about 5 minutes on 2 idle cores
     python bench.py train --model=gpt2-124m --grad_accum=8 --rounds=3     # about 20 minutes
 Where other processes share the cores, add --threads=1: a thread that waits at every op for a
@@ -71,6 +72,7 @@ import gaussws
 import model as model_lib
 from configurator import ConfigError, configure
 from kernels import BL
+import train
 from train import keep_freed_cpu_memory
 
 # --- small helpers ---------------------------------------------------------------------------------
@@ -237,8 +239,8 @@ def split_methods(text):
     return [p for p in parts if p]
 
 
-def build_config(args, method):
-    cfg = {**model_lib.PRESETS[args.model], **args.model_overrides, "method": method}
+def build_config(args):
+    cfg = {**model_lib.PRESETS[args.model], **args.model_overrides}
     try:
         return model_lib.ModelConfig(**cfg)
     except (ValueError, TypeError) as e:
@@ -261,64 +263,59 @@ def _tensors(value):
             yield from _tensors(v)
 
 
-def held_bytes(model, x, y, device, step_mode=True):
+def held_bytes(model, x, y, device):
     """Bytes held for the backward of one micro-step: tensors autograd saves plus tensors PQT layers hold.
 
-    Taken as train.py takes a step (in step mode gaussws.begin_step, forward, backward,
-    gaussws.end_step), at the end of the forward, when all of it is held at once. Each storage counts once (a w_hat both saved
-    and cached is one tensor); parameters and buffers are left out (they exist whether or not a
-    backward follows).
+    Taken inside a gaussws.TrainStep as train.py takes a step, at the end of the forward, when all
+    of it is held at once. Each storage counts once (a w_hat both saved and cached is one tensor);
+    parameters and buffers are left out (they exist whether or not a backward follows).
     """
-    if step_mode:
-        gaussws.begin_step(model, 0)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-            _, loss = model(x, y)
-    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    held = [t for layer in gaussws.pqt_layers(model) for v in vars(layer).values() for t in _tensors(v)]
-    storages = {}
-    for t in saved + held:
-        s = t.untyped_storage()
-        if s.data_ptr() not in state:
-            storages[s.data_ptr()] = s.nbytes()
-    del saved, held
-    loss.backward()
-    if step_mode:
-        gaussws.end_step(model)
+    with gaussws.TrainStep(model, 0):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+                _, loss = model(x, y)
+        state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        held = [t for layer in gaussws.pqt_layers(model) for v in vars(layer).values() for t in _tensors(v)]
+        storages = {}
+        for t in saved + held:
+            s = t.untyped_storage()
+            if s.data_ptr() not in state:
+                storages[s.data_ptr()] = s.nbytes()
+        del saved, held
+        loss.backward()
     model.zero_grad(set_to_none=True)
     return sum(storages.values())
 
 
 class Runner:
-    """One method's model, optimizer and data; step() is one optimizer step as train.py takes it."""
+    """One method's model, optimizers and data; step() is one optimizer step as train.py takes it."""
 
-    def __init__(self, args, method, init_state):
+    def __init__(self, args, method):
         self.method, self.device = method, args.device
-        torch.manual_seed(args.seed)
-        self.model = model_lib.GPT(build_config(args, method))
-        if init_state is not None:  # the same weights for every method; b_i keeps its own init (Eq. 11)
-            self.model.load_state_dict(init_state, strict=False)
+        config = build_config(args)
+        torch.manual_seed(args.seed)  # the same initial weights for every method: convert draws nothing
+        self.model = gaussws.convert(model_lib.GPT(config), method, model_lib.ROLES[config.arch],
+                                     b_init=train.DEFAULTS["b_init"], b_target=train.DEFAULTS["b_target"],
+                                     seed=args.seed, recompute=args.recompute_w_hat)
         self.model.to(args.device).train()
-        gaussws.set_noise_seed(self.model, args.seed)
-        # As train.py: step mode (w_hat once per optimizer step) unless w_hat is recomputed in the backward.
-        self.step_mode = not args.recompute_w_hat
-        for layer in gaussws.pqt_layers(self.model):
-            layer.recompute = args.recompute_w_hat
+        self.step_mode = not args.recompute_w_hat  # as gaussws.TrainStep chooses for unsharded weights
         self.forward = torch.compile(self.model) if args.compile else self.model
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                           fused=True)
+        d = train.DEFAULTS  # train.py's optimizer and clipping, built by the same function
+        self.grad_clip = d["grad_clip"]
+        self.optimizers = gaussws.build_optimizers(
+            self.model, d["optimizer"], model_lib.ROLES[config.arch], lr=d["learning_rate"],
+            betas=(d["beta1"], d["beta2"]), weight_decay=d["weight_decay"],
+            bitwidth_weight_decay=d["bitwidth_weight_decay"], n_embd=config.n_embd, n_head=config.n_head,
+            n_kv_head=config.n_kv_head)
         self.step_count = 0
 
     def step(self, batches):
-        # As train.py: in step mode this step's noise and w_hat once for all micro-steps and Eq. 4
-        # once at the end; otherwise only this step's noise, and each micro-step does Eq. 3 and 4.
-        # pqt_seconds: the time of begin_step and end_step, the method's own work in step mode.
+        # pqt_seconds: the time of the step's begin and end, the method's own work in step mode
+        # (w_hat and R; Eq. 4); per micro-step it is inside the forwards and backwards instead.
+        train_step = gaussws.TrainStep(self.model, self.step_count)
         t = time.perf_counter()
-        if self.step_mode:
-            gaussws.begin_step(self.model, self.step_count)
-        else:
-            gaussws.set_step(self.model, self.step_count)
+        train_step.begin()
         sync(self.device)
         self.pqt_seconds = time.perf_counter() - t
         for x, y in batches:
@@ -326,12 +323,13 @@ class Runner:
                 _, loss = self.forward(x, y)
             (loss / len(batches)).backward()
         t = time.perf_counter()
-        if self.step_mode:
-            gaussws.end_step(self.model)
+        train_step.end()
         sync(self.device)
         self.pqt_seconds += time.perf_counter() - t
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
+        for o in self.optimizers:
+            o.step()
+            o.zero_grad(set_to_none=True)
         self.step_count += 1
 
     def timed_step(self, batches):
@@ -358,26 +356,24 @@ def paired_overhead(base, method):
 def run_train(args):
     device = args.device
     methods = split_methods(args.methods)
-    arch = model_lib.PRESETS[args.model]["arch"]
+    arch = build_config(args).arch
     for spec in methods:
         try:
-            gaussws.parse_method(spec, arch)
+            gaussws.parse_method(spec, model_lib.ROLES[arch].values())
         except ValueError as e:
             raise BenchError(str(e)) from None
     if "bf16" not in methods:
         say("bench.py train: adding bf16, the baseline every overhead is measured against")
     methods = ["bf16"] + [m for m in dict.fromkeys(methods) if m != "bf16"]
-    max_block = build_config(args, "bf16").block_size
+    max_block = build_config(args).block_size
     if args.block_size > max_block:
         raise BenchError(f"--block_size={args.block_size} exceeds the model's block_size {max_block}; "
                          f"pass --block_size<={max_block}")
 
-    runners, init_state = [], None
+    runners = []
     for spec in methods:
         say(f"building {args.model} with {spec} on {device} ...")
-        runners.append(Runner(args, spec, init_state))
-        if init_state is None:
-            init_state = runners[0].model.state_dict()
+        runners.append(Runner(args, spec))
     cfg = runners[0].model.config
     n_params = runners[0].model.get_num_params(non_embedding=False)
     say(f"{args.model}: {n_params / 1e6:.1f}M parameters; {args.batch_size} x {args.block_size} tokens per "
@@ -391,7 +387,7 @@ def run_train(args):
     memory = {}
     if torch.device(device).type != "cuda":
         for r in runners:
-            memory[r.method] = held_bytes(r.model, *micro[0], device, r.step_mode)
+            memory[r.method] = held_bytes(r.model, *micro[0], device)
 
     records = []
     for accum in args.grad_accum:
@@ -426,7 +422,7 @@ def run_train(args):
                 "overhead_cpu_time_pct": (None if torch.device(device).type == "cuda"
                                           else paired_overhead(cpu_seconds["bf16"], cpu_seconds[r.method])),
                 "extra_bytes_per_param": extra,
-                # Step mode: begin_step + end_step against the bf16 step of the same round. Far less noisy
+                # Step mode: TrainStep's begin + end against the bf16 step of the same round. Far less noisy
                 # than the overhead; the two differ by bf16's own per-micro-step weight casts (autocast), which
                 # PQT layers skip (w_hat is BF16 already).
                 "pqt_share_pct": (statistics.median(100 * p / b for p, b in zip(pqt_seconds[r.method], seconds["bf16"]))
@@ -676,7 +672,7 @@ TRAIN_CONFIG = dict(
     **_common(),
 )
 # Any model.ModelConfig field overrides the preset, e.g. a tiny model: --n_layer=1 --n_embd=64.
-MODEL_KEYS = [f.name for f in dataclasses.fields(model_lib.ModelConfig) if f.name not in ("method", "block_size")]
+MODEL_KEYS = [f.name for f in dataclasses.fields(model_lib.ModelConfig) if f.name != "block_size"]
 
 
 def parse_shapes(text):

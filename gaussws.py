@@ -7,11 +7,18 @@ Each training step replaces a weight w by (Eq. 3, docs/METHOD.md section 1)
 with 32x32 blocks, a learnable bitwidth b_t per block, and noise R that is redrawn every optimizer
 step: round(N(0,1)/2) made from random bits (gaussws) or U(-1/2, 1/2) in BF16 (diffq, the
 baseline). w_hat is BF16; the matmul that follows is the ordinary one. The noise kernels live in
-kernels/; this file holds the math around them, the layer, and the seeds.
+kernels/; this file holds the math around them, the layer, the seeds, and how a model trains with it:
 
-Use on any model: swap nn.Linear for PQTLinear, call set_noise_seed(model, seed) once and
-set_step(model, step) before each optimizer step's forwards. See README.md.
+    convert(model, "gaussws[od]", roles, seed=seed)    # once, after the model is built: Linear -> PQTLinear
+    optimizers = build_optimizers(model, "adamw", roles, lr=..., ...)   # b_i in an AdamW group of their own
+    for step in ...:
+        with TrainStep(model, step):                   # this step's noise; Eq. 4 at its end
+            ... forwards and backwards of the micro-steps ...
+        clip, optimizer.step(), zero_grad
+
+See README.md.
 """
+import hashlib
 import re
 
 import torch
@@ -22,18 +29,15 @@ from kernels import BL
 from kernels.torch_noise import Compiled
 
 METHODS = ("bf16", "gaussws", "diffq")
-LAYERS = {
-    "gpt2": ("qkv", "out", "up", "down"),
-    "llama2": ("q", "k", "v", "out", "gate", "up", "down"),
-}
-GROUPS = {"all": None, "od": ("out", "down")}  # None: every layer of the arch
+GROUPS = {"all": None, "od": ("out", "down")}  # None: every role of the model
 
 
-def parse_method(spec, arch="gpt2"):
-    """'gaussws[od]' -> ('gaussws', frozenset({'out', 'down'})); 'bf16' -> ('bf16', frozenset())."""
-    if arch not in LAYERS:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(LAYERS)}")
-    valid = LAYERS[arch]
+def parse_method(spec, roles):
+    """'gaussws[od]' -> ('gaussws', frozenset({'out', 'down'})); 'bf16' -> ('bf16', frozenset()).
+
+    roles: the role names a model has (e.g. model.ROLES["gpt2"].values()); [all] means all of them.
+    """
+    valid = tuple(dict.fromkeys(roles))
     hint = (f"expected bf16, or gaussws[...] / diffq[...] with a comma-separated list of "
             f"{', '.join(valid)} or {', '.join(GROUPS)} inside the brackets, e.g. gaussws[od]")
     match = re.fullmatch(r"\s*(\w+)\s*(?:\[([^\]]*)\])?\s*", str(spec))
@@ -53,7 +57,7 @@ def parse_method(spec, arch="gpt2"):
         elif part in valid:
             layers.add(part)
         else:
-            raise ValueError(f"bad method {spec!r}: no layer {part!r} in {arch}; {hint}")
+            raise ValueError(f"bad method {spec!r}: no layer {part!r} in this model; {hint}")
     return method, frozenset(layers)
 
 
@@ -221,23 +225,37 @@ class PQTLinear(nn.Linear):
     b_i is the internal bitwidth of each 32x32 block (Eq. 11), initialised to 1 so that
     b_t = b_target + b_i * (b_init - b_target) starts at b_init; weight decay on b_i pulls b_t
     toward b_target. In eval mode the layer is exactly nn.Linear (the BF16 baseline under autocast).
+
+    A training-mode forward runs inside a TrainStep, which selects the step's noise and chooses
+    one of two ways to make w_hat (see TrainStep); nothing else sets the layer's step state.
+    Build one with convert(model, ...), or directly and then set_noise_seed(model, seed).
     """
 
     def __init__(self, in_features, out_features, bias=True, *, method="gaussws", b_init=6.0, b_target=4.0,
-                 backend="auto", recompute=False, device=None, dtype=None):
+                 backend="auto", recompute=False, layer_seed=0, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if method not in ("gaussws", "diffq"):
             raise ValueError(f"PQTLinear method must be 'gaussws' or 'diffq', got {method!r}")
         self.method, self.b_init, self.b_target, self.backend = method, float(b_init), float(b_target), backend
-        self.recompute = recompute  # keep no w_hat for the backward: make it again there
+        self.recompute = bool(recompute)  # keep no w_hat for the backward: make it again there
         self.b_i = nn.Parameter(torch.ones(-(-out_features // BL), -(-in_features // BL), device=device))
-        # Until set_noise_seed assigns one, a layer seed from torch's RNG keeps layers independent.
-        self.layer_seed = int(torch.randint(0, 2**62, (), device="cpu").item())  # cpu: also under a meta device
-        self.step = 0
-        # The seed of this step's R: a CPU tensor, so changing it neither syncs a GPU nor recompiles.
+        self.layer_seed = _check_seed(layer_seed)  # convert / set_noise_seed derive it from (seed, module name)
+        # The step state, set by TrainStep only. The seed of this step's R is a CPU tensor, so a new
+        # value neither syncs a GPU nor makes torch.compile recompile.
         self.noise_seed = torch.tensor(_step_seed(self.layer_seed, 0), dtype=torch.int64, device="cpu")
-        self.w_hat = None  # step mode (begin_step): this optimizer step's w_hat, shared by its micro-steps
-        self._step_state = None  # step mode: (max_bl, stored R) until end_step applies Eq. 4
+        self.in_step = False
+        self.w_hat = None  # step mode: this optimizer step's w_hat, shared by its micro-steps
+        self._eq4 = None  # step mode: (max_bl, stored R, w's version) until the step ends
+
+    @classmethod
+    def from_linear(cls, linear, **kwargs):
+        """A PQTLinear that holds `linear`'s own weight and bias Parameters (values, dtype, device kept);
+        b_i = 1 on the weight's device. Draws nothing from torch's RNG (built on the meta device)."""
+        with torch.device("meta"):
+            layer = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        layer.weight, layer.bias = linear.weight, linear.bias
+        layer.b_i = nn.Parameter(torch.ones(layer.b_i.shape, device=linear.weight.device))
+        return layer.train(linear.training)
 
     def reset_parameters(self):
         super().reset_parameters()
@@ -257,43 +275,184 @@ class PQTLinear(nn.Linear):
     def forward(self, x):
         if not self.training:
             return super().forward(x)
-        if self.recompute:
-            out = _RecomputedLinear.apply(x, self.weight, scale_bl(block_absmax(self.weight), self.b_t), self.bias,
-                                          self.noise_seed, self.method, self.backend)
-            return out
-        if self.w_hat is not None:
+        if not self.in_step:
+            raise RuntimeError("PQTLinear: a training-mode forward outside a step; run the step's forwards inside "
+                               "`with gaussws.TrainStep(model, step):`, or call model.eval() for noise-free use")
+        if self.w_hat is not None:  # step mode: w_hat made once for the whole optimizer step
+            if not torch.compiler.is_compiling() and self.weight._version != self._eq4[2]:
+                raise RuntimeError("PQTLinear: stale w_hat, the weight changed inside the step that made it "
+                                   "(optimizer.step() belongs after the `with gaussws.TrainStep(...)` block)")
             w_hat = self.w_hat
-        else:
+        elif self.recompute:  # per micro-step, w_hat made again in the backward
+            return _RecomputedLinear.apply(x, self.weight, scale_bl(block_absmax(self.weight), self.b_t), self.bias,
+                                           self.noise_seed, self.method, self.backend)
+        else:  # per micro-step: Eq. 3 here, Eq. 4 in this backward
             w_hat = pseudo_quantize(self.weight, self.b_t, self.noise_seed, self.method, backend=self.backend)
         if not torch.is_autocast_enabled(x.device.type):
             w_hat = w_hat.to(x.dtype)  # exact: BF16 values are representable in FP32
         return F.linear(x, w_hat, self.bias)
 
     @torch.no_grad()
-    def begin_step(self):
-        """Step mode: Eq. 3 once for all micro-steps of this optimizer step (see begin_step below)."""
+    def _begin(self, step):
+        self.noise_seed.fill_(_step_seed(self.layer_seed, step))
+        self.in_step = True
+        # Per micro-step when w_hat is recomputed to save its memory, or under FSDP, where the
+        # weight is whole only inside the forward (a DTensor shard outside it).
+        if self.recompute or hasattr(self.weight, "full_tensor"):
+            return
         k = _kernels(self.backend, self.weight.device)
         max_bl = block_absmax(self.weight)
         r_store = k.gen(self.weight.numel(), int(self.noise_seed), self.method, self.weight.device)
         w_hat = k.apply(self.weight.detach(), r_store, scale_bl(max_bl, self.b_t), self.method)
-        self._step_state = (max_bl, r_store)
+        self._eq4 = (max_bl, r_store, self.weight._version)
         with torch.enable_grad():
             self.w_hat = _ToWeight.apply(self.weight, w_hat)
 
     @torch.no_grad()
-    def end_step(self):
-        """Step mode: Eq. 4 once, on the gradient accumulated over the step's micro-steps."""
-        if self._step_state is None:
+    def _end(self, apply_eq4=True):
+        state, self._eq4, self.w_hat, self.in_step = self._eq4, None, None, False
+        if state is None or not apply_eq4 or self.weight.grad is None:
             return
-        (max_bl, r_store), self._step_state, self.w_hat = self._step_state, None, None
-        if self.weight.grad is None:
-            return
+        max_bl, r_store, version = state
+        if self.weight._version != version:
+            raise RuntimeError("PQTLinear: the weight changed inside the step, so Eq. 4 would use a stale R; "
+                               "optimizer.step() belongs after the `with gaussws.TrainStep(...)` block")
         sums = _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
         with torch.enable_grad():  # Eq. 4, then Eq. 11's chain rule, into b_i.grad
             scale_bl(max_bl, self.b_t).backward(sums)
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"
+        return (f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"
+                + (", recompute=True" if self.recompute else ""))
+
+
+class TrainStep:
+    """One optimizer step of PQT: the noise of `step` for every PQT layer of `model`, and Eq. 4.
+
+        with gaussws.TrainStep(model, step):
+            for x, y in micro_batches:
+                loss(model(x), y).backward()     # DDP's all-reduce happens in the last backward
+        clip the gradients; optimizer.step(); optimizer.zero_grad()
+
+    (or step = TrainStep(model, step); step.begin(); ...; step.end()). Each layer takes one of two
+    ways, chosen here and nowhere else:
+      - step mode (default): w and b_t do not change within an optimizer step, so neither does w_hat.
+        begin() makes it once (and keeps R, 0.5 byte per weight) for all micro-steps, whose
+        backwards pass dL/dw_hat to w alone; end() applies Eq. 4 once to the accumulated (and
+        all-reduced) w.grad. Exact, because Eq. 4 is linear in dL/dw_hat and w.grad is the sum of the
+        micro-steps' dL/dw_hat.
+      - per micro-step, for layers converted with recompute=True (no w_hat kept for the backward) and
+        for sharded (FSDP) weights: every forward makes w_hat, every backward applies Eq. 4.
+    Leaving the block by an exception releases the step without touching any gradient. Opening a
+    step while one is open, or a training-mode forward outside a step, raises.
+    """
+
+    def __init__(self, model, step):
+        self.layers, self.step = pqt_layers(model), int(step)
+
+    def begin(self):
+        if any(layer.in_step for layer in self.layers):
+            raise RuntimeError("gaussws.TrainStep: a step is already open on this model; end it first")
+        for layer in self.layers:
+            layer._begin(self.step)
+        return self
+
+    def end(self, apply_eq4=True):
+        """Release the step; with apply_eq4, first add Eq. 4's b_t gradient to the b_i.grad of step-mode layers."""
+        for layer in self.layers:
+            layer._end(apply_eq4)
+
+    def __enter__(self):
+        return self.begin()
+
+    def __exit__(self, exc_type, exc, tb):
+        self.end(apply_eq4=exc_type is None)
+
+
+def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="auto", recompute=False):
+    """Swap the nn.Linear modules of `model` that `method` chooses for PQTLinear, in place; return model.
+
+    method: "bf16" (nothing changes), or "gaussws[...]" / "diffq[...]" naming roles (parse_method).
+    roles: {module-path suffix: role}, e.g. model.ROLES["gpt2"] = {"attn.c_attn": "qkv", ...}; a
+    module plays the role of the longest suffix its path ends with (".attn.c_attn" or the whole path).
+    Call it after the model is built and initialised and before it is wrapped (DDP, FSDP, compile).
+    The weights and biases are the same Parameters, so values, dtype and device are kept exactly,
+    also on the meta device; b_i starts at 1 (b_t = b_init); nothing is drawn from torch's RNG, so
+    the same seed gives the same initial weights and data order with any method. Each layer's
+    noise seed is a function of (seed, module path).
+    """
+    kind, chosen = parse_method(method, roles.values())
+    if kind == "bf16":
+        return model
+    if pqt_layers(model):
+        raise ValueError("the model has PQT layers already; convert a model of plain nn.Linear")
+    found = set()
+    for name, module in list(model.named_modules()):
+        keys = [k for k in roles if name == k or name.endswith("." + k)]
+        role = roles[max(keys, key=len)] if keys else None
+        if role not in chosen:
+            continue
+        if type(module) is not nn.Linear:
+            raise ValueError(f"{name} plays role {role!r} but is a {type(module).__name__}, not an nn.Linear")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                PQTLinear.from_linear(module, method=kind, b_init=b_init, b_target=b_target, backend=backend,
+                                      recompute=recompute))
+        found.add(role)
+    if chosen - found:
+        raise ValueError(f"method {method!r}: no nn.Linear of the model plays role(s) {', '.join(sorted(chosen - found))} "
+                         f"(roles: {dict(roles)})")
+    return set_noise_seed(model, seed)
+
+
+# --- optimizers ------------------------------------------------------------------------------
+
+def build_optimizers(model, optimizer="adamw", roles=None, *, lr, betas, weight_decay, bitwidth_weight_decay,
+                     n_embd=None, n_head=None, n_kv_head=None):
+    """The optimizers of a (converted) model: a list, each stepped after clipping.
+
+    b_i always sit in an AdamW group of their own with weight decay `bitwidth_weight_decay`: decay
+    pulls b_t toward b_target (Eq. 11), a choice of the method, never the weights' decay.
+    adamw: one AdamW, decay on matrices, none on vectors (biases, norms), plus the b_i group.
+    adam_mini: Adam-mini (n_embd, n_head, n_kv_head needed) for everything but b_i, taught from
+    `roles` which parameters hold attention heads (one lr per head for q, k and a fused qkv; per
+    neuron for v and the output projection), plus an AdamW for b_i.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    b_i = [p for n, p in named if n.endswith("b_i")]
+    named = [(n, p) for n, p in named if not n.endswith("b_i")]
+    params = [p for _, p in named] + b_i
+    if any(p.device.type == "cuda" for p in params):
+        extra = dict(fused=True)
+    else:  # foreach kernels do not take FSDP's DTensors on CPU
+        extra = dict(foreach=not any(hasattr(p, "full_tensor") for p in params))
+    bitwidth_group = [dict(params=b_i, weight_decay=bitwidth_weight_decay)] if b_i else []
+    if optimizer == "adamw":
+        groups = [dict(params=[p for _, p in named if p.dim() >= 2], weight_decay=weight_decay),
+                  dict(params=[p for _, p in named if p.dim() < 2], weight_decay=0.0)]
+        return [torch.optim.AdamW(groups + bitwidth_group, lr=lr, betas=betas, **extra)]
+    if optimizer != "adam_mini":
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adamw' or 'adam_mini'")
+    from adam_mini import Adam_mini
+    mini = Adam_mini(named, lr=lr, betas=betas, weight_decay=weight_decay, dim=n_embd, n_heads=n_head,
+                     n_kv_heads=n_kv_head, verbose=False)
+    # Adam-mini finds its blocks by substrings of parameter names: teach it ours.
+    for key, role in (roles or {}).items():
+        if role in ("q", "k", "qkv"):
+            mini.wqk_names.add(key + ".")
+        elif role == "v":
+            mini.wv_names.add(key + ".")
+        elif role == "out":
+            mini.attn_proj_names.add(key + ".")
+    return [mini] + ([torch.optim.AdamW(bitwidth_group, lr=lr, betas=betas, **extra)] if b_i else [])
+
+
+def ddp_ignored_parameters(model):
+    """Names of the parameters DDP must leave alone: the b_i of step-mode layers. Their gradient
+    comes from end() after DDP's all-reduce, from the averaged w.grad, so it is the same on every
+    rank already and DDP must not wait for it in the backward."""
+    return [f"{name}.b_i" for name, layer in model.named_modules()
+            if isinstance(layer, PQTLinear) and not layer.recompute]
 
 
 # --- seeds (docs/METHOD.md section 4) --------------------------------------------------------
@@ -310,8 +469,11 @@ def _mix(x):
     return x ^ (x >> 31)
 
 
-def _layer_seed(seed, layer):
-    return _mix(_mix(seed) + 0x9E3779B97F4A7C15 * (layer + 1)) >> 1
+def _layer_seed(seed, name):
+    """A layer's seed from the user's seed and its module path: the same layer draws the same noise
+    whichever other layers are PQT (gaussws[od] and gaussws[all] agree on out and down)."""
+    key = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    return _mix(_mix(seed) + 0x9E3779B97F4A7C15 * (key + 1)) >> 1
 
 
 def _step_seed(layer_seed, step):
@@ -323,41 +485,15 @@ def pqt_layers(model):
 
 
 def set_noise_seed(model, seed):
-    """Give every PQTLinear of `model` its own layer seed, derived from `seed` and its position."""
+    """Give every PQTLinear of `model` its own layer seed, from `seed` and its module path; returns model."""
     seed = _check_seed(seed)
-    for i, layer in enumerate(pqt_layers(model)):
-        layer.layer_seed = _layer_seed(seed, i)
-        layer.noise_seed.fill_(_step_seed(layer.layer_seed, layer.step))
+    for name, layer in model.named_modules():
+        if isinstance(layer, PQTLinear):
+            layer.layer_seed = _layer_seed(seed, name)
+    return model
 
 
-def set_step(model, step):
-    """Select the noise of optimizer step `step`: call once per step, before its micro-steps."""
-    for layer in pqt_layers(model):
-        layer.step = int(step)
-        layer.noise_seed.fill_(_step_seed(layer.layer_seed, layer.step))
-
-
-def begin_step(model, step):
-    """Step mode: select the noise of `step` and compute every PQT layer's w_hat once for it.
-
-    w and b_t do not change within an optimizer step, so neither does w_hat: instead of Eq. 3 in
-    every micro-step's forward and Eq. 4 in every backward, compute w_hat (and the stored R) here
-    and let all micro-steps share it; their backwards pass dL/dw_hat to w alone, and end_step then
-    applies Eq. 4 once to the accumulated weight gradient. That is exact because Eq. 4 is linear in
-    dL/dw_hat and w.grad is the sum of the micro-steps' dL/dw_hat. It costs R's 0.5 byte per
-    parameter held until end_step, and needs whole weights (not FSDP's shards).
-    """
-    set_step(model, step)
-    for layer in pqt_layers(model):
-        layer.begin_step()
-
-
-def end_step(model):
-    """Step mode: add Eq. 4's b_t gradient to every b_i.grad; call after the last backward (and any
-    data-parallel gradient all-reduce), before gradient clipping and the optimizer step."""
-    for layer in pqt_layers(model):
-        layer.end_step()
-
+# --- the bitwidths -----------------------------------------------------------------------------
 
 def bitwidth_loss(model):
     """Eq. 12 without lambda: sum over PQT layers of the mean |b_t - b_target| of their blocks."""
@@ -373,3 +509,10 @@ def bitwidth_stats(model):
         return None
     b_t = torch.cat(b_t).float()
     return {"mean": b_t.mean().item(), "min": b_t.min().item(), "max": b_t.max().item()}
+
+
+@torch.no_grad()
+def bitwidth_histograms(model):
+    """{module path: numpy array of the b_t of its blocks} for every PQT layer (collective under FSDP)."""
+    return {name: layer.full_b_t().float().cpu().flatten().numpy()
+            for name, layer in model.named_modules() if isinstance(layer, PQTLinear)}

@@ -1,4 +1,4 @@
-"""GPT2 and Llama2 in one file, with the method switch of docs/METHOD.md section 5.
+"""GPT2 and Llama2 in one file: the architectures, and nothing of the method.
 
 GPT2 follows nanoGPT (and so GPT-2 itself): learned positions, pre-LN, GELU, tied lm_head, and
 GPT-2's own parameter names (transformer.wte, wpe, h.N.attn.c_attn, ...), so a GPT-2 checkpoint
@@ -6,8 +6,9 @@ maps key by key. Llama2 follows Meta's Llama 2: RMSNorm, rotary embeddings, SwiG
 attention, untied head, no biases; it reuses the same container names (transformer.wte,
 transformer.h.N.attn.q, ...) so that the two read alike.
 
-The method switch: `config.method` (e.g. "gaussws[od]") names which Linear layers of every block
-are gaussws.PQTLinear; everything else (embeddings, norms, lm_head) stays as in the BF16 baseline.
+Every Linear is a plain nn.Linear. Pseudo-quantization training enters afterwards:
+gaussws.convert(model, "gaussws[od]", ROLES[arch], ...) swaps the Linears whose role the method
+names for gaussws.PQTLinear, keeping their weights; embeddings, norms and lm_head always stay.
 """
 import math
 from dataclasses import dataclass
@@ -16,7 +17,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import gaussws
 
 
 @dataclass
@@ -34,9 +34,6 @@ class ModelConfig:
     rope_theta: float = 10000.0  # llama2 rotary base
     norm_eps: float = 1e-5  # llama2 RMSNorm epsilon (gpt2 LayerNorm keeps PyTorch's 1e-5)
     gelu: str = None  # gpt2 MLP: None, exact GELU as nanoGPT; "tanh", GPT-2's own approximation (HF gelu_new)
-    method: str = "bf16"  # which block Linears get PQT, e.g. "gaussws[all]", "diffq[od]" (gaussws.parse_method)
-    b_init: float = 6.0  # b_t at initialisation (Eq. 11)
-    b_target: float = 4.0  # b_t that weight decay on b_i pulls toward (Eq. 11)
 
     def __post_init__(self):
         if self.arch not in ("gpt2", "llama2"):
@@ -58,7 +55,6 @@ class ModelConfig:
                                else 256 * math.ceil(8 * self.n_embd / 3 / 256))
         if self.arch == "llama2":
             self.bias = False
-        gaussws.parse_method(self.method, self.arch)  # a bad method fails here, before any weights exist
 
 
 # Named model shapes; any ModelConfig field may still be overridden.
@@ -82,26 +78,21 @@ PRESETS = {
 }
 
 
-def make_linear(config):
-    """The one place that decides which Linear is PQT: linear(name, ...) with the method's layer name."""
-    method, layers = gaussws.parse_method(config.method, config.arch)
-
-    def linear(name, in_features, out_features, bias):
-        if name in layers:
-            return gaussws.PQTLinear(in_features, out_features, bias, method=method,
-                                     b_init=config.b_init, b_target=config.b_target)
-        return nn.Linear(in_features, out_features, bias=bias)
-    return linear
+# The role each Linear of a block plays in the method switch (`--method=gaussws[qkv,up]`), keyed by
+# its module path inside the block (transformer.h.<i>.<key>): what gaussws.convert needs to know.
+ROLES = {"gpt2": {"attn.c_attn": "qkv", "attn.c_proj": "out", "mlp.c_fc": "up", "mlp.c_proj": "down"},
+         "llama2": {"attn.q": "q", "attn.k": "k", "attn.v": "v", "attn.out": "out",
+                    "mlp.gate": "gate", "mlp.up": "up", "mlp.down": "down"}}
 
 
 # --- GPT2 ---------------------------------------------------------------------------------------
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config, linear):
+    def __init__(self, config):
         super().__init__()
         self.n_head, self.dropout = config.n_head, config.dropout
-        self.c_attn = linear("qkv", config.n_embd, 3 * config.n_embd, config.bias)
-        self.c_proj = linear("out", config.n_embd, config.n_embd, config.bias)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -115,11 +106,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, linear):
+    def __init__(self, config):
         super().__init__()
-        self.c_fc = linear("up", config.n_embd, config.ffn_hidden, config.bias)
+        self.c_fc = nn.Linear(config.n_embd, config.ffn_hidden, bias=config.bias)
         self.gelu = nn.GELU(approximate=config.gelu or "none")
-        self.c_proj = linear("down", config.ffn_hidden, config.n_embd, config.bias)
+        self.c_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -127,12 +118,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, linear):
+    def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config, linear)
+        self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config, linear)
+        self.mlp = MLP(config)
 
     def forward(self, x, rope=None):  # rope: unused, GPT2 has learned positions
         x = x + self.attn(self.ln_1(x))
@@ -159,14 +150,14 @@ def apply_rope(x, cos, sin):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, linear):
+    def __init__(self, config):
         super().__init__()
         self.n_head, self.n_kv_head, self.dropout = config.n_head, config.n_kv_head, config.dropout
         self.head_dim = config.n_embd // config.n_head
-        self.q = linear("q", config.n_embd, config.n_head * self.head_dim, False)
-        self.k = linear("k", config.n_embd, config.n_kv_head * self.head_dim, False)
-        self.v = linear("v", config.n_embd, config.n_kv_head * self.head_dim, False)
-        self.out = linear("out", config.n_head * self.head_dim, config.n_embd, False)
+        self.q = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=False)
+        self.k = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
+        self.v = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
+        self.out = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, rope):
@@ -182,11 +173,11 @@ class LlamaAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, config, linear):
+    def __init__(self, config):
         super().__init__()
-        self.gate = linear("gate", config.n_embd, config.ffn_hidden, False)
-        self.up = linear("up", config.n_embd, config.ffn_hidden, False)
-        self.down = linear("down", config.ffn_hidden, config.n_embd, False)
+        self.gate = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.up = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.down = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -194,12 +185,12 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, config, linear):
+    def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.attn = LlamaAttention(config, linear)
+        self.attn = LlamaAttention(config)
         self.ln_2 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.mlp = SwiGLU(config, linear)
+        self.mlp = SwiGLU(config)
 
     def forward(self, x, rope):
         x = x + self.attn(self.ln_1(x), rope)
@@ -219,14 +210,13 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         gpt2 = config.arch == "gpt2"
-        linear = make_linear(config)
         block = Block if gpt2 else LlamaBlock
         modules = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
         if gpt2:
             modules["wpe"] = nn.Embedding(config.block_size, config.n_embd)  # Llama2's positions are rotary
         modules.update(
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([block(config, linear) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([block(config) for _ in range(config.n_layer)]),
             ln_f=(nn.LayerNorm(config.n_embd, bias=config.bias) if gpt2
                   else nn.RMSNorm(config.n_embd, eps=config.norm_eps)),
         )
@@ -242,7 +232,6 @@ class GPT(nn.Module):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
-        # Only weights and biases: PQTLinear's b_i keeps its own initialisation (Eq. 11, b_i = 1).
         if isinstance(module, nn.Linear):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if module.bias is not None:

@@ -12,8 +12,10 @@ import sys
 import torch
 
 import checkpoint
+import gaussws
 from configurator import ConfigError, configure
-from model import GPT, ModelConfig
+from model import GPT, ROLES, ModelConfig
+from train import checkpoint_args
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,15 +58,17 @@ def load_checkpoint(out_dir, device):
         raise UsageError(f"no checkpoint at {path}: train one (python train.py --out_dir={out_dir}) "
                          f"or point --out_dir at a directory that holds ckpt.pt")
     try:
-        ckpt = checkpoint.load_model(path, map_location=device)
+        ckpt = checkpoint.load_model(path, map_location="cpu")
     except checkpoint.CheckpointError as e:
         raise UsageError(str(e)) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise UsageError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
     try:
-        model = GPT(ModelConfig(**ckpt["model_args"]))
+        model_args, pqt = checkpoint_args(ckpt)
+        model = GPT(ModelConfig(**model_args))
+        gaussws.convert(model, pqt["method"], ROLES[model.config.arch], b_init=pqt["b_init"], b_target=pqt["b_target"])
         model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError) as e:
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"{path} is not a checkpoint of this project's model: {first}")
     model.eval()  # also turns the PQT noise off: eval-mode PQTLinear is a plain Linear
@@ -77,7 +81,7 @@ def load_meta(ckpt):
     path = os.path.join(ROOT, "data", str(dataset), "meta.json")
     if not os.path.isfile(path):
         raise UsageError(f"no {path}, so the tokenizer of dataset {dataset!r} is unknown: "
-                         f"run python data/{dataset}/prepare.py")
+                         f"prepare it ({os.path.join(os.path.dirname(path), 'prepare.py')})")
     try:
         with open(path) as f:
             return {**json.load(f), "data_dir": os.path.dirname(path)}  # where its tokenizer files lie

@@ -3,15 +3,18 @@
 Single process (CPU or one GPU):
     python train.py                                   # small gaussws[all] GPT2 on the default corpus
     python train.py config/gpt2_gaussws_od.py --batch_size=8
+    python train.py --init_from=out/bf16_run --method="gaussws[od]" --out_dir=out/pqt   # PQT from trained weights
 Data parallel, one node of 8 GPUs (gloo on CPU, nccl on CUDA):
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_gaussws_od.py
 Several nodes, e.g. 2 x 8 GPUs (run on each node, --node_rank=0 on the master):
     torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 train.py ...
 
-It reads top to bottom: config, distributed set-up, data, model, optimizer, loop. Every run is
-reproducible from its seed: the batches of step i are a function of (seed, i) and the noise of
-step i a function of (seed, layer, i), so a resumed run repeats an uninterrupted one exactly,
-and the global batch (and so the loss) does not depend on the number of processes.
+It reads top to bottom: config, distributed set-up, data, model, convert, optimizer, loop. Every
+run is reproducible from its seed: the initial weights do not depend on the method (the model is
+built plain, then gaussws.convert swaps Linears without drawing random numbers), the batches of
+step i are a function of (seed, i) and the noise of step i a function of (seed, layer, i), so a
+resumed run repeats an uninterrupted one exactly, and the global batch (and so the loss) does not
+depend on the number of processes.
 """
 import ctypes
 import hashlib
@@ -28,7 +31,7 @@ import torch
 
 import gaussws
 from configurator import ConfigError, configure
-from model import GPT, PRESETS, ModelConfig
+from model import GPT, PRESETS, ROLES, ModelConfig
 
 # -----------------------------------------------------------------------------------------------
 # default config values: a small gaussws[all] GPT2 on the offline default corpus
@@ -40,7 +43,7 @@ eval_iters = 20  # batches per evaluation of train and val loss
 eval_only = False  # evaluate once and exit
 always_save_checkpoint = True  # save at every eval; False: only when val loss improves
 save_checkpoints = True  # False: never write a checkpoint (throughput runs)
-init_from = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
+init_from = "scratch"  # "scratch", "resume" (from out_dir/ckpt.pt), or a ckpt.pt / out_dir whose weights start this run
 overwrite = False  # allow a new run to replace the checkpoint of another run in out_dir
 dry_run = False  # build the model on the meta device, print the resolved config and exit
 # wandb logging (imported only when on)
@@ -64,6 +67,7 @@ ffn_hidden = 0  # MLP hidden width; 0: 4 * n_embd (gpt2) or Llama 2's rule
 vocab_size = 0  # 0: the dataset's (meta.json)
 dropout = 0.0  # 0 for pre-training, as the paper's runs
 bias = True  # gpt2 biases in Linears and LayerNorms (llama2 has none)
+# pseudo-quantization training (gaussws.convert)
 method = "gaussws[all]"  # PQT method and layers: bf16, gaussws[all], gaussws[od], diffq[all], ...
 b_init = 6.0  # b_t at initialisation (Eq. 11)
 b_target = 4.0  # b_t that weight decay on b_i pulls toward (Eq. 11)
@@ -92,6 +96,7 @@ parallel = "ddp"  # how torchrun processes share the work: "ddp" (replicated) or
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 MODEL_KEYS = [f.name for f in fields(ModelConfig)]
+PQT_KEYS = ("method", "b_init", "b_target")  # the checkpoint's "pqt" entry
 
 
 def fail(msg):
@@ -102,9 +107,9 @@ def keep_freed_cpu_memory():
     """Make glibc keep freed memory for reuse instead of returning it to the OS.
 
     By default every tensor over 32 MB is a fresh mmap, so each CPU step page-faults (and the kernel
-    zeroes) its activations and logits again: a large part of a GPT2-124M step on our 2-core CPU,
-    and of its step-to-step jitter. The process then keeps its peak memory, as the CUDA
-    caching allocator does on GPUs. Returns False (and changes nothing) where libc has no mallopt.
+    zeroes) its activations and logits again: a large part of a GPT2-124M step on a CPU, and of its
+    step-to-step jitter. The process then keeps its peak memory, as the CUDA caching allocator does
+    on GPUs. Returns False (and changes nothing) where libc has no mallopt.
     """
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
     try:
@@ -114,16 +119,29 @@ def keep_freed_cpu_memory():
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+# --- data ----------------------------------------------------------------------------------------
+
+def prepare_hint(data_dir):
+    """How to (re)make a dataset: its prepare.py where it has one."""
+    script = os.path.join(data_dir, "prepare.py")
+    if os.path.isfile(script):
+        return f"python {os.path.relpath(script) if not os.path.isabs(data_dir) else script}"
+    return f"write train.bin, val.bin and meta.json into {data_dir} (it has no prepare.py)"
+
+
 def read_meta(data_dir):
     meta_path = os.path.join(data_dir, "meta.json")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
         meta["vocab_size"] = int(meta["vocab_size"])
+        if meta["vocab_size"] <= 0:
+            raise ValueError(f"vocab_size {meta['vocab_size']} <= 0")
+        np.dtype(meta.setdefault("dtype", "uint16"))
     except FileNotFoundError:
-        fail(f"{meta_path} not found; prepare the data first: python {os.path.join(data_dir, 'prepare.py')}")
+        fail(f"{meta_path} not found; prepare the data first: {prepare_hint(data_dir)}")
     except (ValueError, KeyError, TypeError) as e:
-        fail(f"{meta_path} is corrupt ({type(e).__name__}: {e}); run python {os.path.join(data_dir, 'prepare.py')} again")
+        fail(f"{meta_path} is corrupt ({type(e).__name__}: {e}); prepare the data again: {prepare_hint(data_dir)}")
     return meta
 
 
@@ -131,11 +149,14 @@ def open_split(data_dir, split, meta, block_size):
     path = os.path.join(data_dir, f"{split}.bin")
     dt = np.dtype(meta.get("dtype", "uint16"))
     if not os.path.exists(path):
-        fail(f"{path} not found; prepare the data first: python {os.path.join(data_dir, 'prepare.py')}")
+        fail(f"{path} not found; prepare the data first: {prepare_hint(data_dir)}")
     size = os.path.getsize(path)
-    if size % dt.itemsize or size // dt.itemsize <= block_size + 1:
-        fail(f"{path} is corrupt or too short ({size} bytes of {dt.name} for block_size {block_size}); "
-             f"run python {os.path.join(data_dir, 'prepare.py')} again")
+    if size % dt.itemsize:
+        fail(f"{path} is corrupt ({size} bytes, not a whole number of {dt.name} tokens); prepare the data again: "
+             f"{prepare_hint(data_dir)}")
+    if size // dt.itemsize <= block_size + 1:
+        fail(f"{path} holds {size // dt.itemsize} tokens, too few for block_size={block_size}: "
+             f"use --block_size below {max(size // dt.itemsize - 1, 1)}, or prepare more data")
     return np.memmap(path, dtype=dt, mode="r")
 
 
@@ -145,6 +166,116 @@ def batch_generator(*key):
     blake2b rather than hash(): str hashes differ between processes (PYTHONHASHSEED)."""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def get_batch(data, key, *, batch_size, block_size, device):
+    """batch_size random windows of block_size (+1) tokens of `data`, drawn by batch_generator(*key):
+    training micro-steps use key (seed, "train", step, micro-step), evaluation (seed, split, "eval", k)."""
+    T = block_size
+    ix = torch.randint(len(data) - T - 1, (batch_size,), generator=batch_generator(*key)).tolist()
+    x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
+    if torch.device(device).type == "cuda":  # pinned and non-blocking: the copy overlaps the compute
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+@torch.no_grad()
+def estimate_loss(model, splits, *, seed, eval_iters, batch_size, block_size, device, autocast=nullcontext(),
+                  rank=0, world_size=1):
+    """{split: mean loss} on the fixed batches (seed, split, "eval", k), k < eval_iters, noise off.
+
+    The batches are shared out over the processes; every rank runs the same number of forwards
+    (FSDP forwards are collective) and batches past eval_iters count zero, so the result does not
+    depend on the world size.
+    """
+    was_training = model.training
+    model.eval()
+    out = {}
+    for split, data in splits.items():
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of losses, count
+        for k in range(rank, -(-eval_iters // world_size) * world_size, world_size):
+            x, y = get_batch(data, (seed, split, "eval", k), batch_size=batch_size, block_size=block_size,
+                             device=device)
+            with autocast:
+                _, loss = model(x, y)
+            if k < eval_iters:
+                total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=device)])
+        if world_size > 1:
+            torch.distributed.all_reduce(total)
+        out[split] = (total[0] / total[1]).item()
+    model.train(was_training)
+    return out
+
+
+def get_lr(it, c):
+    """The learning rate of step `it` under config `c`: linear warmup to learning_rate, cosine decay to
+    min_lr at lr_decay_iters (learning_rate throughout without decay_lr)."""
+    if not c["decay_lr"]:
+        return c["learning_rate"]
+    if it < c["warmup_iters"]:
+        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    if it > c["lr_decay_iters"]:
+        return c["min_lr"]
+    ratio = (it - c["warmup_iters"]) / max(1, c["lr_decay_iters"] - c["warmup_iters"])
+    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+
+def load_checkpoint(path):
+    """The checkpoint dict at `path`, loaded to CPU with weights_only=True; one line for a bad file."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        fail(f"no checkpoint at {path}")
+    except Exception as e:
+        fail(f"{path} is not a checkpoint this code can read ({type(e).__name__}); "
+             f"start a new run with --init_from=scratch --out_dir=<new dir>")
+    if not isinstance(checkpoint, dict) or "model" not in checkpoint or "model_args" not in checkpoint:
+        fail(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
+    return checkpoint
+
+
+def checkpoint_args(checkpoint):
+    """(model_args, pqt) of a checkpoint: the architecture (ModelConfig's fields) and the method
+    {"method", "b_init", "b_target"}. Older checkpoints kept the method inside model_args."""
+    model_args = dict(checkpoint["model_args"])
+    pqt = {k: model_args.pop(k) for k in PQT_KEYS if k in model_args}
+    unknown = sorted(set(model_args) - set(MODEL_KEYS))
+    if unknown:
+        fail(f"the checkpoint's model_args hold {', '.join(map(repr, unknown))}, which this code's model does not "
+             f"have (expected fields of model.ModelConfig: {', '.join(MODEL_KEYS)})")
+    pqt = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, **pqt, **checkpoint.get("pqt", {})}
+    return model_args, pqt
+
+
+def resolve_init(init_from, out_dir):
+    """(model_args, state_dict) of the weights a run starts from: a ckpt.pt, or an out_dir holding one.
+
+    The one place a source of pretrained weights enters; another source (e.g. a Hugging Face
+    model) is one more branch returning the same pair."""
+    path = os.path.join(init_from, "ckpt.pt") if os.path.isdir(init_from) else init_from
+    if not os.path.isfile(path):
+        fail(f"init_from={init_from!r}: expected 'scratch', 'resume', or a ckpt.pt or an out_dir holding one")
+    if os.path.abspath(path) == os.path.abspath(os.path.join(out_dir, "ckpt.pt")):
+        fail(f"init_from={init_from!r} is this run's own checkpoint: continue it with --init_from=resume, "
+             f"or write the new run to another --out_dir")
+    checkpoint = load_checkpoint(path)
+    model_args, _ = checkpoint_args(checkpoint)
+    return model_args, checkpoint["model"]
+
+
+def load_weights(model, state_dict):
+    """Load a state dict into a converted model: b_i the source lacks keep their fresh init (b_t =
+    b_init); b_i of layers the new method leaves plain are dropped. Anything else must match."""
+    own = model.state_dict()
+    state_dict = {k: v for k, v in state_dict.items() if k in own or not k.endswith(".b_i")}
+    result = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith(".b_i")]
+    if missing or result.unexpected_keys:
+        fail(f"the init_from checkpoint does not fit the model: missing {missing[:3]}, unexpected "
+             f"{result.unexpected_keys[:3]}")
 
 
 def get_state(model, optimizers, fsdp):
@@ -173,35 +304,167 @@ def load_state(model, optimizers, checkpoint, fsdp):
         set_optimizer_state_dict(model, o, state, options=options)
 
 
-def main(argv):
-    config = dict(DEFAULTS)
-    explicit = configure(config, argv)
-    globals().update(config)
-    if init_from not in ("scratch", "resume"):
-        fail(f"init_from={init_from!r}: expected 'scratch' or 'resume'")
-    if dtype not in ("bfloat16", "float32"):
-        fail(f"dtype={dtype!r}: expected 'bfloat16' or 'float32'")
-    if optimizer not in ("adamw", "adam_mini"):
-        fail(f"optimizer={optimizer!r}: expected 'adamw' or 'adam_mini'")
-    if parallel not in ("ddp", "fsdp"):
-        fail(f"parallel={parallel!r}: expected 'ddp' or 'fsdp'")
-    if model and model not in PRESETS:
-        fail(f"model={model!r} is not a preset; expected one of {', '.join(PRESETS)} or '' (set the shape by hand)")
-    if min(batch_size, gradient_accumulation_steps, max_iters + 1, eval_iters) < 1:
-        fail("batch_size, gradient_accumulation_steps and eval_iters must be >= 1, max_iters >= 0")
+def all_finite(model, distributed):
+    """Whether every parameter is finite on every process (each checks its own shard under FSDP)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    ok = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
+    if distributed:
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    return bool(ok)
 
-    # the model's shape: ModelConfig's defaults < the preset < this file's defaults where no preset < the user's keys
-    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", dataset)  # a path stays a path
-    model_args = dict(PRESETS[model]) if model else {}
+
+def kept(saved_step, ckpt_path):
+    """What a stopped run leaves behind, named truthfully."""
+    if saved_step is None:
+        return "this run wrote no checkpoint"
+    return f"the last good checkpoint is {ckpt_path}, step {saved_step}"
+
+
+def open_metrics(path, resumed_step):
+    """metrics.jsonl for appending, holding this run's records only: a new run starts it afresh; a
+    resumed one keeps the records up to its checkpoint's step (what came later is redone)."""
+    keep = []
+    if resumed_step is not None and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["iter"] <= resumed_step:
+                        keep.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+                    pass
+    with open(path, "w") as f:
+        f.writelines(keep)
+    return open(path, "a")
+
+
+def save_checkpoint(state, path):
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint whole
+
+
+# --- config ------------------------------------------------------------------------------------------
+
+def validate(c, explicit):
+    """Refuse a bad config before anything is built or written: one line naming the key, the value
+    and what is accepted."""
+    for k, v in c.items():
+        if v is None:
+            fail(f"{k}=None: expected a {type(DEFAULTS[k]).__name__} like {DEFAULTS[k]!r}")
+    choices = dict(dtype=("bfloat16", "float32"), optimizer=("adamw", "adam_mini"), parallel=("ddp", "fsdp"),
+                   wandb_mode=("online", "offline", "disabled"), arch=("gpt2", "llama2"))
+    for k, accepted in choices.items():
+        if c[k] not in accepted:
+            fail(f"{k}={c[k]!r}: expected one of {', '.join(accepted)}")
+    if c["init_from"] == "":
+        fail("init_from='': expected 'scratch', 'resume', or a ckpt.pt or an out_dir holding one")
+    if c["model"] and c["model"] not in PRESETS:
+        fail(f"model={c['model']!r} is not a preset; expected one of {', '.join(PRESETS)} or '' (set the shape by hand)")
+    at_least = dict(batch_size=1, gradient_accumulation_steps=1, eval_iters=1, eval_interval=1, log_interval=1,
+                    max_iters=0, warmup_iters=0, lr_decay_iters=0, n_kv_head=0, ffn_hidden=0, vocab_size=0)
+    if not c["model"] or any(k in explicit for k in ("n_layer", "n_head", "n_embd")):
+        at_least.update(n_layer=1, n_head=1, n_embd=1)  # with a preset, only the keys the user sets
+    for k, low in at_least.items():
+        if c[k] < low:
+            fail(f"{k}={c[k]}: expected an integer >= {low}")
+    if c["block_size"] < 0 or c["block_size"] == 0 and not c["model"]:
+        fail(f"block_size={c['block_size']}: expected an integer >= 1 (0 takes the --model preset's, and none is set)")
+    for k in ("learning_rate", "min_lr", "weight_decay", "bitwidth_weight_decay", "bitwidth_lambda"):
+        if not c[k] >= 0:
+            fail(f"{k}={c[k]}: expected a number >= 0")
+    if not c["grad_clip"] >= 0:
+        fail(f"grad_clip={c['grad_clip']}: expected a number >= 0 (the largest gradient norm; 0 disables clipping)")
+    for k in ("beta1", "beta2", "dropout"):
+        if not 0 <= c[k] < 1:
+            fail(f"{k}={c[k]}: expected a number in [0, 1)")
+    if not 0 <= c["seed"] < 2**63:
+        fail(f"seed={c['seed']}: expected an integer in [0, 2^63)")
+    try:
+        dev = torch.device(c["device"])
+    except (RuntimeError, ValueError):
+        fail(f"device={c['device']!r}: expected cpu, cuda or cuda:N")
+    if dev.type not in ("cpu", "cuda"):
+        fail(f"device={c['device']!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        fail(f"device={c['device']!r}, but torch finds no CUDA GPU here; use --device=cpu")
+    if not c["dry_run"]:
+        out = os.path.abspath(c["out_dir"])
+        if os.path.exists(out) and not os.path.isdir(out):
+            fail(f"out_dir={c['out_dir']!r} is a file; expected a directory (or a path where one can be made)")
+        parent = out
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            fail(f"out_dir={c['out_dir']!r}: {parent} is not a writable directory; choose another --out_dir")
+
+
+def starting_point(c, explicit, model_args, pqt, meta, ckpt_path):
+    """(model_args, checkpoint, init_state) for init_from: the checkpoint to resume (init_from=resume),
+    or the state dict a new run starts from (a path), with the architecture each implies."""
+    checkpoint = init_state = None
+    if c["init_from"] == "resume":
+        if not os.path.exists(ckpt_path):
+            fail(f"init_from=resume but {ckpt_path} does not exist; start with --init_from=scratch")
+        checkpoint = load_checkpoint(ckpt_path)
+        missing = sorted({"optimizer", "iter_num", "best_val_loss", "rng_state"} - set(checkpoint))
+        if missing:
+            fail(f"{ckpt_path} lacks {', '.join(missing)}: it cannot be resumed; start a new run from its weights "
+                 f"with --init_from={ckpt_path} --out_dir=<new dir>")
+        saved_args, saved_pqt = checkpoint_args(checkpoint)
+        if not model_args.get("vocab_size"):
+            model_args["vocab_size"] = meta["vocab_size"]
+        try:
+            wanted = {**asdict(ModelConfig(**model_args)), **pqt}
+        except (ValueError, TypeError) as e:
+            fail(str(e))
+        saved = {**saved_args, **saved_pqt}
+        diff = [f"{k}: checkpoint {saved.get(k)!r}, config {v!r}" for k, v in wanted.items() if saved.get(k) != v]
+        if diff:
+            fail(f"{ckpt_path} holds another model ({'; '.join(diff)}); resume with the settings it was trained "
+                 f"with, or use another --out_dir")
+        model_args = saved_args
+    else:
+        if os.path.exists(ckpt_path) and not c["overwrite"]:
+            fail(f"{ckpt_path} holds another run; resume it with --init_from=resume, choose another --out_dir, "
+                 f"or pass --overwrite=True to replace it")
+        if c["init_from"] != "scratch":
+            source_args, init_state = resolve_init(c["init_from"], c["out_dir"])
+            # The architecture is the source's; a shape the user set explicitly must agree with it.
+            asked = {k: v for k, v in model_args.items() if (k in explicit or c["model"] and "model" in explicit)
+                     and k != "dropout" and v is not None}
+            clash = [f"{k}: {c['init_from']} has {source_args.get(k)!r}, config {v!r}" for k, v in asked.items()
+                     if source_args.get(k) != v]
+            if clash:
+                fail(f"init_from={c['init_from']} has another shape ({'; '.join(clash)}); drop those keys")
+            model_args = {**source_args, **({"dropout": c["dropout"]} if "dropout" in explicit else {})}
+    return model_args, checkpoint, init_state
+
+
+def config_model_args(c, explicit):
+    """The model's shape from the config: ModelConfig's defaults < the preset < this file's defaults
+    where no preset < the user's keys. 0 means "derive it" for n_kv_head, ffn_hidden, block_size."""
+    model_args = dict(PRESETS[c["model"]]) if c["model"] else {}
     for k in MODEL_KEYS:
-        if k in config and (k in explicit or not model):
-            model_args[k] = config[k]
-    for k, zero_means in (("n_kv_head", None), ("ffn_hidden", None)):
+        if k in c and (k in explicit or not c["model"]):
+            model_args[k] = c[k]
+    for k in ("n_kv_head", "ffn_hidden"):
         if model_args.get(k) == 0:
-            model_args[k] = zero_means
+            model_args[k] = None
     if model_args.get("block_size", 0) == 0:
         model_args.pop("block_size", None)
+    return model_args
+
+
+def main(argv):
+    # config
+    c = dict(DEFAULTS)
+    explicit = configure(c, argv)
+    validate(c, explicit)
+    model_args = config_model_args(c, explicit)
+    pqt = {k: c[k] for k in PQT_KEYS}
+    roles = ROLES.get(model_args.get("arch", "gpt2"), {})
     try:  # a bad method or shape fails now, before data or checkpoints are touched
+        gaussws.parse_method(c["method"], roles.values())
         ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
     except (ValueError, TypeError) as e:
         fail(str(e))
@@ -209,40 +472,41 @@ def main(argv):
     # distributed set-up
     ddp = int(os.environ.get("RANK", -1)) != -1
     if ddp:
-        dist_backend = "nccl" if device.startswith("cuda") else "gloo"
-        torch.distributed.init_process_group(backend=dist_backend)
+        torch.distributed.init_process_group(backend="nccl" if c["device"].startswith("cuda") else "gloo")
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         local_rank = int(os.environ["LOCAL_RANK"])
-        dev = f"cuda:{local_rank}" if device.startswith("cuda") else device
+        dev = f"cuda:{local_rank}" if c["device"].startswith("cuda") else c["device"]
         if dev.startswith("cuda"):
             torch.cuda.set_device(dev)
-        if gradient_accumulation_steps % world_size:
-            fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
+        if c["gradient_accumulation_steps"] % world_size:
+            fail(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be a multiple of the "
                  f"{world_size} processes: it counts micro-steps of all processes together")
     else:
-        rank, world_size, local_rank, dev = 0, 1, 0, device
+        rank, world_size, local_rank, dev = 0, 1, 0, c["device"]
     master = rank == 0
-    local_accum = gradient_accumulation_steps // world_size
+    fsdp = ddp and c["parallel"] == "fsdp"
+    local_accum = c["gradient_accumulation_steps"] // world_size
     device_type = "cuda" if dev.startswith("cuda") else "cpu"
     if device_type == "cpu":
         keep_freed_cpu_memory()
-    ptdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
-    tokens_per_iter = gradient_accumulation_steps * batch_size * model_args.get("block_size", block_size)
+    ptdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[c["dtype"]]
+    autocast = nullcontext() if c["dtype"] == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
 
-    if dry_run:
-        if "vocab_size" not in model_args or not model_args["vocab_size"]:
+    if c["dry_run"]:
+        if not model_args.get("vocab_size"):
             model_args["vocab_size"] = 50304 if model_args.get("arch", "gpt2") == "gpt2" else 32000
         with torch.device("meta"):
-            m = GPT(ModelConfig(**model_args))
-        print(json.dumps({**config, "model_args": asdict(m.config)}, indent=1))
+            m = gaussws.convert(GPT(ModelConfig(**model_args)), c["method"], ROLES[model_args.get("arch", "gpt2")],
+                                b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"])
+        print(json.dumps({**c, "model_args": asdict(m.config)}, indent=1))
         print(f"parameters: {m.get_num_params(non_embedding=False):,} ({m.get_num_params(non_embedding=False) / 1e6:.1f}M)"
               f" + {m.get_num_bitwidth_params():,} b_i")
-        print(f"tokens per optimizer step: {tokens_per_iter:,}")
+        print(f"tokens per optimizer step: {c['gradient_accumulation_steps'] * c['batch_size'] * m.config.block_size:,}")
         return
 
     # data
-    if dataset == "default" and not os.path.exists(os.path.join(data_dir, "meta.json")):
+    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", c["dataset"])  # a path stays a path
+    if c["dataset"] == "default" and not os.path.exists(os.path.join(data_dir, "meta.json")):
         if master:
             print("preparing the default corpus (Python's standard library) ...")
             sys.path.insert(0, data_dir)
@@ -251,45 +515,27 @@ def main(argv):
         if ddp:
             torch.distributed.barrier()
     meta = read_meta(data_dir)
+
+    # the weights to start from: none (scratch), this run's checkpoint (resume), or another's
+    ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
+    model_args, checkpoint, init_state = starting_point(c, explicit, model_args, pqt, meta, ckpt_path)
     if not model_args.get("vocab_size"):
         model_args["vocab_size"] = meta["vocab_size"]
     if meta["vocab_size"] > model_args["vocab_size"]:
         fail(f"the data in {data_dir} has a vocabulary of {meta['vocab_size']} tokens ({meta.get('tokenizer')}), more "
              f"than the model's vocab_size={model_args['vocab_size']}; prepare the data with a tokenizer of at most "
              f"that many tokens, or pass --vocab_size={64 * -(-meta['vocab_size'] // 64)}")
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
 
-    # model
-    checkpoint = None
-    if init_from == "resume":
-        if not os.path.exists(ckpt_path):
-            fail(f"init_from=resume but {ckpt_path} does not exist; start with --init_from=scratch")
-        try:
-            checkpoint = torch.load(ckpt_path, map_location=dev, weights_only=True)
-            saved_args = checkpoint["model_args"]
-        except Exception as e:
-            fail(f"{ckpt_path} is not a checkpoint this code can read ({type(e).__name__}); "
-                 f"start a new run with --init_from=scratch --out_dir=<new dir>")
-        wanted = asdict(ModelConfig(**model_args))
-        diff = [f"{k}: checkpoint {saved_args.get(k)!r}, config {v!r}" for k, v in wanted.items() if saved_args.get(k) != v]
-        if diff:
-            fail(f"{ckpt_path} holds another model ({'; '.join(diff)}); resume with the settings it was trained "
-                 f"with, or use another --out_dir")
-        model_args = saved_args
-    elif os.path.exists(ckpt_path) and not overwrite:
-        fail(f"{ckpt_path} holds another run; resume it with --init_from=resume, choose another --out_dir, "
-             f"or pass --overwrite=True to replace it")
-    torch.manual_seed(seed)
+    # model: built plain, then converted (the same initial weights whatever the method)
+    torch.manual_seed(c["seed"])
     mconf = ModelConfig(**model_args)
-    raw_model = GPT(mconf).to(dev)
-    gaussws.set_noise_seed(raw_model, seed)
-    fsdp = ddp and parallel == "fsdp"
-    # Step mode (gaussws.begin_step): w_hat once per optimizer step, kept for all its micro-steps.
-    # Not under FSDP, where weights are whole only inside a block's forward, nor when w_hat is
-    # recomputed to save its memory; there every forward makes w_hat and every backward does Eq. 4.
-    step_mode = not fsdp and not recompute_w_hat
-    for layer in gaussws.pqt_layers(raw_model):
-        layer.recompute = recompute_w_hat
+    roles = ROLES[mconf.arch]
+    raw_model = gaussws.convert(GPT(mconf), c["method"], roles, b_init=c["b_init"], b_target=c["b_target"],
+                                seed=c["seed"], recompute=c["recompute_w_hat"])
+    if init_state is not None:
+        load_weights(raw_model, init_state)
+        init_state = None
+    raw_model.to(dev)
     if fsdp:
         # FSDP2: each block's parameters are gathered whole for its forward, so PQTLinear adds the
         # noise to the unsharded weight, and the block max sees every element of its block.
@@ -298,198 +544,147 @@ def main(argv):
             fully_shard(block)
         fully_shard(raw_model)
 
-    # optimizers: b_i always in an AdamW group of its own, with its own weight decay
-    named = [(pn, p) for pn, p in raw_model.named_parameters() if p.requires_grad]
-    b_i = [p for pn, p in named if pn.endswith("b_i")]
-    named = [(pn, p) for pn, p in named if not pn.endswith("b_i")]
-    extra = dict(fused=True) if device_type == "cuda" else dict(foreach=not fsdp)
-    if optimizer == "adamw":
-        groups = [dict(params=[p for _, p in named if p.dim() >= 2], weight_decay=weight_decay),
-                  dict(params=[p for _, p in named if p.dim() < 2], weight_decay=0.0)]
-        if b_i:
-            groups.append(dict(params=b_i, weight_decay=bitwidth_weight_decay))
-        optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), **extra)]
-    else:
-        from adam_mini import Adam_mini
-        mini = Adam_mini(named, lr=learning_rate, betas=(beta1, beta2), weight_decay=weight_decay, dim=mconf.n_embd,
-                         n_heads=mconf.n_head, n_kv_heads=mconf.n_kv_head, verbose=False)
-        # Adam-mini finds its blocks by name: teach it ours (one lr per head for q and k, and for
-        # GPT2's fused c_attn; one per neuron for v and the output projections).
-        mini.wqk_names.update({"attn.q.", "attn.k.", "attn.c_attn."})
-        mini.wv_names.add("attn.v.")
-        mini.attn_proj_names.update({"attn.out.", "attn.c_proj."})
-        optimizers = [mini]
-        if b_i:
-            optimizers.append(torch.optim.AdamW([dict(params=b_i, weight_decay=bitwidth_weight_decay)],
-                                                lr=learning_rate, betas=(beta1, beta2), **extra))
-    iter_num, best_val_loss = 0, 1e9
+    # optimizer
+    optimizers = gaussws.build_optimizers(
+        raw_model, c["optimizer"], roles, lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]),
+        weight_decay=c["weight_decay"], bitwidth_weight_decay=c["bitwidth_weight_decay"],
+        n_embd=mconf.n_embd, n_head=mconf.n_head, n_kv_head=mconf.n_kv_head)
+    iter_num, best_val_loss, saved_step = 0, 1e9, None  # saved_step: of the checkpoint this run continues from
     if checkpoint is not None:
         load_state(raw_model, optimizers, checkpoint, fsdp)
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
-        torch.set_rng_state(checkpoint["rng_state"].cpu())
+        saved_step = iter_num
+        torch.set_rng_state(checkpoint["rng_state"])
+        if device_type == "cuda" and "cuda_rng_state" in checkpoint:
+            torch.cuda.set_rng_state(checkpoint["cuda_rng_state"], dev)
     checkpoint = None
+    if saved_step is not None and saved_step >= c["max_iters"] and not c["eval_only"]:
+        if master:
+            print(f"{ckpt_path} is at step {saved_step}, max_iters={c['max_iters']}: the run is complete, nothing "
+                  f"to train (raise --max_iters to continue it)")
+        if ddp:
+            torch.distributed.destroy_process_group()
+        return
 
-    train_model = torch.compile(raw_model) if compile else raw_model
+    train_model = torch.compile(raw_model) if c["compile"] else raw_model
     if ddp and not fsdp:
-        if step_mode:
-            # Step mode gives b_i its gradient after DDP's all-reduce (gaussws.end_step), from the
-            # averaged weight gradient: the same on every rank, so DDP must not wait for it.
-            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                raw_model, [pn for pn, _ in raw_model.named_parameters() if pn.endswith("b_i")])
-        train_model = torch.nn.parallel.DistributedDataParallel(train_model, device_ids=[local_rank] if device_type == "cuda" else None)
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            raw_model, gaussws.ddp_ignored_parameters(raw_model))
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            train_model, device_ids=[local_rank] if device_type == "cuda" else None)
 
     splits = {s: open_split(data_dir, s, meta, mconf.block_size) for s in ("train", "val")}
-    T = mconf.block_size
+    batch_args = dict(batch_size=c["batch_size"], block_size=mconf.block_size, device=dev)
+    tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * mconf.block_size
 
-    def get_batch(split, *key):
-        data = splits[split]
-        ix = torch.randint(len(data) - T - 1, (batch_size,), generator=batch_generator(seed, split, *key))
-        x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in ix.tolist()])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix.tolist()])
-        if device_type == "cuda":
-            return x.pin_memory().to(dev, non_blocking=True), y.pin_memory().to(dev, non_blocking=True)
-        return x.to(dev), y.to(dev)
-
-    def all_mean(values):
-        t = torch.tensor(values, dtype=torch.float64, device=dev)
-        if ddp:
-            torch.distributed.all_reduce(t)
-            t /= world_size
-        return t.tolist()
-
-    @torch.no_grad()
-    def estimate_loss():
-        """Train and val loss with the noise off, on fixed batches, shared out over the processes."""
-        raw_model.eval()
-        out = {}
-        for split in ("train", "val"):
-            total, count = 0.0, 0
-            # The same number of batches on every rank (FSDP forwards are collective); batches
-            # past eval_iters count zero, so the val set does not depend on the world size.
-            for k in range(rank, -(-eval_iters // world_size) * world_size, world_size):
-                x, y = get_batch(split, "eval", k)
-                with autocast:
-                    _, loss = raw_model(x, y)
-                if k < eval_iters:
-                    total, count = total + loss.item(), count + 1
-            total, count = all_mean([total, count])
-            out[split] = total / count
-        raw_model.train()
-        return out
-
-    def get_lr(it):
-        if not decay_lr:
-            return learning_rate
-        if it < warmup_iters:
-            return learning_rate * (it + 1) / (warmup_iters + 1)
-        if it > lr_decay_iters:
-            return min_lr
-        ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
-        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
-
-    def save_checkpoint():
-        model_state, optimizer_states = get_state(raw_model, optimizers, fsdp)  # collective under FSDP
-        if not master:
-            return
-        state = {
-            "model": model_state,
-            "optimizer": optimizer_states,
-            "model_args": asdict(mconf),
-            "iter_num": iter_num,
-            "best_val_loss": best_val_loss,
-            "config": config,
-            # What continues the run exactly besides the above: the data order and the noise
-            # are functions of (seed, step), and seed is in config; dropout draws from this.
-            "rng_state": torch.get_rng_state(),
-        }
-        tmp = ckpt_path + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, ckpt_path)  # atomic: a crash leaves the previous checkpoint whole
-
+    # logging
     versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    run_info = {**c, "model_args": asdict(mconf), "world_size": world_size, "versions": versions}
     if master:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump({**config, "model_args": asdict(mconf), "world_size": world_size, "versions": versions}, f, indent=1)
+        os.makedirs(c["out_dir"], exist_ok=True)
+        with open(os.path.join(c["out_dir"], "config.json"), "w") as f:
+            json.dump(run_info, f, indent=1)
         print(f"{raw_model.get_num_params(non_embedding=False) / 1e6:.2f}M parameters "
-              f"({mconf.arch}, {mconf.method}, {len(gaussws.pqt_layers(raw_model))} PQT layers), "
+              f"({mconf.arch}, {c['method']}, {len(gaussws.pqt_layers(raw_model))} PQT layers), "
               f"{tokens_per_iter:,} tokens per step, {world_size} process(es) on {dev}")
         if "unigram_entropy_nats" in meta:
             print(f"unigram entropy of the corpus: {meta['unigram_entropy_nats']:.4f} nats/token "
                   f"(the loss of a model that ignores context)")
-    if wandb_log and master:
+    if c["wandb_log"] and master:
         import wandb
-        wandb.init(project=wandb_project, name=wandb_run_name, mode=wandb_mode, dir=out_dir,
-                   config={**config, "model_args": asdict(mconf), "world_size": world_size, "versions": versions})
-    metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "a") if master else None
+        wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], mode=c["wandb_mode"], dir=c["out_dir"],
+                   config=run_info)
+    metrics_file = open_metrics(os.path.join(c["out_dir"], "metrics.jsonl"), saved_step) if master and not c["eval_only"] else None
 
     def log(record):
-        if master:
+        if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-            if wandb_log:
+            if c["wandb_log"]:
                 wandb.log(record, step=record["iter"])
 
     # the loop
-    t0 = time.time()
+    micro_batch = lambda it, micro: get_batch(splits["train"], (c["seed"], "train", it, rank * local_accum + micro),
+                                              **batch_args)
+    x, y = micro_batch(iter_num, 0)
+    t0, timed_steps = time.time(), 0
     while True:
-        lr = get_lr(iter_num)
+        lr = get_lr(iter_num, c)
         for group in (g for o in optimizers for g in o.param_groups):
             group["lr"] = lr
-        if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
-            losses = estimate_loss()
-            record = {"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"]}
+        evaluate = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
+        if c["eval_only"] or evaluate and iter_num != saved_step:  # the resumed step was evaluated and saved before
+            losses = estimate_loss(raw_model, splits, seed=c["seed"], eval_iters=c["eval_iters"], autocast=autocast,
+                                   rank=rank, world_size=world_size, **batch_args)
             if master:
                 print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            log(record)
-            if wandb_log:  # the distribution of b_t in every PQT layer (collective under FSDP)
-                hists = {f"b_t/{name}": layer.full_b_t().detach().float().cpu().flatten().numpy()
-                         for name, layer in raw_model.named_modules() if isinstance(layer, gaussws.PQTLinear)}
+            log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"]})
+            if c["wandb_log"]:
+                hists = gaussws.bitwidth_histograms(raw_model)  # collective under FSDP
                 if master and hists:
-                    wandb.log({k: wandb.Histogram(v) for k, v in hists.items()}, step=iter_num)
-            if eval_only:
+                    wandb.log({f"b_t/{k}": wandb.Histogram(v) for k, v in hists.items()}, step=iter_num)
+            if c["eval_only"]:
                 break
-            if save_checkpoints and iter_num > 0 and (losses["val"] < best_val_loss or always_save_checkpoint):
+            if not all(map(math.isfinite, losses.values())):
+                fail(f"eval loss is {losses} at step {iter_num}; stopping without saving "
+                     f"({kept(saved_step, ckpt_path)}). Try a lower --learning_rate or --grad_clip")
+            if c["save_checkpoints"] and iter_num > 0 and (losses["val"] < best_val_loss or c["always_save_checkpoint"]):
                 best_val_loss = min(best_val_loss, losses["val"])
-                save_checkpoint()
+                if not all_finite(raw_model, ddp):  # b_i, unseen by the eval, included
+                    fail(f"the model holds non-finite values at step {iter_num}; stopping without saving "
+                         f"({kept(saved_step, ckpt_path)})")
+                model_state, optimizer_states = get_state(raw_model, optimizers, fsdp)  # collective under FSDP
+                saved_step = iter_num
                 if master:
+                    state = {"model": model_state, "optimizer": optimizer_states, "model_args": asdict(mconf),
+                             "pqt": pqt, "iter_num": iter_num, "best_val_loss": best_val_loss, "config": c,
+                             # What continues the run exactly besides the above: the data order and
+                             # the noise are functions of (seed, step), and seed is in config; dropout
+                             # draws from the CPU generator, and on GPUs from the CUDA one.
+                             "rng_state": torch.get_rng_state()}
+                    if device_type == "cuda":
+                        state["cuda_rng_state"] = torch.cuda.get_rng_state(dev)
+                    save_checkpoint(state, ckpt_path)
                     print(f"saved checkpoint to {ckpt_path}")
-            t0 = time.time()  # evaluation is not training time
-        if iter_num == max_iters:
+            t0, timed_steps = time.time(), 0  # evaluation is not training time
+        if iter_num >= c["max_iters"]:
             break
 
-        # This step's noise, the same for all its micro-steps
-        if step_mode:
-            gaussws.begin_step(raw_model, iter_num)
-        else:
-            gaussws.set_step(raw_model, iter_num)
-        step_loss = 0.0
-        for micro_step in range(local_accum):
-            if ddp:
-                train_model.require_backward_grad_sync = micro_step == local_accum - 1
-            x, y = get_batch("train", iter_num, rank * local_accum + micro_step)
-            with autocast:
-                _, loss = train_model(x, y)
-                if bitwidth_lambda:
-                    loss = loss + bitwidth_lambda * gaussws.bitwidth_loss(raw_model)
-            step_loss += loss.item() / local_accum
-            (loss / local_accum).backward()
-        if step_mode:
-            gaussws.end_step(raw_model)  # Eq. 4 once, on the accumulated (and all-reduced) gradient
-        (step_loss,) = all_mean([step_loss])
-        if not math.isfinite(step_loss):
-            kept = f"the last good checkpoint is {ckpt_path}" if os.path.exists(ckpt_path) else "no checkpoint was written"
-            fail(f"loss is {step_loss} at step {iter_num}; stopping before the update ({kept}). "
+        # one optimizer step: gaussws.TrainStep selects its noise and applies Eq. 4 at its end
+        loss_sum = torch.zeros((), device=dev)
+        with gaussws.TrainStep(raw_model, iter_num):
+            for micro_step in range(local_accum):
+                if ddp and not fsdp:
+                    train_model.require_backward_grad_sync = micro_step == local_accum - 1
+                with autocast:
+                    _, loss = train_model(x, y)
+                    if c["bitwidth_lambda"]:
+                        loss = loss + c["bitwidth_lambda"] * gaussws.bitwidth_loss(raw_model)
+                    loss = loss / local_accum
+                # fetch the next micro-batch while this one's backward runs (on GPUs)
+                x, y = micro_batch(*((iter_num, micro_step + 1) if micro_step + 1 < local_accum else (iter_num + 1, 0)))
+                loss.backward()
+                loss_sum += loss.detach()  # on the device: no host sync per micro-step
+        # The gradient norm, clipped or not: a non-finite one must not reach the weights.
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c["grad_clip"] or float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        if ddp:
+            torch.distributed.all_reduce(loss_sum)
+            loss_sum /= world_size
+        step_loss, norm = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()  # one sync a step
+        if not (math.isfinite(step_loss) and math.isfinite(norm)):
+            what = f"loss is {step_loss}" if not math.isfinite(step_loss) else f"gradient norm is {norm} (loss {step_loss:.4f})"
+            fail(f"{what} at step {iter_num}; stopping before the update ({kept(saved_step, ckpt_path)}). "
                  f"Try a lower --learning_rate or --grad_clip")
-        if grad_clip:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
         for o in optimizers:
             o.step()
             o.zero_grad(set_to_none=True)
         iter_num += 1
-        if iter_num % log_interval == 0 or iter_num == max_iters:
-            dt = (time.time() - t0) / (log_interval if iter_num % log_interval == 0 else iter_num % log_interval)
-            t0 = time.time()
+        timed_steps += 1
+        if iter_num % c["log_interval"] == 0 or iter_num == c["max_iters"]:
+            dt = (time.time() - t0) / timed_steps
+            t0, timed_steps = time.time(), 0
             record = {"iter": iter_num, "loss": step_loss, "lr": lr, "ms_per_iter": 1000 * dt,
                       "tokens_per_s": tokens_per_iter / dt}
             stats = gaussws.bitwidth_stats(raw_model)
@@ -510,7 +705,7 @@ def main(argv):
             # destructor aborts ("terminate called without an active exception"): the likely cause
             # of the random SIGABRT of 2-process FSDP runs. Everything is written and flushed by
             # now, so the process ends without that teardown.
-            if wandb_log and master:
+            if c["wandb_log"] and master:
                 wandb.finish()
             if metrics_file:
                 metrics_file.close()

@@ -16,7 +16,7 @@ import pytest
 
 import gaussws
 import train
-from model import PRESETS
+from model import PRESETS, ROLES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # config/mini_*.py are the laptop-scale bases of study.py, tested in test_study.py
@@ -126,7 +126,7 @@ def test_config_says_what_it_reproduces_and_sets_what_its_name_says(name):
     assert s["model"] in PRESETS, f"model={s['model']!r} is not a preset of model.py"
     arch = PRESETS[s["model"]]["arch"]
     assert model_of(name).split("_")[0] == arch, f"model={s['model']!r} is not the {model_of(name)} of the name"
-    method, layers = gaussws.parse_method(s["method"], arch)  # raises on a bad spec
+    method, layers = gaussws.parse_method(s["method"], ROLES[arch].values())  # raises on a bad spec
     assert s["out_dir"] == f"out/{name}", "each run writes to out/<its name>"
     if "wandb_run_name" in s:
         assert s["wandb_run_name"] == name

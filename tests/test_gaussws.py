@@ -4,9 +4,11 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import gaussws
 from kernels import torch_noise
+from model import ROLES
 
 BACKENDS = ["torch", "triton"]
 
@@ -178,11 +180,11 @@ def test_pqt_linear_training_forward_uses_eq3():
     torch.manual_seed(5)
     layer = gaussws.PQTLinear(64, 48, method="diffq", backend="torch")
     gaussws.set_noise_seed(layer, 21)
-    gaussws.set_step(layer, 3)
     x = torch.randn(5, 64)
-    r = gaussws.sample_r((48, 64), int(layer.noise_seed), "diffq", backend="torch")
-    w_hat = naive_eq3(layer.weight.detach(), layer.b_t.detach(), r)
-    torch.testing.assert_close(layer(x), x @ w_hat.float().T + layer.bias, rtol=1e-6, atol=1e-6)
+    with gaussws.TrainStep(layer, 3):
+        r = gaussws.sample_r((48, 64), int(layer.noise_seed), "diffq", backend="torch")
+        w_hat = naive_eq3(layer.weight.detach(), layer.b_t.detach(), r)
+        torch.testing.assert_close(layer(x), x @ w_hat.float().T + layer.bias, rtol=1e-6, atol=1e-6)
 
 
 def _model(seed):
@@ -191,29 +193,31 @@ def _model(seed):
     return model
 
 
+def noise_seeds(model, step):
+    """The Philox seed each PQT layer draws R from in optimizer step `step`."""
+    with gaussws.TrainStep(model, step):
+        return [int(m.noise_seed) for m in gaussws.pqt_layers(model)]
+
+
 def test_noise_depends_only_on_seed_layer_and_step():
     a, b = _model(7), _model(7)  # e.g. two data-parallel ranks, or a run and its resumption
     for step in (0, 1, 1000):
-        gaussws.set_step(a, step)
-        gaussws.set_step(b, step)
-        assert [int(m.noise_seed) for m in gaussws.pqt_layers(a)] == [int(m.noise_seed) for m in gaussws.pqt_layers(b)]
+        assert noise_seeds(a, step) == noise_seeds(b, step)
     seeds = set()
     for step in range(50):
-        gaussws.set_step(a, step)
-        seeds.update(int(m.noise_seed) for m in gaussws.pqt_layers(a))
+        seeds.update(noise_seeds(a, step))
     assert len(seeds) == 100  # every (layer, step) its own Philox seed
     assert all(0 <= s < 2**63 for s in seeds)
     gaussws.set_noise_seed(b, 8)
-    assert int(gaussws.pqt_layers(b)[0].noise_seed) not in seeds
+    assert noise_seeds(b, 0)[0] not in seeds
 
 
 def test_r_of_other_layers_and_steps_is_independent():
     model = _model(3)
     r = {}
     for step in (0, 1):
-        gaussws.set_step(model, step)
-        for i, layer in enumerate(gaussws.pqt_layers(model)):
-            r[i, step] = gaussws.sample_r((512, 512), int(layer.noise_seed), backend="torch").flatten()
+        for i, seed in enumerate(noise_seeds(model, step)):
+            r[i, step] = gaussws.sample_r((512, 512), seed, backend="torch").flatten()
     n = r[0, 0].numel()
     for x, y in [((0, 0), (1, 0)), ((0, 0), (0, 1)), ((1, 0), (1, 1))]:
         assert not torch.equal(r[x], r[y])
@@ -225,44 +229,61 @@ def test_r_of_other_layers_and_steps_is_independent():
         assert abs(both - p * p) < 5 * math.sqrt(p * p * (1 - p * p) / n)
 
 
-def test_noise_is_fixed_within_a_step_and_redrawn_across_steps():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_noise_is_fixed_within_a_step_and_redrawn_across_steps(recompute):
     torch.manual_seed(6)
-    layer = gaussws.PQTLinear(64, 64)
+    layer = gaussws.PQTLinear(64, 64, recompute=recompute)
     x = torch.randn(8, 64)
-    gaussws.set_step(layer, 10)
-    y1, y2 = layer(x), layer(x)  # two micro-steps of one optimizer step
+    with gaussws.TrainStep(layer, 10):
+        y1, y2 = layer(x), layer(x)  # two micro-steps of one optimizer step
     assert torch.equal(y1, y2)
-    gaussws.set_step(layer, 11)
-    assert not torch.equal(layer(x), y1)
+    with gaussws.TrainStep(layer, 11):
+        assert not torch.equal(layer(x), y1)
 
 
-def test_compiled_layer_matches_eager_and_does_not_recompile_per_step():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_compiled_layer_matches_eager_and_does_not_recompile_per_step(recompute):
     torch.manual_seed(7)
     torch._dynamo.reset()
-    layer = gaussws.PQTLinear(64, 96)
+    layer = gaussws.PQTLinear(64, 96, recompute=recompute)
     compiled = torch.compile(layer)
     x = torch.randn(4, 64)
     for step in range(4):
-        # Step 0 compiles; later steps only change the seed's value and must reuse that graph.
+        # Step 0 compiles; later steps only change the seed's value (and w_hat) and must reuse that graph.
         with torch._dynamo.config.patch(error_on_recompile=step > 0):
-            gaussws.set_step(layer, step)
-            y = compiled(x)
-            assert torch.equal(y, layer(x))
             layer.zero_grad()
-            y.sum().backward()
+            with gaussws.TrainStep(layer, step):
+                y = compiled(x)
+                assert torch.equal(y, layer(x))
+                y.sum().backward()
             assert layer.b_i.grad.abs().sum() > 0
 
 
 def test_bitwidth_loss_is_eq12():
-    model = _model(1)
+    """Eq. 12 (without lambda): sum over layers l of (1 / N_l) sum over blocks |b_t - b_target|, with
+    b_t = b_target + b_i (b_init - b_target) (Eq. 11), written out element by element."""
+    model = nn.Sequential(gaussws.PQTLinear(64, 40, b_init=6.0, b_target=4.0),
+                          gaussws.PQTLinear(40, 96, b_init=7.0, b_target=2.5))
     with torch.no_grad():
         for layer in gaussws.pqt_layers(model):
             layer.b_i.uniform_(-1, 2)
-    want = sum((layer.b_t - layer.b_target).abs().sum() / layer.b_t.numel() for layer in gaussws.pqt_layers(model))
-    torch.testing.assert_close(gaussws.bitwidth_loss(model), want)
+    want = 0.0
+    for layer in gaussws.pqt_layers(model):
+        b_i = layer.b_i.detach().tolist()
+        total = 0.0
+        for row in b_i:
+            for v in row:
+                total += abs(layer.b_target + v * (layer.b_init - layer.b_target) - layer.b_target)
+        want += total / (len(b_i) * len(b_i[0]))
+    assert gaussws.bitwidth_loss(model).item() == pytest.approx(want, rel=1e-6)
+    every_b_t = [layer.b_target + v * (layer.b_init - layer.b_target)
+                 for layer in gaussws.pqt_layers(model) for row in layer.b_i.tolist() for v in row]
     stats = gaussws.bitwidth_stats(model)
-    all_b_t = torch.cat([layer.b_t.flatten() for layer in gaussws.pqt_layers(model)])
-    assert stats == pytest.approx({"mean": all_b_t.mean().item(), "min": all_b_t.min().item(), "max": all_b_t.max().item()})
+    assert stats == pytest.approx({"mean": sum(every_b_t) / len(every_b_t), "min": min(every_b_t),
+                                   "max": max(every_b_t)}, rel=1e-6)
+    hists = gaussws.bitwidth_histograms(model)
+    assert sorted(hists) == ["0", "1"] and [len(h) for h in hists.values()] == [2 * 2, 3 * 2]
+    assert sorted(hists["1"].tolist()) == pytest.approx(sorted(every_b_t[4:]), rel=1e-6)
 
 
 @pytest.mark.parametrize("spec,arch,want", [
@@ -274,7 +295,7 @@ def test_bitwidth_loss_is_eq12():
     ("diffq[q, v, od]", "llama2", ("diffq", {"q", "v", "out", "down"})),
 ])
 def test_parse_method(spec, arch, want):
-    assert gaussws.parse_method(spec, arch) == (want[0], frozenset(want[1]))
+    assert gaussws.parse_method(spec, ROLES[arch].values()) == (want[0], frozenset(want[1]))
 
 
 @pytest.mark.parametrize("spec,arch", [
@@ -283,7 +304,7 @@ def test_parse_method(spec, arch, want):
 ])
 def test_bad_method_names_the_valid_ones(spec, arch):
     with pytest.raises(ValueError, match=r"bad method .*bf16.*gaussws.*diffq.*out.*down"):
-        gaussws.parse_method(spec, arch)
+        gaussws.parse_method(spec, ROLES[arch].values())
 
 
 def test_bad_seed_and_shapes_are_refused():
@@ -293,32 +314,36 @@ def test_bad_seed_and_shapes_are_refused():
         gaussws.pseudo_quantize(torch.zeros(40, 40), torch.zeros(1, 1), 0)
 
 
-def _two_layer_net():
+def _two_layer_net(recompute=False):
     torch.manual_seed(8)
-    net = nn.Sequential(gaussws.PQTLinear(100, 70), nn.GELU(), gaussws.PQTLinear(70, 64, method="diffq"))
+    net = nn.Sequential(gaussws.PQTLinear(100, 70, recompute=recompute), nn.GELU(),
+                        gaussws.PQTLinear(70, 64, method="diffq", recompute=recompute))
     gaussws.set_noise_seed(net, 3)
     return net
 
 
-def test_step_mode_gives_the_gradients_of_per_micro_step_eq4():
-    # begin_step/end_step apply Eq. 4 once to the accumulated gradient: by linearity the same as
-    # applying it in every micro-step's backward.
-    per_micro_step, step_mode = _two_layer_net(), _two_layer_net()
+def test_step_mode_gives_the_gradients_of_per_micro_step_eq3_and_eq4():
+    # TrainStep makes w_hat once and applies Eq. 4 once to the accumulated gradient. The reference
+    # differentiates Eq. 3 (pseudo_quantize, itself checked against the naive Eq. 3 and 4 above)
+    # in every micro-step, with the seeds the step selected.
+    net, ref = _two_layer_net(), _two_layer_net()
     xs = [torch.randn(5, 100) for _ in range(3)]
-    gaussws.set_step(per_micro_step, 7)
+    with gaussws.TrainStep(net, 7):
+        seeds = [int(m.noise_seed) for m in gaussws.pqt_layers(net)]
+        for x in xs:
+            (net(x).square().mean() / 3).backward()
+    l1, l2 = gaussws.pqt_layers(ref)
     for x in xs:
-        (per_micro_step(x).square().mean() / 3).backward()
-    gaussws.begin_step(step_mode, 7)
-    for x in xs:
-        (step_mode(x).square().mean() / 3).backward()
-    gaussws.end_step(step_mode)
-    for (name, a), (_, b) in zip(per_micro_step.named_parameters(), step_mode.named_parameters()):
+        h = F.gelu(F.linear(x, gaussws.pseudo_quantize(l1.weight, l1.b_t, seeds[0], "gaussws").float(), l1.bias))
+        y = F.linear(h, gaussws.pseudo_quantize(l2.weight, l2.b_t, seeds[1], "diffq").float(), l2.bias)
+        (y.square().mean() / 3).backward()
+    for (name, a), (_, b) in zip(net.named_parameters(), ref.named_parameters()):
         if name.endswith("b_i"):
-            assert b.grad.abs().sum() > 0
+            assert a.grad.abs().sum() > 0
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-9)
         else:
             assert torch.equal(a.grad, b.grad), name  # the same w_hat, the same dL/dw
-    assert all(layer.w_hat is None for layer in gaussws.pqt_layers(step_mode))  # released
+    assert all(layer.w_hat is None and not layer.in_step for layer in gaussws.pqt_layers(net))  # released
 
 
 def test_step_mode_compiles_once():
@@ -328,11 +353,10 @@ def test_step_mode_compiles_once():
     x = torch.randn(4, 100)
     for step in range(3):
         with torch._dynamo.config.patch(error_on_recompile=step > 0):
-            gaussws.begin_step(net, step)
-            y = compiled(x)
-            torch.testing.assert_close(y, net(x))  # the same w_hat; compiled GELU may round differently
-            y.sum().backward()
-            gaussws.end_step(net)
+            with gaussws.TrainStep(net, step):
+                y = compiled(x)
+                torch.testing.assert_close(y, net(x))  # the same w_hat; compiled GELU may round differently
+                y.sum().backward()
 
 
 def _saved_bytes(fn):
@@ -352,19 +376,127 @@ def _saved_bytes(fn):
 
 def test_recompute_gives_the_same_gradients_and_keeps_no_w_hat():
     global net_params
-    standard, recompute = _two_layer_net(), _two_layer_net()
-    for layer in gaussws.pqt_layers(recompute):
-        layer.recompute = True
+    standard, recompute = _two_layer_net(), _two_layer_net(recompute=True)
     net_params = list(standard.parameters()) + list(recompute.parameters())
     x = torch.randn(3, 5, 100, requires_grad=True)  # as inside a model: every layer needs dL/dx
     kept = {}
     for name, net in (("standard", standard), ("recompute", recompute)):
-        gaussws.set_step(net, 4)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y, kept[name] = _saved_bytes(lambda: net(x))
-        y.float().square().mean().backward()
+        with gaussws.TrainStep(net, 4):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y, kept[name] = _saved_bytes(lambda: net(x))
+            y.float().square().mean().backward()
     for (name, a), (_, b) in zip(standard.named_parameters(), recompute.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+        if name.endswith("b_i"):  # Eq. 4 once per step vs in the backward: the same sums, another order
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-9)
+        else:
+            assert torch.equal(a.grad, b.grad), name
     w_hat_bytes = 2 * (100 * 70 + 70 * 64)  # both w_hat, BF16, are no longer kept ...
-    per_block = 4 * (3 * 4 + 2 * 3) + 2 * 8  # ... only each block's scale (FP32) and the seeds
+    # ... only per-block FP32 tensors for scale_bl's backward (max_bl, 2^(1 - b_t), the scale) and the seeds
+    per_block = 3 * 4 * (3 * 4 + 2 * 3) + 2 * 8
     assert kept["recompute"] <= kept["standard"] - w_hat_bytes + per_block
+
+
+# --- convert, TrainStep, build_optimizers ------------------------------------------------------
+
+class NanoBlock(nn.Module):
+    """A model we did not write: nanoGPT's block layout, with a Conv1d where a Linear could be."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.ModuleDict(dict(c_attn=nn.Linear(64, 192), c_proj=nn.Linear(64, 64)))
+        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(64, 256), c_proj=nn.Linear(256, 64, bias=False)))
+        self.conv = nn.Conv1d(64, 64, 1)
+
+
+NANO_ROLES = {"attn.c_attn": "qkv", "attn.c_proj": "out", "mlp.c_fc": "up", "mlp.c_proj": "down"}
+
+
+def test_convert_keeps_the_weights_and_draws_no_random_numbers():
+    torch.manual_seed(0)
+    model = nn.ModuleDict(dict(h=nn.ModuleList([NanoBlock(), NanoBlock()]), head=nn.Linear(64, 10))).to(torch.bfloat16)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    assert gaussws.convert(model, "gaussws[od]", NANO_ROLES, b_init=7.0, b_target=3.0, seed=5) is model
+    assert torch.equal(torch.get_rng_state(), rng)
+    pqt = {n for n, m in model.named_modules() if isinstance(m, gaussws.PQTLinear)}
+    assert pqt == {"h.0.attn.c_proj", "h.0.mlp.c_proj", "h.1.attn.c_proj", "h.1.mlp.c_proj"}
+    after = dict(model.named_parameters())
+    assert set(after) == set(before) | {f"{n}.b_i" for n in pqt}
+    for name, (param, value) in before.items():  # the same Parameter objects, values, dtype
+        assert after[name] is param and torch.equal(param, value) and param.dtype == torch.bfloat16
+    layer = model.h[1].mlp.c_proj
+    assert layer.bias is None and (layer.method, layer.b_init, layer.b_target) == ("gaussws", 7.0, 3.0)
+    assert torch.equal(layer.b_t, torch.full((2, 8), 7.0))  # b_i = 1: b_t = b_init, one per 32x32 block
+    assert type(model.h[0].attn.c_attn) is nn.Linear and type(model.head) is nn.Linear
+
+
+def test_convert_works_on_the_meta_device():
+    with torch.device("meta"):
+        model = NanoBlock()
+    gaussws.convert(model, "diffq[all]", NANO_ROLES, seed=1)
+    assert all(p.is_meta for p in model.parameters())
+    assert model.mlp.c_fc.b_i.shape == (8, 2)
+
+
+def test_layer_noise_depends_on_its_path_not_on_the_other_layers():
+    od, every = NanoBlock(), NanoBlock()
+    gaussws.convert(od, "gaussws[od]", NANO_ROLES, seed=9)
+    gaussws.convert(every, "gaussws[all]", NANO_ROLES, seed=9)
+    assert od.attn.c_proj.layer_seed == every.attn.c_proj.layer_seed
+    assert every.attn.c_proj.layer_seed != every.mlp.c_proj.layer_seed
+
+
+@pytest.mark.parametrize("method,roles,message", [
+    ("gaussws[qkv]", {"conv": "qkv"}, "is a Conv1d, not an nn.Linear"),
+    ("gaussws[qkv]", {"attn.qkv": "qkv"}, "no nn.Linear of the model plays role"),
+    ("gaussws[q]", NANO_ROLES, "no layer 'q'"),
+])
+def test_convert_refuses_what_it_cannot_convert(method, roles, message):
+    with pytest.raises(ValueError, match=message):
+        gaussws.convert(NanoBlock(), method, roles)
+
+
+def test_convert_refuses_a_model_converted_already():
+    model = gaussws.convert(NanoBlock(), "gaussws[od]", NANO_ROLES)
+    with pytest.raises(ValueError, match="PQT layers already"):
+        gaussws.convert(model, "gaussws[up]", NANO_ROLES)
+
+
+def test_train_step_refuses_misuse():
+    layer = gaussws.PQTLinear(64, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="outside a step"):
+        layer(x)
+    step = gaussws.TrainStep(layer, 0).begin()
+    with pytest.raises(RuntimeError, match="already open"):
+        gaussws.TrainStep(layer, 1).begin()
+    step.end()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="stale w_hat"):
+        with gaussws.TrainStep(layer, 1):
+            layer(x).sum().backward()
+            optimizer.step()  # inside the step: the w_hat of this step no longer belongs to w
+            layer(x)
+    assert not layer.in_step and layer.w_hat is None  # the error released the step
+    layer.eval()
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # eval needs no step
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam_mini"])
+def test_build_optimizers_gives_b_i_a_group_of_their_own(optimizer):
+    model = gaussws.convert(NanoBlock(), "gaussws[all]", NANO_ROLES)
+    optimizers = gaussws.build_optimizers(model, optimizer, NANO_ROLES, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                                          bitwidth_weight_decay=0.7, n_embd=64, n_head=2, n_kv_head=2)
+    b_i = {id(m.b_i) for m in gaussws.pqt_layers(model)}
+    groups = [g for o in optimizers for g in o.param_groups]
+    own = [g for g in groups if {id(p) for p in g["params"]} & b_i]
+    assert len(own) == 1 and {id(p) for p in own[0]["params"]} == b_i and own[0]["weight_decay"] == 0.7
+    assert isinstance(optimizers[-1], torch.optim.AdamW)
+    others = {id(p) for g in groups if g is not own[0] for p in g["params"]}
+    assert others == {id(p) for n, p in model.named_parameters() if not n.endswith("b_i")}
+    if optimizer == "adam_mini":
+        assert {"attn.c_attn."} <= optimizers[0].wqk_names and "attn.c_proj." in optimizers[0].attn_proj_names
+    assert sorted(gaussws.ddp_ignored_parameters(model)) == sorted(
+        n for n, _ in model.named_parameters() if n.endswith("b_i"))
+    recomputed = gaussws.convert(NanoBlock(), "gaussws[all]", NANO_ROLES, recompute=True)
+    assert gaussws.ddp_ignored_parameters(recomputed) == []  # their b_t gradient comes in the backward

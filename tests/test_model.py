@@ -1,5 +1,6 @@
-"""model.py: the method switch puts PQT where the method string says, GPT2 is GPT-2, Llama2 is Llama 2.
-And sample.py, which turns a checkpoint of this model back into text."""
+"""model.py: GPT2 is GPT-2, Llama2 is Llama 2, and ROLES with gaussws.convert puts PQT where the method
+string says, from the same initial weights for every method. And sample.py, which turns a checkpoint
+of this model back into text."""
 import json
 import math
 import os
@@ -14,11 +15,11 @@ import torch.nn.functional as F
 import gaussws
 import sample
 from configurator import ConfigError
-from model import GPT, PRESETS, ModelConfig, apply_rope, rope_cos_sin
+from model import GPT, PRESETS, ROLES, ModelConfig, apply_rope, rope_cos_sin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The modules of a block that each layer name of docs/METHOD.md section 5 denotes.
+# The modules of a block that each layer name of the method switch denotes (docs/METHOD.md).
 GPT2_MODULES = {"qkv": "attn.c_attn", "out": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"}
 LLAMA2_MODULES = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "out": "attn.out",
                   "gate": "mlp.gate", "up": "mlp.up", "down": "mlp.down"}
@@ -48,8 +49,8 @@ def tiny(arch, **kw):
     ("llama2", "gaussws[q,v]", "gaussws", ("q", "v")),
 ])
 def test_pqt_layers_sit_exactly_where_the_method_says(arch, spec, method, parts):
-    config = tiny(arch, method=spec, b_init=7.0, b_target=3.0)
-    model = GPT(config)
+    config = tiny(arch)
+    model = gaussws.convert(GPT(config), spec, ROLES[arch], b_init=7.0, b_target=3.0, seed=1)
     table = GPT2_MODULES if arch == "gpt2" else LLAMA2_MODULES
     want = {f"transformer.h.{i}.{table[p]}" for i in range(config.n_layer) for p in parts}
     pqt = {n: m for n, m in model.named_modules() if isinstance(m, gaussws.PQTLinear)}
@@ -65,9 +66,31 @@ def test_pqt_layers_sit_exactly_where_the_method_says(arch, spec, method, parts)
     assert model.get_num_bitwidth_params() == sum(m.b_i.numel() for m in pqt.values())
 
 
+def test_roles_name_every_linear_of_a_block():
+    for arch, table in (("gpt2", GPT2_MODULES), ("llama2", LLAMA2_MODULES)):
+        assert ROLES[arch] == {module: role for role, module in table.items()}
+        block = GPT(tiny(arch)).transformer.h[0]
+        assert {n for n, m in block.named_modules() if isinstance(m, nn.Linear)} == set(table.values())
+        assert not any(isinstance(m, gaussws.PQTLinear) for m in GPT(tiny(arch)).modules())  # plain until converted
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama2"])
+def test_every_method_starts_from_the_same_weights(arch):
+    states = {}
+    for spec in ("bf16", "gaussws[all]", "diffq[od]"):
+        torch.manual_seed(1337)
+        model = gaussws.convert(GPT(tiny(arch)), spec, ROLES[arch], seed=1337)
+        states[spec] = {k: v for k, v in model.state_dict().items() if not k.endswith("b_i")}
+        states[spec]["next draw"] = torch.rand(8)  # dropout draws from here next: also the same
+    for spec in ("gaussws[all]", "diffq[od]"):
+        assert states[spec].keys() == states["bf16"].keys()
+        for k, v in states["bf16"].items():
+            assert torch.equal(states[spec][k], v), (spec, k)
+
+
 def test_a_bad_method_or_shape_is_a_value_error_that_says_what_is_wrong():
     with pytest.raises(ValueError, match="gaussws"):
-        tiny("gpt2", method="gaussws[q]")  # q is a Llama2 layer
+        gaussws.convert(GPT(tiny("gpt2")), "gaussws[q]", ROLES["gpt2"])  # q is a Llama2 layer
     with pytest.raises(ValueError, match="arch"):
         tiny("gpt3")
     with pytest.raises(ValueError, match="n_kv_head"):
@@ -100,7 +123,7 @@ def test_gpt2_ties_the_head_to_wte_and_llama2_does_not():
 
 
 def test_init_is_nanogpts_with_scaled_residual_projections():
-    config = tiny("llama2", n_layer=3, n_embd=128, n_head=4, ffn_hidden=256, method="gaussws[all]")
+    config = tiny("llama2", n_layer=3, n_embd=128, n_head=4, ffn_hidden=256)
     model = GPT(config)
     scaled = 0.02 / math.sqrt(2 * config.n_layer)
     for name, p in model.named_parameters():
@@ -150,7 +173,7 @@ def test_preset_parameter_counts(name):
 def test_presets_build_on_the_meta_device_with_pqt_layers():
     """train.py's dry run builds big presets without memory: PQTLinear must allow the meta device."""
     with torch.device("meta"):
-        model = GPT(ModelConfig(**PRESETS["llama2-134m"], method="gaussws[all]"))
+        model = gaussws.convert(GPT(ModelConfig(**PRESETS["llama2-134m"])), "gaussws[all]", ROLES["llama2"])
     # one b_i per 32x32 block: 768x768 attention (24x24 blocks), 768<->2048 MLP (64x24 blocks)
     assert model.get_num_bitwidth_params() == 12 * (4 * 24 * 24 + 3 * 64 * 24)
 
@@ -240,7 +263,7 @@ def test_dropout_acts_in_training_only(arch):
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
 def test_generate_returns_prompt_plus_new_tokens(arch):
     torch.manual_seed(0)
-    model = GPT(tiny(arch, method="gaussws[all]")).eval()
+    model = gaussws.convert(GPT(tiny(arch)), "gaussws[all]", ROLES[arch]).eval()
     idx = torch.randint(0, 97, (2, 5))
     out = model.generate(idx, 7, temperature=0.8, top_k=10)
     assert out.shape == (2, 12) and torch.equal(out[:, :5], idx)
@@ -254,17 +277,20 @@ def test_generate_returns_prompt_plus_new_tokens(arch):
 
 # --- sample.py ---------------------------------------------------------------------------------
 
-def write_checkpoint(out_dir, config, dataset="default"):
-    model = GPT(config)
+def write_checkpoint(out_dir, config, dataset="default", method="bf16", old_layout=False):
+    """A checkpoint as train.py writes it; old_layout: the method inside model_args, as older runs kept it."""
+    model = gaussws.convert(GPT(config), method, ROLES[config.arch], b_init=6.0, b_target=4.0)
     from dataclasses import asdict
     os.makedirs(out_dir, exist_ok=True)
-    torch.save({"model": model.state_dict(), "model_args": asdict(config), "config": {"dataset": dataset},
-                "iter_num": 0}, os.path.join(out_dir, "ckpt.pt"))
+    pqt = {"method": method, "b_init": 6.0, "b_target": 4.0}
+    layout = {"model_args": {**asdict(config), **pqt}} if old_layout else {"model_args": asdict(config), "pqt": pqt}
+    torch.save({"model": model.state_dict(), **layout, "config": {"dataset": dataset}, "iter_num": 0},
+               os.path.join(out_dir, "ckpt.pt"))
     return model
 
 
-@pytest.fixture
-def byte_run(tmp_path, monkeypatch):
+@pytest.fixture(params=[False, True], ids=["layout", "old_layout"])
+def byte_run(tmp_path, monkeypatch, request):
     """A checkpoint of a tiny byte-level model and a data/default/meta.json beside a fake repo root."""
     meta_dir = tmp_path / "repo" / "data" / "default"
     meta_dir.mkdir(parents=True)
@@ -272,7 +298,8 @@ def byte_run(tmp_path, monkeypatch):
     monkeypatch.setattr(sample, "ROOT", str(tmp_path / "repo"))
     out_dir = str(tmp_path / "out")
     torch.manual_seed(0)
-    model = write_checkpoint(out_dir, tiny("llama2", vocab_size=256, method="gaussws[od]"))
+    model = write_checkpoint(out_dir, tiny("llama2", vocab_size=256), method="gaussws[od]",
+                             old_layout=request.param)
     return out_dir, model
 
 

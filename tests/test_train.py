@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import train
+from configurator import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,13 +79,102 @@ def test_resume_continues_the_same_losses(data_dir, tmp_path):
     assert len(losses(part)) == 20
 
 
-def test_checkpoint_loads_with_weights_only_and_has_no_compile_prefix(data_dir, tmp_path):
+def test_compiled_run_trains_as_eager_and_saves_a_loadable_model(data_dir, tmp_path):
     import torch
-    train.main(tiny(data_dir, tmp_path, max_iters=10, compile=True))
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
-    assert {"model", "optimizer", "model_args", "iter_num", "config", "rng_state"} <= set(ckpt)
-    assert ckpt["iter_num"] == 10
+    import gaussws
+    from model import GPT, ROLES, ModelConfig
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    train.main(tiny(data_dir, eager, max_iters=4, eval_interval=4, dtype="float32"))
+    train.main(tiny(data_dir, compiled, max_iters=4, eval_interval=4, dtype="float32", compile=True))
+    a, b = losses(eager), losses(compiled)
+    np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-4)
+    ckpt = torch.load(compiled / "ckpt.pt", weights_only=True)
+    assert {"model", "optimizer", "model_args", "pqt", "iter_num", "config", "rng_state"} <= set(ckpt)
+    assert ckpt["iter_num"] == 4 and ckpt["pqt"] == {"method": "gaussws[all]", "b_init": 6.0, "b_target": 4.0}
+    model = gaussws.convert(GPT(ModelConfig(**ckpt["model_args"])), "gaussws[all]", ROLES["gpt2"])
+    model.load_state_dict(ckpt["model"])  # strict: the same names as a fresh model, whatever compiled it
+
+
+def _originals():
+    import gaussws
+    return {"build_optimizers": gaussws.build_optimizers, "get_batch": train.get_batch, "load_state": train.load_state}
+
+
+ORIGINAL = _originals()  # before any test patches them
+
+
+def snapshot_start(monkeypatch):
+    """Record the weights train.main starts from (when it builds the optimizers) and every batch it draws."""
+    import gaussws
+    seen = {"batches": []}
+    build, get_batch = ORIGINAL["build_optimizers"], ORIGINAL["get_batch"]
+
+    def recording_build(model, *args, **kw):
+        seen["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
+        return build(model, *args, **kw)
+
+    def recording_get_batch(data, key, **kw):
+        x, y = get_batch(data, key, **kw)
+        seen["batches"].append((key, x.clone(), y.clone()))
+        return x, y
+    monkeypatch.setattr(gaussws, "build_optimizers", recording_build)
+    monkeypatch.setattr(train, "get_batch", recording_get_batch)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama2"])
+def test_every_method_starts_from_the_same_weights_and_batches(data_dir, tmp_path, monkeypatch, arch):
+    import torch
+    runs = {}
+    for method in ("bf16", "gaussws[all]", "diffq[od]"):
+        seen = snapshot_start(monkeypatch)
+        train.main(tiny(data_dir, tmp_path / method, arch=arch, bias=arch == "gpt2", method=method, max_iters=2,
+                        eval_interval=2))
+        runs[method] = seen
+    base = runs["bf16"]
+    for method in ("gaussws[all]", "diffq[od]"):
+        run = runs[method]
+        assert {k for k in run["weights"] if not k.endswith("b_i")} == set(base["weights"])
+        for k, v in base["weights"].items():
+            assert torch.equal(run["weights"][k], v), (method, k)
+        assert len(run["batches"]) == len(base["batches"]) > 2
+        for (key_a, xa, ya), (key_b, xb, yb) in zip(base["batches"], run["batches"]):
+            assert key_a == key_b and torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_pqt_run_started_from_a_bf16_checkpoint_keeps_its_weights(data_dir, tmp_path, monkeypatch):
+    import torch
+    bf16, pqt, back = tmp_path / "bf16", tmp_path / "pqt", tmp_path / "back"
+    train.main(tiny(data_dir, bf16, method="bf16", max_iters=10))
+    source = torch.load(bf16 / "ckpt.pt", weights_only=True)
+    seen = snapshot_start(monkeypatch)
+    train.main(tiny(data_dir, pqt, method="gaussws[od]", init_from=str(bf16), max_iters=4, eval_interval=4))
+    start = seen["weights"]
+    assert set(source["model"]) == {k for k in start if not k.endswith("b_i")}
+    for k, v in source["model"].items():
+        assert torch.equal(start[k], v), k
+    b_i = [v for k, v in start.items() if k.endswith("b_i")]
+    assert len(b_i) == 4 and all(torch.equal(v, torch.ones_like(v)) for v in b_i)  # fresh: b_t = b_init
+    # Evaluation runs without noise: the new run's step-0 losses are the bf16 run's last ones.
+    with open(bf16 / "metrics.jsonl") as f:
+        last = [json.loads(line) for line in f if "val/loss" in line][-1]
+    with open(pqt / "metrics.jsonl") as f:
+        first = [json.loads(line) for line in f if "val/loss" in line][0]
+    assert first["iter"] == 0 and first["val/loss"] == last["val/loss"]
+    ckpt = torch.load(pqt / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 4 and ckpt["pqt"]["method"] == "gaussws[od]"  # a new run: its own steps
+    # And back: a bf16 run from the PQT checkpoint drops the b_i.
+    seen = snapshot_start(monkeypatch)
+    train.main(tiny(data_dir, back, method="bf16", init_from=str(pqt / "ckpt.pt"), max_iters=1, eval_interval=1))
+    assert set(seen["weights"]) == set(source["model"])
+    assert all(torch.equal(seen["weights"][k], v) for k, v in ckpt["model"].items() if not k.endswith("b_i"))
+
+
+def test_init_from_refuses_another_shape_in_one_line(data_dir, trained, tmp_path):
+    r = run_cli(tiny(data_dir, tmp_path / "new", init_from=str(trained), n_layer=3))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "has another shape" in line and "n_layer" in line
 
 
 def torchrun(args):
@@ -109,6 +199,23 @@ def test_two_processes_match_one_with_the_same_global_batch(data_dir, tmp_path, 
     a, b = losses(one), losses(two)
     assert a.keys() == b.keys() and len(a) == 6
     np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-4)
+    # The losses hardly see a gradient scale (Adam divides it out); b_i and Adam's moments after 6
+    # steps do (exp_avg is linear in the gradient). The weights agree to a small part of one Adam
+    # step: where a gradient is near zero, Adam's division amplifies the summation order's rounding.
+    import torch
+    c1, c2 = (torch.load(d / "ckpt.pt", weights_only=True) for d in (one, two))
+    assert c1["model"].keys() == c2["model"].keys() and any(k.endswith("b_i") for k in c1["model"])
+    for k, v in c1["model"].items():
+        tol = dict(rtol=1e-5, atol=1e-6) if k.endswith("b_i") else dict(rtol=1e-4, atol=0.01 * 3e-3)
+        torch.testing.assert_close(c2["model"][k], v, **tol, msg=lambda m: f"{k}: {m}")
+
+    def moments(ckpt):  # every optimizer's tensors, in the order of its parameter groups
+        return [t for o in ckpt["optimizer"] for g in o["param_groups"] for p in g["params"]
+                for _, t in sorted(o["state"][p].items()) if torch.is_tensor(t) and t.numel() > 1]
+    m1, m2 = moments(c1), moments(c2)
+    assert len(m1) == len(m2) > 0
+    for x, y in zip(m1, m2):
+        torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-3 * x.abs().max().item())  # a 2x scale is far off
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
@@ -247,3 +354,141 @@ def test_keep_freed_cpu_memory_puts_large_tensors_in_the_heap():
     default, changed, after = out.stdout.split()
     assert int(default) >= 64 * 2**20  # by default its own mmap, given back at free (and faulted in again)
     assert changed == "True" and int(after) == 0  # now in the heap, where a freed block is reused
+
+
+# --- runs that end, checkpoints that stay good, configs refused before anything is written ---------
+
+def copy_run(trained, tmp_path):
+    import shutil
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    return out
+
+
+@pytest.mark.parametrize("max_iters", [5, 10, 0])
+def test_resume_at_or_past_max_iters_ends_at_once(data_dir, trained, tmp_path, capsys, max_iters):
+    out = copy_run(trained, tmp_path)
+    before, metrics = digest(out / "ckpt.pt"), (out / "metrics.jsonl").read_text()
+    train.main(tiny(data_dir, out, max_iters=max_iters, init_from="resume"))
+    printed = capsys.readouterr().out
+    assert "is at step 10" in printed and "nothing to train" in printed
+    assert digest(out / "ckpt.pt") == before and (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_resume_keeps_metrics_up_to_its_checkpoint(data_dir, trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:  # records of a crashed continuation, the last cut short
+        f.write(json.dumps({"iter": 11, "loss": 1.0}) + "\n" + '{"iter": 12, "lo')
+    train.main(tiny(data_dir, out, max_iters=12, init_from="resume"))
+    with open(out / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    steps = [(r["iter"], "val/loss" in r) for r in records]
+    assert len(steps) == len(set(steps))  # no step logged twice (the eval at 10 not again)
+    assert [i for i, ev in steps if not ev] == list(range(1, 13))
+    assert [i for i, ev in steps if ev] == [0, 10, 12]
+    assert all(r["loss"] != 1.0 for r in records if "loss" in r)
+
+
+def test_a_new_run_starts_its_metrics_afresh(data_dir, trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    train.main(tiny(data_dir, out, max_iters=2, eval_interval=2, overwrite=True))
+    with open(out / "metrics.jsonl") as f:
+        assert [json.loads(line)["iter"] for line in f] == [0, 1, 2, 2]
+
+
+def test_nan_at_an_eval_step_keeps_the_good_checkpoint(data_dir, trained, tmp_path):
+    import torch
+    out = copy_run(trained, tmp_path)
+    before = digest(out / "ckpt.pt")
+    # step 10 is finite and updates with lr 1e30: the model evaluated (and due to be saved) at step 11 is not
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, out, max_iters=20, init_from="resume", learning_rate=1e30, grad_clip=0.0,
+                        warmup_iters=0, decay_lr=False, dtype="float32", eval_interval=1))
+    message = str(error.value)
+    assert "at step 11" in message and f"the last good checkpoint is {out / 'ckpt.pt'}, step 10" in message
+    assert digest(out / "ckpt.pt") == before
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 10 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_an_inf_gradient_with_a_finite_loss_is_not_applied(data_dir, trained, tmp_path, monkeypatch):
+    import torch
+    import gaussws
+    out = copy_run(trained, tmp_path)
+    before = digest(out / "ckpt.pt")
+    build, seen = ORIGINAL["build_optimizers"], {}
+
+    def poisoned(model, *args, **kw):  # one gradient element turns inf in the backward; the loss stays finite
+        seen["model"] = model
+        model.lm_head.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf")))
+        return build(model, *args, **kw)
+    monkeypatch.setattr(gaussws, "build_optimizers", poisoned)
+    weights = {}
+    monkeypatch.setattr(train, "load_state", lambda model, o, ckpt, fsdp: (ORIGINAL["load_state"](model, o, ckpt, fsdp),
+                                                                            weights.update(ckpt["model"])))
+    for grad_clip in (1.0, 0.0):  # clipped or not, the norm is checked
+        with pytest.raises(ConfigError, match=r"gradient norm is (inf|nan) \(loss \d"):
+            train.main(tiny(data_dir, out, max_iters=20, init_from="resume", grad_clip=grad_clip))
+        for k, v in seen["model"].state_dict().items():  # no update reached the weights
+            assert torch.equal(v, weights[k]), k
+    assert digest(out / "ckpt.pt") == before
+
+
+BAD_CONFIG = [
+    ("--max_iters=None", "max_iters=None"),
+    ("--grad_clip=-1", "grad_clip=-1.0: expected a number >= 0"),
+    ("--block_size=0", "block_size=0: expected an integer >= 1"),
+    ("--block_size=-3", "block_size=-3"),
+    ("--n_layer=-1", "n_layer=-1: expected an integer >= 1"),
+    ("--n_embd=0", "n_embd=0"),
+    ("--n_head=0", "n_head=0"),
+    ("--eval_interval=0", "eval_interval=0"),
+    ("--log_interval=0", "log_interval=0"),
+    ("--learning_rate=-1", "learning_rate=-1.0: expected a number >= 0"),
+    ("--beta1=1.5", "beta1=1.5: expected a number in [0, 1)"),
+    ("--beta2=1.0", "beta2=1.0"),
+    ("--dropout=2.0", "dropout=2.0"),
+    ("--wandb_mode=foo", "wandb_mode='foo': expected one of online, offline, disabled"),
+    ("--device=tpu", "device='tpu'"),
+] + ([("--device=cuda", "no CUDA GPU")] if not __import__("torch").cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("arg,message", BAD_CONFIG, ids=[a for a, _ in BAD_CONFIG])
+def test_a_bad_config_is_one_line_before_anything_is_written(data_dir, tmp_path, arg, message):
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, out) + [arg])
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert not out.exists()
+
+
+def test_out_dir_must_be_a_writable_directory(data_dir, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        train.main(tiny(data_dir, tmp_path / "file"))
+    with pytest.raises(ConfigError, match="not a writable directory"):  # a directory that cannot be made
+        train.main(tiny(data_dir, tmp_path / "file" / "out"))
+
+
+def test_data_messages_point_at_the_cause(data_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"too few for block_size=100000: use --block_size below"):
+        train.main(tiny(data_dir, tmp_path / "o", block_size=100000))
+    empty = tmp_path / "mydata"
+    empty.mkdir()
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(str(empty), tmp_path / "o"))
+    assert "has no prepare.py" in str(error.value) and "data/" not in str(error.value).replace(str(empty), "")
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda ckpt: ckpt["model_args"].update(n_expert=4), "'n_expert', which this code's model does not have"),
+    (lambda ckpt: ckpt.pop("optimizer"), "lacks optimizer: it cannot be resumed"),
+])
+def test_a_checkpoint_this_code_cannot_continue_is_one_line(data_dir, trained, tmp_path, damage, message):
+    import torch
+    out = copy_run(trained, tmp_path)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    damage(ckpt)
+    torch.save(ckpt, out / "ckpt.pt")
+    with pytest.raises(ConfigError, match=message):
+        train.main(tiny(data_dir, out, max_iters=20, init_from="resume"))
