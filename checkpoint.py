@@ -393,6 +393,25 @@ def load_sharded(path, model, optimizers):
     return header
 
 
+def load_header(path):
+    """Of a sharded checkpoint: the header (everything but the model's and optimizers' tensors),
+    verified; load_sharded verifies the rest when it loads them."""
+    if not os.path.lexists(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    return load(os.path.join(os.path.realpath(path), HEADER))
+
+
+def remove(path):
+    """Delete a checkpoint: a single file, or a sharded one (its symlink and the directory behind it)."""
+    if os.path.islink(path) or os.path.isdir(path):
+        directory = os.path.realpath(path)
+        if os.path.islink(path):
+            os.unlink(path)
+        shutil.rmtree(directory, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
 def load_model(path, map_location="cpu"):
     """For readers (sample.py, export): {"model": full state dict, **the rest} from a single-file
     checkpoint or a sharded one, in one process, without the optimizer state of a sharded one."""

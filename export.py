@@ -32,10 +32,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 import train
 from configurator import ConfigError, configure
 from kernels import BL
-from model import GPT, ModelConfig
+from model import GPT, ROLES, ModelConfig
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -292,13 +293,13 @@ def read_checkpoint(path):
 
     Reads both layouts: method/b_init/b_target under "pqt", or (older checkpoints) inside model_args.
     """
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise ExportError(f"no checkpoint at {path}: train one (python train.py --out_dir="
                           f"{os.path.dirname(path) or '.'}) or point --out_dir at a directory that holds ckpt.pt")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ExportError(f"cannot read {path} ({type(e).__name__}): it is damaged or not a checkpoint of train.py")
+        ckpt = checkpoint.load_model(path)  # verified first; a sharded (FSDP) checkpoint gathered here
+    except checkpoint.CheckpointError as e:
+        raise ExportError(str(e)) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise ExportError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
     arch_args, pqt = dict(ckpt["model_args"]), dict(ckpt.get("pqt") or {})
@@ -310,9 +311,7 @@ def read_checkpoint(path):
 
 def layer_roles(arch):
     """Module path inside a transformer block (transformer.h.<i>.<path>) -> the layer's role."""
-    return {"gpt2": {"attn.c_attn": "qkv", "attn.c_proj": "out", "mlp.c_fc": "up", "mlp.c_proj": "down"},
-            "llama2": {"attn.q": "q", "attn.k": "k", "attn.v": "v", "attn.out": "out",
-                       "mlp.gate": "gate", "mlp.up": "up", "mlp.down": "down"}}[arch]
+    return ROLES[arch]
 
 
 def block_linears(state_dict, arch):
@@ -532,14 +531,8 @@ def eval_batches(config, block_size, eval_iters):
     data_dir = os.path.join(ROOT, "data", config["dataset"])  # a path stays a path, as in train.py
     meta = train.read_meta(data_dir)
     data = train.open_split(data_dir, "val", meta, block_size)
-    T, batches = block_size, []
-    for k in range(eval_iters):
-        ix = torch.randint(len(data) - T - 1, (config["batch_size"],),
-                           generator=train.batch_generator(config["seed"], "val", "eval", k))
-        x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in ix.tolist()])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix.tolist()])
-        batches.append((x, y))
-    return batches
+    return [train.get_batch(data, (config["seed"], "val", "eval", k), batch_size=config["batch_size"],
+                            block_size=block_size, device="cpu") for k in range(eval_iters)]
 
 
 @torch.no_grad()
@@ -586,6 +579,8 @@ def main(argv):
                 raise ExportError(f"{path} exists; pass --overwrite=True to replace it, or choose another --export_dir")
 
     ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
+    if not os.path.lexists(ckpt_path) and os.path.lexists(os.path.join(cfg["out_dir"], "ckpt.dcp")):
+        ckpt_path = os.path.join(cfg["out_dir"], "ckpt.dcp")  # sharded, written by an FSDP run
     state_dict, arch_args, pqt, train_config, iter_num = read_checkpoint(ckpt_path)
     model = build_model(state_dict, arch_args)
     for key, value in model.state_dict().items():

@@ -369,12 +369,11 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
 
 def read_checkpoint(path):
     """A training checkpoint (train.py's ckpt.pt), read without running pickled code."""
-    if not os.path.isfile(path):
-        raise HFError(f"no checkpoint at {path}")
+    import checkpoint
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise HFError(f"cannot read {path} ({_reason(e)}): it is damaged or not a checkpoint of train.py") from None
+        ckpt = checkpoint.load_model(path)  # verified first; ckpt.pt or a sharded ckpt.dcp
+    except checkpoint.CheckpointError as e:
+        raise HFError(str(e)) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise HFError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
     return ckpt

@@ -1,8 +1,9 @@
 """Sample from a trained model.
 
     python sample.py --out_dir=out --start="def " --num_samples=3 --max_new_tokens=200
+    python sample.py --init_from=out/model-auto.safetensors     # a low-precision model of export.py
 
-Reads <out_dir>/ckpt.pt (written by train.py) and decodes with the tokenizer that the checkpoint's
+Reads <out_dir>/ckpt.pt (written by train.py), or an exported file, and decodes with the tokenizer that the checkpoint's
 dataset was prepared with (data/<dataset>/meta.json).
 """
 import json
@@ -20,7 +21,8 @@ from train import checkpoint_args
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
-out_dir = "out"  # the directory holding ckpt.pt
+init_from = "resume"  # "resume": the checkpoint in out_dir; or a low-precision file of export.py (.safetensors)
+out_dir = "out"  # the directory holding ckpt.pt (or ckpt.dcp)
 start = "\n"  # the prompt; "FILE:prompt.txt" reads it from a file
 num_samples = 3  # number of samples to draw
 max_new_tokens = 200  # tokens generated per sample
@@ -29,7 +31,7 @@ top_k = 200  # sample only among the top_k most likely tokens; 0 keeps them all
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
 # -----------------------------------------------------------------------------
-CONFIG_KEYS = ("out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed", "device")
+CONFIG_KEYS = ("init_from", "out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed", "device")
 
 
 class UsageError(Exception):
@@ -75,6 +77,17 @@ def load_checkpoint(out_dir, device):
     return model.to(device), ckpt
 
 
+def load_export(path, device):
+    """(model in eval mode, info) from a file of export.py: the model holds the dequantized weights."""
+    import export
+    if not path.endswith(".safetensors"):
+        raise UsageError(f"--init_from={path!r}: expected 'resume' or a .safetensors file written by export.py")
+    try:
+        return export.load(path, device)
+    except export.ExportError as e:
+        raise UsageError(str(e)) from None
+
+
 def load_meta(ckpt):
     config = ckpt.get("config") or {}
     dataset = config.get("dataset", "default")
@@ -101,7 +114,10 @@ def main(argv):
     if cfg["temperature"] < 0:
         raise UsageError(f"--temperature must be >= 0, got {cfg['temperature']}")
 
-    model, ckpt = load_checkpoint(cfg["out_dir"], dev)
+    if cfg["init_from"] == "resume":
+        model, ckpt = load_checkpoint(cfg["out_dir"], dev)
+    else:
+        model, ckpt = load_export(cfg["init_from"], dev)
     meta = load_meta(ckpt)
     if meta.get("vocab_size", 0) > model.config.vocab_size:
         raise UsageError(f"the dataset's vocab ({meta.get('vocab_size')}) is larger than the model's "

@@ -29,8 +29,10 @@ from dataclasses import asdict, fields
 import numpy as np
 import torch
 
+import checkpoint as ckpt_io
 import gaussws
 from configurator import ConfigError, configure
+from data.common import DataError, load_meta
 from model import GPT, PRESETS, ROLES, ModelConfig
 
 # -----------------------------------------------------------------------------------------------
@@ -130,19 +132,11 @@ def prepare_hint(data_dir):
 
 
 def read_meta(data_dir):
-    meta_path = os.path.join(data_dir, "meta.json")
+    """meta.json of a prepared dataset, checked against its .bin files (data.common.load_meta)."""
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        meta["vocab_size"] = int(meta["vocab_size"])
-        if meta["vocab_size"] <= 0:
-            raise ValueError(f"vocab_size {meta['vocab_size']} <= 0")
-        np.dtype(meta.setdefault("dtype", "uint16"))
-    except FileNotFoundError:
-        fail(f"{meta_path} not found; prepare the data first: {prepare_hint(data_dir)}")
-    except (ValueError, KeyError, TypeError) as e:
-        fail(f"{meta_path} is corrupt ({type(e).__name__}: {e}); prepare the data again: {prepare_hint(data_dir)}")
-    return meta
+        return load_meta(data_dir)
+    except DataError as e:
+        fail(f"{e}: {prepare_hint(data_dir)}")
 
 
 def open_split(data_dir, split, meta, block_size):
@@ -223,17 +217,30 @@ def get_lr(it, c):
 
 # --- checkpoints ------------------------------------------------------------------------------------
 
-def load_checkpoint(path):
-    """The checkpoint dict at `path`, loaded to CPU with weights_only=True; one line for a bad file."""
+def checkpoint_paths(out_dir):
+    """A run's checkpoint: ckpt.pt (one file, written by rank 0) or, under FSDP, ckpt.dcp (sharded:
+    each process writes its own part, checkpoint.save_sharded)."""
+    return os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "ckpt.dcp")
+
+
+def find_checkpoint(out_dir):
+    """The checkpoint in out_dir (ckpt.pt before ckpt.dcp), or None."""
+    return next((p for p in checkpoint_paths(out_dir) if os.path.lexists(p)), None)
+
+
+def load_checkpoint(path, header_only=False):
+    """The checkpoint dict at `path`, verified (checkpoint.py) and loaded to CPU with weights_only=True;
+    one line for a missing, corrupt or foreign file. header_only: of a sharded checkpoint, everything
+    but the tensors (the model and optimizers are then loaded in place, checkpoint.load_sharded)."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        fail(f"no checkpoint at {path}")
-    except Exception as e:
-        fail(f"{path} is not a checkpoint this code can read ({type(e).__name__}); "
-             f"start a new run with --init_from=scratch --out_dir=<new dir>")
-    if not isinstance(checkpoint, dict) or "model" not in checkpoint or "model_args" not in checkpoint:
-        fail(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
+        if header_only and os.path.isdir(path):
+            checkpoint = {**ckpt_io.load_header(path), "sharded": path}
+        else:
+            checkpoint = ckpt_io.load_model(path)
+    except ckpt_io.CheckpointError as e:
+        fail(str(e))
+    if not isinstance(checkpoint, dict) or "model_args" not in checkpoint:
+        fail(f"{path} is not a checkpoint of train.py: it lacks 'model_args'")
     return checkpoint
 
 
@@ -250,20 +257,44 @@ def checkpoint_args(checkpoint):
     return model_args, pqt
 
 
-def resolve_init(init_from, out_dir):
-    """(model_args, state_dict) of the weights a run starts from: a ckpt.pt, or an out_dir holding one.
-
-    The one place a source of pretrained weights enters; another source (e.g. a Hugging Face
-    model) is one more branch returning the same pair."""
-    path = os.path.join(init_from, "ckpt.pt") if os.path.isdir(init_from) else init_from
-    if not os.path.isfile(path):
-        fail(f"init_from={init_from!r}: expected 'scratch', 'resume', or a ckpt.pt or an out_dir holding one")
-    if os.path.abspath(path) == os.path.abspath(os.path.join(out_dir, "ckpt.pt")):
+def resolve_init(init_from, out_dir, requested):
+    """(model_args, state_dict) of the weights a run starts from: a checkpoint of train.py (ckpt.pt,
+    ckpt.dcp, or an out_dir holding one), a Hugging Face model directory, or a GPT-2 of the hub.
+    requested: the shape keys the user set (a pretrained GPT-2's block_size may shrink)."""
+    path = init_from
+    if os.path.isdir(init_from) and not is_checkpoint_dir(init_from):
+        if os.path.isfile(os.path.join(init_from, "config.json")) and not find_checkpoint(init_from):
+            return pretrained(init_from, requested)  # a Hugging Face model directory
+        path = find_checkpoint(init_from)
+    elif not os.path.exists(init_from) and init_from in HF_NAMES:
+        return pretrained(init_from, requested)
+    if not path or not os.path.exists(path):
+        fail(f"init_from={init_from!r}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, a "
+             f"Hugging Face model directory, or one of {', '.join(HF_NAMES)}")
+    if os.path.realpath(path) in map(os.path.realpath, checkpoint_paths(out_dir)):
         fail(f"init_from={init_from!r} is this run's own checkpoint: continue it with --init_from=resume, "
              f"or write the new run to another --out_dir")
     checkpoint = load_checkpoint(path)
     model_args, _ = checkpoint_args(checkpoint)
     return model_args, checkpoint["model"]
+
+
+HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's init_from names (the hub's GPT-2)
+
+
+def is_checkpoint_dir(path):
+    """A sharded checkpoint (ckpt.dcp) rather than an out_dir or a model directory."""
+    return os.path.isfile(os.path.join(path, ckpt_io.HEADER))
+
+
+def pretrained(name_or_dir, requested):
+    """(model_args, state_dict) of a Hugging Face GPT2LMHeadModel / LlamaForCausalLM (hf.py)."""
+    import hf
+    try:
+        model_args, state_dict = hf.load_pretrained(name_or_dir)
+        return hf.fit_pretrained(model_args, state_dict, requested, source=f"init_from={name_or_dir}")
+    except hf.HFError as e:
+        fail(str(e))
 
 
 def load_weights(model, state_dict):
@@ -276,16 +307,6 @@ def load_weights(model, state_dict):
     if missing or result.unexpected_keys:
         fail(f"the init_from checkpoint does not fit the model: missing {missing[:3]}, unexpected "
              f"{result.unexpected_keys[:3]}")
-
-
-def get_state(model, optimizers, fsdp):
-    """Full (unsharded) model and optimizer state dicts, on CPU under FSDP."""
-    if not fsdp:
-        return model.state_dict(), [o.state_dict() for o in optimizers]
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return (get_model_state_dict(model, options=options),
-            [get_optimizer_state_dict(model, o, options=options) for o in optimizers])
 
 
 def load_state(model, optimizers, checkpoint, fsdp):
@@ -337,10 +358,17 @@ def open_metrics(path, resumed_step):
     return open(path, "a")
 
 
-def save_checkpoint(state, path):
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint whole
+def save_checkpoint(state, path, model=None, optimizers=None):
+    """Atomic and verifiable (checkpoint.py): a crash, a full disk or a second writer leaves the
+    previous checkpoint whole. With model and optimizers (FSDP, every process calls it) the tensors
+    are written sharded and `state` is the rest."""
+    try:
+        if model is not None:
+            ckpt_io.save_sharded(path, model, optimizers, state)
+        else:
+            ckpt_io.save(state, path)
+    except ckpt_io.CheckpointError as e:
+        fail(f"{e}; the run stops here")
 
 
 # --- config ------------------------------------------------------------------------------------------
@@ -398,15 +426,18 @@ def validate(c, explicit):
             fail(f"out_dir={c['out_dir']!r}: {parent} is not a writable directory; choose another --out_dir")
 
 
-def starting_point(c, explicit, model_args, pqt, meta, ckpt_path):
+def starting_point(c, explicit, model_args, pqt, meta):
     """(model_args, checkpoint, init_state) for init_from: the checkpoint to resume (init_from=resume),
     or the state dict a new run starts from (a path), with the architecture each implies."""
     checkpoint = init_state = None
+    ckpt_path = find_checkpoint(c["out_dir"])
     if c["init_from"] == "resume":
-        if not os.path.exists(ckpt_path):
-            fail(f"init_from=resume but {ckpt_path} does not exist; start with --init_from=scratch")
-        checkpoint = load_checkpoint(ckpt_path)
-        missing = sorted({"optimizer", "iter_num", "best_val_loss", "rng_state"} - set(checkpoint))
+        if ckpt_path is None:
+            fail(f"init_from=resume but {c['out_dir']} holds no checkpoint (ckpt.pt or ckpt.dcp); start with "
+                 f"--init_from=scratch")
+        checkpoint = load_checkpoint(ckpt_path, header_only=True)
+        needed = {"iter_num", "best_val_loss", "rng_state"} | ({"optimizer"} if "sharded" not in checkpoint else set())
+        missing = sorted(needed - set(checkpoint))
         if missing:
             fail(f"{ckpt_path} lacks {', '.join(missing)}: it cannot be resumed; start a new run from its weights "
                  f"with --init_from={ckpt_path} --out_dir=<new dir>")
@@ -424,11 +455,12 @@ def starting_point(c, explicit, model_args, pqt, meta, ckpt_path):
                  f"with, or use another --out_dir")
         model_args = saved_args
     else:
-        if os.path.exists(ckpt_path) and not c["overwrite"]:
+        if ckpt_path is not None and not c["overwrite"]:
             fail(f"{ckpt_path} holds another run; resume it with --init_from=resume, choose another --out_dir, "
                  f"or pass --overwrite=True to replace it")
         if c["init_from"] != "scratch":
-            source_args, init_state = resolve_init(c["init_from"], c["out_dir"])
+            requested = {k: v for k, v in model_args.items() if k in explicit}
+            source_args, init_state = resolve_init(c["init_from"], c["out_dir"], requested)
             # The architecture is the source's; a shape the user set explicitly must agree with it.
             asked = {k: v for k, v in model_args.items() if (k in explicit or c["model"] and "model" in explicit)
                      and k != "dropout" and v is not None}
@@ -504,6 +536,14 @@ def main(argv):
         print(f"tokens per optimizer step: {c['gradient_accumulation_steps'] * c['batch_size'] * m.config.block_size:,}")
         return
 
+    # one run per out_dir: a second one is refused before it reads or writes anything there
+    out_lock = None
+    if master:
+        try:
+            out_lock = ckpt_io.lock(c["out_dir"])  # held until main returns; the kernel drops it if we die
+        except ckpt_io.CheckpointError as e:
+            fail(str(e))
+
     # data
     data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", c["dataset"])  # a path stays a path
     if c["dataset"] == "default" and not os.path.exists(os.path.join(data_dir, "meta.json")):
@@ -511,14 +551,14 @@ def main(argv):
             print("preparing the default corpus (Python's standard library) ...")
             sys.path.insert(0, data_dir)
             import prepare as default_prepare
-            default_prepare.prepare(data_dir)
+            default_prepare.prepare_if_missing(data_dir)  # two first runs at once: the second waits for the first
         if ddp:
             torch.distributed.barrier()
     meta = read_meta(data_dir)
 
     # the weights to start from: none (scratch), this run's checkpoint (resume), or another's
-    ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
-    model_args, checkpoint, init_state = starting_point(c, explicit, model_args, pqt, meta, ckpt_path)
+    model_args, checkpoint, init_state = starting_point(c, explicit, model_args, pqt, meta)
+    ckpt_path = checkpoint_paths(c["out_dir"])[1 if fsdp else 0]  # where this run saves
     if not model_args.get("vocab_size"):
         model_args["vocab_size"] = meta["vocab_size"]
     if meta["vocab_size"] > model_args["vocab_size"]:
@@ -551,7 +591,13 @@ def main(argv):
         n_embd=mconf.n_embd, n_head=mconf.n_head, n_kv_head=mconf.n_kv_head)
     iter_num, best_val_loss, saved_step = 0, 1e9, None  # saved_step: of the checkpoint this run continues from
     if checkpoint is not None:
-        load_state(raw_model, optimizers, checkpoint, fsdp)
+        if "sharded" in checkpoint:  # ckpt.dcp: each process loads its part, at any world size
+            try:
+                ckpt_io.load_sharded(checkpoint["sharded"], raw_model, optimizers)
+            except ckpt_io.CheckpointError as e:
+                fail(str(e))
+        else:
+            load_state(raw_model, optimizers, checkpoint, fsdp)
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
         saved_step = iter_num
         torch.set_rng_state(checkpoint["rng_state"])
@@ -633,19 +679,26 @@ def main(argv):
                 if not all_finite(raw_model, ddp):  # b_i, unseen by the eval, included
                     fail(f"the model holds non-finite values at step {iter_num}; stopping without saving "
                          f"({kept(saved_step, ckpt_path)})")
-                model_state, optimizer_states = get_state(raw_model, optimizers, fsdp)  # collective under FSDP
-                saved_step = iter_num
+                state = {"model_args": asdict(mconf), "pqt": pqt, "iter_num": iter_num, "best_val_loss": best_val_loss,
+                         "config": c,
+                         # What continues the run exactly besides the model and optimizers: the data
+                         # order and the noise are functions of (seed, step), and seed is in config;
+                         # dropout draws from the CPU generator, and on GPUs from the CUDA one.
+                         "rng_state": torch.get_rng_state()}
+                if device_type == "cuda":
+                    state["cuda_rng_state"] = torch.cuda.get_rng_state(dev)
+                if fsdp:  # every process writes its own shards
+                    save_checkpoint(state, ckpt_path, raw_model, optimizers)
+                else:
+                    if master:
+                        save_checkpoint({"model": raw_model.state_dict(), "optimizer": [o.state_dict() for o in optimizers],
+                                         **state}, ckpt_path)
                 if master:
-                    state = {"model": model_state, "optimizer": optimizer_states, "model_args": asdict(mconf),
-                             "pqt": pqt, "iter_num": iter_num, "best_val_loss": best_val_loss, "config": c,
-                             # What continues the run exactly besides the above: the data order and
-                             # the noise are functions of (seed, step), and seed is in config; dropout
-                             # draws from the CPU generator, and on GPUs from the CUDA one.
-                             "rng_state": torch.get_rng_state()}
-                    if device_type == "cuda":
-                        state["cuda_rng_state"] = torch.cuda.get_rng_state(dev)
-                    save_checkpoint(state, ckpt_path)
+                    for other in checkpoint_paths(c["out_dir"]):  # one checkpoint per out_dir: resume finds this one
+                        if other != ckpt_path:
+                            ckpt_io.remove(other)
                     print(f"saved checkpoint to {ckpt_path}")
+                saved_step = iter_num
             t0, timed_steps = time.time(), 0  # evaluation is not training time
         if iter_num >= c["max_iters"]:
             break
