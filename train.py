@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, fields
 
 import numpy as np
@@ -488,6 +488,13 @@ def config_model_args(c, explicit):
 
 
 def main(argv):
+    """Train as the config says. Whatever ends it (a return, ConfigError, any exception), the out_dir
+    lock is released here: an exception's traceback would keep this frame, and the lock, alive."""
+    with ExitStack() as resources:
+        return _main(argv, resources)
+
+
+def _main(argv, resources):
     # config
     c = dict(DEFAULTS)
     explicit = configure(c, argv)
@@ -537,10 +544,9 @@ def main(argv):
         return
 
     # one run per out_dir: a second one is refused before it reads or writes anything there
-    out_lock = None
     if master:
         try:
-            out_lock = ckpt_io.lock(c["out_dir"])  # held until main returns; the kernel drops it if we die
+            resources.enter_context(ckpt_io.lock(c["out_dir"]))  # until main ends; the kernel drops it if we die
         except ckpt_io.CheckpointError as e:
             fail(str(e))
 

@@ -228,7 +228,8 @@ def _write_bins(splits, encoding, out_dir, num_proc, source):
     and is renamed (after an fsync) only when all is written, so an interrupted run leaves earlier
     good files as they were, and a second run on the same out_dir waits for the first."""
     from datasets import Features, Sequence, Value
-    enc, eot = encoding, encoding.eot
+    enc = get_encoding(encoding)  # a name, a tokenizer.Tokenizer or a tiktoken.Encoding
+    eot = enc.eot
     dtype = np.uint16 if enc.vocab_size <= 2**16 else np.uint32
     for split, ds in splits.items():
         if len(ds) == 0:

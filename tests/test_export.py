@@ -459,3 +459,23 @@ def test_cpu_configs_pull_b_t_into_the_low_tiers_and_have_a_bf16_twin(capsys):
     differ = {k for k in settings["bf16"] if settings["bf16"][k] != settings["gaussws_lowbit"][k]}
     assert differ <= {"out_dir", "method", "b_target", "bitwidth_weight_decay", "model_args"}
     assert settings["bf16"]["method"] == "bf16" and settings["bf16"]["seed"] == settings["gaussws_lowbit"]["seed"]
+
+
+def test_sample_py_generates_from_an_exported_file(data_dir, tmp_path, capsys):
+    import sample
+    make_checkpoint(tmp_path, data_dir)
+    rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", "--json=True"], capsys)
+    assert rc == 0, err
+    path = str(tmp_path / "model-mxfp4.safetensors")
+    sample.main([f"--init_from={path}", "--start=def ", "--num_samples=1", "--max_new_tokens=8",
+                 "--temperature=0.0", "--device=cpu"])
+    text = capsys.readouterr().out.split("\n---------------")[0]
+    model, _ = E.load(path)  # greedy decoding of the dequantized model, by hand
+    idx = torch.tensor([list(b"def ")])
+    for _ in range(8):
+        with torch.no_grad():
+            logits, _ = model(idx)
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert text == bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+    with pytest.raises(sample.UsageError, match="expected 'resume' or a .safetensors file"):
+        sample.main([f"--init_from={tmp_path / 'ckpt.pt'}", "--device=cpu"])

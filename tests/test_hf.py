@@ -97,6 +97,32 @@ def test_a_transformers_model_gives_our_model_its_logits(tmp_path, make):
         assert model_args["n_kv_head"] == 2 < model_args["n_head"] and model_args["rope_theta"] == 500.0
 
 
+@pytest.mark.parametrize("make", [hf_gpt2, hf_llama], ids=["gpt2", "llama-gqa"])
+def test_train_init_from_a_transformers_directory_starts_from_its_weights(tmp_path, make):
+    import checkpoint
+    import train
+    theirs = make()
+    theirs.save_pretrained(tmp_path / "hf")
+    data = tmp_path / "data"  # tokens below the pretrained vocabulary
+    data.mkdir()
+    ids = np.random.default_rng(0).integers(0, VOCAB, 4000).astype(np.uint16)
+    ids[:3600].tofile(data / "train.bin")
+    ids[3600:].tofile(data / "val.bin")
+    (data / "meta.json").write_text(json.dumps({"vocab_size": VOCAB, "tokenizer": "bytes", "dtype": "uint16"}))
+    # one step at learning rate 0: the checkpoint holds the weights the run started from
+    train.main([f"--init_from={tmp_path / 'hf'}", f"--dataset={data}", f"--out_dir={tmp_path / 'out'}",
+                "--method=gaussws[all]", "--max_iters=1", "--eval_interval=1", "--eval_iters=1", "--batch_size=2",
+                "--learning_rate=0.0", "--decay_lr=False", "--warmup_iters=0", "--dtype=float32", "--device=cpu"])
+    saved = checkpoint.load(tmp_path / "out" / "ckpt.pt")
+    ours = GPT(ModelConfig(**saved["model_args"]))
+    ours.load_state_dict({k: v for k, v in saved["model"].items() if not k.endswith(".b_i")})
+    assert any(k.endswith(".b_i") for k in saved["model"]) and saved["pqt"]["method"] == "gaussws[all]"
+    assert_logits_equal(our_logits(ours.eval(), tokens()), hf_logits(theirs, tokens()))
+    with pytest.raises(train.ConfigError, match="conflicts with it"):  # the shape is the pretrained one
+        train.main([f"--init_from={tmp_path / 'hf'}", f"--dataset={data}", f"--out_dir={tmp_path / 'o2'}",
+                    "--n_layer=3", "--device=cpu"])
+
+
 def test_gpt2s_own_hub_file_layout_loads_the_same(tmp_path):
     """openai-community/gpt2's model.safetensors: GPT2Model's names (no "transformer."), no lm_head,
     and each layer's causal-mask buffer "h.N.attn.bias"."""

@@ -184,26 +184,42 @@ def torchrun(args):
 
 @pytest.mark.parametrize("parallel,optimizer", [("ddp", "adamw"), ("ddp", "adam_mini"), ("fsdp", "adamw")])
 def test_two_processes_match_one_with_the_same_global_batch(data_dir, tmp_path, parallel, optimizer):
-    one, two = tmp_path / "one", tmp_path / "two"
+    import shutil
+    import checkpoint
+    one, two, three = tmp_path / "one", tmp_path / "two", tmp_path / "three"
     args = dict(max_iters=6, eval_interval=3, gradient_accumulation_steps=2, dtype="float32", optimizer=optimizer,
                 lr_decay_iters=6)
     r1 = run_cli(tiny(data_dir, one, **args))
     assert r1.returncode == 0, r1.stderr
-    if parallel == "fsdp":  # 3 steps, then a resumed run for the other 3: saving and loading sharded state
+    if parallel == "fsdp":
+        # 3 steps on 2 processes save a sharded checkpoint (ckpt.dcp); it is resumed for the other
+        # 3 steps by 2 processes, and, from a copy, by 1 process
         r2 = torchrun(tiny(data_dir, two, **{**args, "max_iters": 3}, parallel=parallel))
         assert r2.returncode == 0, r2.stderr[-3000:]
+        assert os.path.islink(two / "ckpt.dcp") and not os.path.exists(two / "ckpt.pt")
+        shutil.copytree(two, three, symlinks=True)
         r2 = torchrun(tiny(data_dir, two, **args, parallel=parallel, init_from="resume"))
+        r3 = run_cli(tiny(data_dir, three, **args, init_from="resume"))
+        assert r3.returncode == 0, r3.stderr[-3000:]
+        assert (three / "ckpt.pt").exists() and not os.path.lexists(three / "ckpt.dcp")  # one checkpoint per out_dir
     else:
         r2 = torchrun(tiny(data_dir, two, **args, parallel=parallel))
     assert r2.returncode == 0, r2.stderr[-3000:]
     a, b = losses(one), losses(two)
     assert a.keys() == b.keys() and len(a) == 6
     np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-4)
+    if parallel == "fsdp":
+        c = losses(three)
+        np.testing.assert_allclose([a[k] for k in a], [c[k] for k in a], rtol=1e-4)
     # The losses hardly see a gradient scale (Adam divides it out); b_i and Adam's moments after 6
     # steps do (exp_avg is linear in the gradient). The weights agree to a small part of one Adam
     # step: where a gradient is near zero, Adam's division amplifies the summation order's rounding.
     import torch
-    c1, c2 = (torch.load(d / "ckpt.pt", weights_only=True) for d in (one, two))
+    c1 = torch.load(one / "ckpt.pt", weights_only=True)
+    if parallel == "fsdp":  # the model as 2 processes saved it; the optimizer as 1 process resumed it
+        c2 = {**checkpoint.load_model(two / "ckpt.dcp"), "optimizer": torch.load(three / "ckpt.pt", weights_only=True)["optimizer"]}
+    else:
+        c2 = torch.load(two / "ckpt.pt", weights_only=True)
     assert c1["model"].keys() == c2["model"].keys() and any(k.endswith("b_i") for k in c1["model"])
     for k, v in c1["model"].items():
         tol = dict(rtol=1e-5, atol=1e-6) if k.endswith("b_i") else dict(rtol=1e-4, atol=0.01 * 3e-3)
@@ -269,7 +285,8 @@ def test_corrupt_data_and_checkpoint_are_reported(data_dir, trained, tmp_path):
     (bad / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16"}))
     (bad / "train.bin").write_bytes(b"\x01")
     r = run_cli(tiny(str(bad), tmp_path / "o"))
-    assert r.returncode == 1 and "train.bin is corrupt" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "train.bin holds 1 bytes, not a whole number" in r.stderr
+    assert "Traceback" not in r.stderr
     (bad / "meta.json").write_text(json.dumps({"vocab_size": 50257, "dtype": "uint16", "tokenizer": "tiktoken:gpt2"}))
     r = run_cli(tiny(str(bad), tmp_path / "o", vocab_size=32000))
     assert r.returncode == 1 and "vocabulary of 50257" in r.stderr and "Traceback" not in r.stderr
@@ -279,6 +296,37 @@ def test_corrupt_data_and_checkpoint_are_reported(data_dir, trained, tmp_path):
     r = run_cli(tiny(data_dir, out, init_from="resume"))
     assert r.returncode == 1 and "not a checkpoint" in r.stderr and "Traceback" not in r.stderr
     assert (out / "ckpt.pt").read_bytes() == b"not a checkpoint"
+
+
+def test_a_second_run_on_a_locked_out_dir_is_one_line_and_changes_nothing(data_dir, trained):
+    import checkpoint
+    before = digest(trained / "ckpt.pt")
+    with checkpoint.lock(str(trained)):  # as a run that holds the directory does
+        r = run_cli(tiny(data_dir, trained, max_iters=20, init_from="resume"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is in use by another run" in lines[0] and f"pid {os.getpid()}" in lines[0], lines
+    assert digest(trained / "ckpt.pt") == before
+
+
+def test_a_checkpoint_with_flipped_bytes_is_refused_in_one_line(data_dir, trained, tmp_path):
+    import shutil
+    import zipfile
+    out = tmp_path / "flipped"
+    shutil.copytree(trained, out)
+    data = bytearray((out / "ckpt.pt").read_bytes())
+    with zipfile.ZipFile(out / "ckpt.pt") as z:  # a byte in the middle of the largest tensor's data
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    local = info.header_offset  # the local file header: 30 bytes, then the name and its own extra field
+    name_len, extra_len = (int.from_bytes(data[local + i:local + i + 2], "little") for i in (26, 28))
+    offset = local + 30 + name_len + extra_len + info.file_size // 2
+    data[offset] ^= 0x10
+    (out / "ckpt.pt").write_bytes(bytes(data))
+    r = run_cli(tiny(data_dir, out, max_iters=20, init_from="resume"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "corrupt" in lines[0] and "CRC" in lines[0], lines
+    assert (out / "ckpt.pt").read_bytes() == bytes(data)
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, trained):
