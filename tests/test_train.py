@@ -231,7 +231,8 @@ def test_two_processes_match_one_with_the_same_global_batch(data_dir, tmp_path, 
     m1, m2 = moments(c1), moments(c2)
     assert len(m1) == len(m2) > 0
     for x, y in zip(m1, m2):
-        torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-3 * x.abs().max().item())  # a 2x scale is far off
+        # a wrong gradient scale (2x) is off by the tensor's own size; summation order, by far less
+        torch.testing.assert_close(y, x, rtol=1e-3, atol=5e-3 * x.abs().max().item())
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
@@ -287,6 +288,8 @@ def test_corrupt_data_and_checkpoint_are_reported(data_dir, trained, tmp_path):
     r = run_cli(tiny(str(bad), tmp_path / "o"))
     assert r.returncode == 1 and "train.bin holds 1 bytes, not a whole number" in r.stderr
     assert "Traceback" not in r.stderr
+    for split in ("train", "val"):  # whole files again: only the vocabulary is wrong now
+        (bad / f"{split}.bin").write_bytes(np.arange(1000, dtype=np.uint16).tobytes())
     (bad / "meta.json").write_text(json.dumps({"vocab_size": 50257, "dtype": "uint16", "tokenizer": "tiktoken:gpt2"}))
     r = run_cli(tiny(str(bad), tmp_path / "o", vocab_size=32000))
     assert r.returncode == 1 and "vocabulary of 50257" in r.stderr and "Traceback" not in r.stderr
