@@ -379,6 +379,16 @@ def read_checkpoint(path):
     return ckpt
 
 
+def read_exported(path):
+    """A file of export.py as a checkpoint dict: its model's dequantized weights, architecture and config."""
+    import export
+    try:
+        model, info = export.load(path)
+    except export.ExportError as e:
+        raise HFError(str(e)) from None
+    return {"model": model.state_dict(), "model_args": info["model_args"], "config": info.get("config") or {}}
+
+
 def data_tokenizer(ckpt, data_dir=None):
     """(tokenizer.Tokenizer or None, why none) of the data the checkpoint was trained on."""
     import tokenizer
@@ -400,13 +410,14 @@ def data_tokenizer(ckpt, data_dir=None):
 
 def main(argv):
     p = argparse.ArgumentParser(description="Export a train.py checkpoint as a Hugging Face transformers directory.")
-    p.add_argument("--ckpt", default="out/ckpt.pt", help="the training checkpoint (default: %(default)s)")
+    p.add_argument("--ckpt", default="out/ckpt.pt", help="the training checkpoint (ckpt.pt or ckpt.dcp), or a "
+                   "low-precision file of export.py (.safetensors: its dequantized weights) (default: %(default)s)")
     p.add_argument("--out", required=True, help="the directory to write (must not exist, or be empty)")
     p.add_argument("--data_dir", help="where the data's meta.json and tokenizer files are (default: "
                    "data/<the checkpoint's dataset>)")
     args = p.parse_args(argv)
     import tokenizer
-    ckpt = read_checkpoint(args.ckpt)
+    ckpt = read_exported(args.ckpt) if args.ckpt.endswith(".safetensors") else read_checkpoint(args.ckpt)
     try:
         tok, why = data_tokenizer(ckpt, args.data_dir)
     except tokenizer.TokenizerError as e:

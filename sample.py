@@ -131,6 +131,8 @@ def main(argv):
                 prompt = f.read()
         except OSError as e:
             raise UsageError(f"cannot read the prompt file {prompt[5:]}: {e.strerror}")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"the prompt file {prompt[5:]} is not UTF-8 text (byte {e.start}); save it as UTF-8")
     ids = encode(prompt)
     if not ids:
         raise UsageError("the prompt is empty: pass --start=TEXT")

@@ -479,3 +479,19 @@ def test_sample_py_generates_from_an_exported_file(data_dir, tmp_path, capsys):
     assert text == bytes(idx[0].tolist()).decode("utf-8", errors="replace")
     with pytest.raises(sample.UsageError, match="expected 'resume' or a .safetensors file"):
         sample.main([f"--init_from={tmp_path / 'ckpt.pt'}", "--device=cpu"])
+
+
+def test_an_exported_file_goes_to_transformers_with_its_dequantized_weights(data_dir, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers", reason="the truth here is transformers' own model")
+    import hf
+    make_checkpoint(tmp_path, data_dir)
+    rc, out, err = run([f"--out_dir={tmp_path}", "--format=int4", "--json=True"], capsys)
+    assert rc == 0, err
+    path = str(tmp_path / "model-int4.safetensors")
+    hf.main([f"--ckpt={path}", f"--out={tmp_path / 'hf'}"])
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours, _ = E.load(path)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(x, torch.zeros_like(x))[0], theirs(x).logits
+    assert (a - b).abs().max().item() <= 1e-5 * (1 + b.abs().max().item())  # FP32, as tests/test_hf.py

@@ -327,6 +327,14 @@ def test_sample_bad_options_say_what_is_wrong(byte_run, args, message):
         sample.main([f"--out_dir={out_dir}", "--device=cpu"] + args)
 
 
+def test_sample_a_prompt_file_that_is_not_utf8_is_one_line(byte_run, tmp_path):
+    out_dir, _ = byte_run
+    prompt = tmp_path / "latin1.txt"
+    prompt.write_bytes("café".encode("latin-1"))
+    with pytest.raises(sample.UsageError, match="is not UTF-8 text"):
+        sample.main([f"--out_dir={out_dir}", f"--start=FILE:{prompt}", "--device=cpu"])
+
+
 def test_sample_refuses_a_damaged_or_foreign_checkpoint(byte_run):
     out_dir, _ = byte_run
     path = os.path.join(out_dir, "ckpt.pt")
