@@ -91,7 +91,10 @@ lr_decay_iters = 400  # cosine ends here (usually max_iters)
 min_lr = 2e-4  # final learning rate (learning_rate / 10 as Chinchilla)
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
-dtype = "bfloat16"  # autocast dtype of matmuls: "bfloat16" or "float32" (no autocast)
+# autocast dtype of matmuls: "bfloat16", or "float32" (no autocast). BF16 where the hardware has it
+# (GPUs, CPUs with AVX512-BF16 or AMX); elsewhere the CPU emulates BF16 matmuls several times slower
+# than FP32 ones. w_hat is BF16 either way.
+dtype = "bfloat16" if torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 compile = False  # torch.compile the model
 seed = 1337  # one seed for init, data order and noise; shared by all processes
 parallel = "ddp"  # how torchrun processes share the work: "ddp" (replicated) or "fsdp" (FSDP2, sharded)
