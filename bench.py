@@ -1,4 +1,4 @@
-"""The paper's overhead measurements on this machine: the noise kernel (Figure 6) and training (Table 1).
+"""The paper's overhead measurements where it runs: the noise kernel (Figure 6) and training (Table 1).
 
     python bench.py kernel [--shapes=512x2048,4096x4096] [--repeats=5] [--device=cpu|cuda] [--threads=N]
         [--json=PATH]

@@ -110,7 +110,7 @@ def main(argv):
     except RuntimeError:
         raise UsageError(f"--device={cfg['device']!r} is not a device; use cpu or cuda") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device=cuda but this machine has no CUDA GPU; use --device=cpu")
+        raise UsageError("--device=cuda but torch finds no CUDA GPU here; use --device=cpu")
     if cfg["temperature"] < 0:
         raise UsageError(f"--temperature must be >= 0, got {cfg['temperature']}")
 

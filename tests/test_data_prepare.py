@@ -1,6 +1,6 @@
 """
 data/openwebtext/prepare.py and data/c4/prepare.py on small generated local files, with tiktoken
-encodings built here (this machine cannot download gpt2's BPE files or reach the hub): the tokens in
+encodings built here (the tests run offline: no gpt2 BPE files, no hub): the tokens in
 train.bin + val.bin, cut at each end-of-text token, decode back to exactly the input documents.
 """
 import collections
