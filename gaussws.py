@@ -274,7 +274,7 @@ class PQTLinear(nn.Linear):
 
     def forward(self, x):
         if not self.training:
-            return super().forward(x)
+            return self._matmul(x, self.weight)
         if not self.in_step:
             raise RuntimeError("PQTLinear: a training-mode forward outside a step; run the step's forwards inside "
                                "`with gaussws.TrainStep(model, step):`, or call model.eval() for noise-free use")
@@ -290,7 +290,10 @@ class PQTLinear(nn.Linear):
             w_hat = pseudo_quantize(self.weight, self.b_t, self.noise_seed, self.method, backend=self.backend)
         if not torch.is_autocast_enabled(x.device.type):
             w_hat = w_hat.to(x.dtype)  # exact: BF16 values are representable in FP32
-        return F.linear(x, w_hat, self.bias)
+        return self._matmul(x, w_hat)
+
+    def _matmul(self, x, w):
+        return F.linear(x, w, self.bias)
 
     @torch.no_grad()
     def _begin(self, step):
@@ -324,6 +327,31 @@ class PQTLinear(nn.Linear):
     def extra_repr(self):
         return (f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"
                 + (", recompute=True" if self.recompute else ""))
+
+
+class PQTConv1D(PQTLinear):
+    """PQT of a Hugging Face GPT-2 `Conv1D` (a Linear that stores its weight as (in, out) and computes
+    x @ w + b), keeping that layout and its state dict names. Eq. 3 runs on the stored weight: its
+    32x32 blocks are those of the transpose, so the noise is the method's either way."""
+
+    @classmethod
+    def from_conv1d(cls, conv, **kwargs):
+        if kwargs.get("recompute"):
+            raise ValueError("recompute=True is for nn.Linear layers; a Conv1D makes w_hat once per step")
+        n_in, n_out = conv.weight.shape
+        with torch.device("meta"):  # weight (n_in, n_out) as stored: "out_features" n_in for nn.Linear's bookkeeping
+            layer = cls(n_out, n_in, conv.bias is not None, **kwargs)
+        layer.weight, layer.bias = conv.weight, conv.bias
+        layer.b_i = nn.Parameter(torch.ones(layer.b_i.shape, device=conv.weight.device))
+        return layer.train(conv.training)
+
+    def _matmul(self, x, w):
+        return F.linear(x, w.t(), self.bias)
+
+
+def _is_conv1d(module):
+    """transformers' Conv1D (GPT-2), recognised without importing transformers."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.dim() == 2
 
 
 class TrainStep:
@@ -370,7 +398,8 @@ class TrainStep:
 
 
 def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="auto", recompute=False):
-    """Swap the nn.Linear modules of `model` that `method` chooses for PQTLinear, in place; return model.
+    """Swap the nn.Linear modules of `model` that `method` chooses for PQTLinear (a Hugging Face GPT-2's
+    Conv1D for PQTConv1D), in place; return model.
 
     method: "bf16" (nothing changes), or "gaussws[...]" / "diffq[...]" naming roles (parse_method).
     roles: {module-path suffix: role}, e.g. model.ROLES["gpt2"] = {"attn.c_attn": "qkv", ...}; a
@@ -392,12 +421,13 @@ def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="
         role = roles[max(keys, key=len)] if keys else None
         if role not in chosen:
             continue
-        if type(module) is not nn.Linear:
-            raise ValueError(f"{name} plays role {role!r} but is a {type(module).__name__}, not an nn.Linear")
+        if type(module) is not nn.Linear and not _is_conv1d(module):
+            raise ValueError(f"{name} plays role {role!r} but is a {type(module).__name__}, not an nn.Linear "
+                             f"(or a transformers Conv1D)")
+        make = PQTConv1D.from_conv1d if _is_conv1d(module) else PQTLinear.from_linear
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child,
-                PQTLinear.from_linear(module, method=kind, b_init=b_init, b_target=b_target, backend=backend,
-                                      recompute=recompute))
+                make(module, method=kind, b_init=b_init, b_target=b_target, backend=backend, recompute=recompute))
         found.add(role)
     if chosen - found:
         raise ValueError(f"method {method!r}: no nn.Linear of the model plays role(s) {', '.join(sorted(chosen - found))} "

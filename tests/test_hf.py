@@ -447,3 +447,27 @@ def test_a_tokenizer_json_directory_separates_documents_with_its_eos(tmp_path):
     assert tok.encode(doc) == sp.encode(doc)  # "</s>" inside a document stays text
     assert tok.encode("a</s>b", special=True) == sp.encode("a") + [2] + sp.encode("b")  # prompts may name it
     assert tok.decode(sp.encode("a") + [2] + sp.encode("b")) == "a</s>b"
+
+
+def test_convert_puts_pqt_on_a_transformers_gpt2_in_its_own_layout():
+    import gaussws
+    theirs = hf_gpt2()
+    roles = {"attn.c_attn": "qkv", "attn.c_proj": "out", "mlp.c_fc": "up", "mlp.c_proj": "down"}  # GPT-2's names
+    x = tokens()
+    before = hf_logits(theirs, x)
+    weights = {n: p for n, p in theirs.named_parameters()}
+    gaussws.convert(theirs, "gaussws[all]", roles, seed=3)
+    layer = theirs.transformer.h[0].attn.c_attn
+    assert isinstance(layer, gaussws.PQTConv1D) and len(gaussws.pqt_layers(theirs)) == 8
+    assert all(p is weights[n] for n, p in theirs.named_parameters() if not n.endswith("b_i"))  # kept as stored
+    assert layer.b_i.shape == (1, 3)  # blocks of the stored (32, 96) weight
+    torch.testing.assert_close(hf_logits(theirs, x), before, rtol=0, atol=0)  # eval: the plain layer
+    theirs.train()
+    h = torch.randn(2, 5, 32)
+    with gaussws.TrainStep(theirs, 0):
+        out = layer(h)
+        w_hat = gaussws.pseudo_quantize(layer.weight.detach(), layer.b_t.detach(), layer.noise_seed)  # Eq. 3, stored layout
+        torch.testing.assert_close(out, h @ w_hat.float() + layer.bias, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(w_hat.float(), layer.weight.detach())
+        theirs(x, labels=x).loss.backward()
+    assert all(l.b_i.grad is not None and l.b_i.grad.abs().sum() > 0 for l in gaussws.pqt_layers(theirs))
