@@ -21,6 +21,8 @@ import tempfile
 
 import torch
 
+from tokenizer import _reason as reason  # "Type: first line" of an error's innermost cause
+
 GPT2_HUB = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 SUPPORTED = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama2"}
 MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama2"}  # config.json without "architectures"
@@ -31,14 +33,6 @@ WEIGHT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 
 class HFError(ValueError):
     """A model that cannot be read or written: the message is one line for the user."""
-
-
-def _reason(e):
-    while e.__cause__ is not None:
-        e = e.__cause__
-    line = (str(e).strip().splitlines() or [""])[0]
-    line = line if len(line) <= 160 else line[:160] + "..."
-    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 # --- the rotary layouts ----------------------------------------------------------------------------
@@ -73,7 +67,7 @@ def _model_dir(name_or_dir):
     try:
         return snapshot_download(repo, allow_patterns=WEIGHT_FILES)
     except Exception as e:
-        raise HFError(f"could not get {repo!r} from the Hugging Face hub ({_reason(e)}); offline, point at a local "
+        raise HFError(f"could not get {repo!r} from the Hugging Face hub ({reason(e)}); offline, point at a local "
                       f"directory holding its config.json and *.safetensors (huggingface-cli download {repo} "
                       f"on a machine with network)") from None
 
@@ -88,7 +82,7 @@ def _read_config(d):
         if not isinstance(config, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
-        raise HFError(f"cannot read {path} ({_reason(e)})") from None
+        raise HFError(f"cannot read {path} ({reason(e)})") from None
     archs = config.get("architectures") or []
     arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
     if arch is None and not archs:
@@ -149,7 +143,7 @@ def _read_weights(d):
         try:
             sd.update(load_file(f))
         except Exception as e:
-            raise HFError(f"cannot read {f} ({_reason(e)})") from None
+            raise HFError(f"cannot read {f} ({reason(e)})") from None
     return {k: v.float() for k, v in sd.items()}  # our weights train in FP32 (a BF16 checkpoint widens exactly)
 
 
@@ -216,7 +210,7 @@ def _check_shapes(model_args, sd, where):
             want = {k: v.shape for k, v in GPT(ModelConfig(**model_args)).state_dict().items()
                     if not k.endswith(".b_i")}
     except (TypeError, ValueError) as e:
-        raise HFError(f"{where}: {_reason(e)}") from None
+        raise HFError(f"{where}: {reason(e)}") from None
     missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
     if missing or extra:
         raise HFError(f"{where}: weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
