@@ -21,7 +21,7 @@ import tempfile
 
 import torch
 
-from tokenizer import _reason as reason  # "Type: first line" of an error's innermost cause
+from tokenizer import reason  # "Type: first line" of an error's innermost cause
 
 GPT2_HUB = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 SUPPORTED = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama2"}

@@ -280,15 +280,16 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab_size=None):
         """Continue idx (b, t) by max_new_tokens sampled tokens; temperature 0 takes the argmax.
+        vocab_size: the tokenizer's, to never pick the ids a padded vocab adds (50257 of 50304).
 
         Put the model in eval mode first (model.eval()): PQT layers draw noise in training mode.
         """
         for _ in range(max_new_tokens):
             idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
             logits, _ = self(idx_cond)
-            logits = logits[:, -1, :].float()
+            logits = logits[:, -1, :vocab_size].float()
             if temperature == 0:
                 idx_next = logits.argmax(dim=-1, keepdim=True)
             else:

@@ -144,7 +144,7 @@ def main(argv):
     with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=use_bf16):
         for _ in range(cfg["num_samples"]):
             y = model.generate(x, cfg["max_new_tokens"], temperature=cfg["temperature"],
-                               top_k=cfg["top_k"] if cfg["top_k"] > 0 else None)
+                               top_k=cfg["top_k"] if cfg["top_k"] > 0 else None, vocab_size=meta.get("vocab_size"))
             print(decode(y[0].tolist()))
             print("---------------")
 

@@ -22,7 +22,7 @@ class TokenizerError(ValueError):
     """A tokenizer that cannot be used or reached: the message is one line for the user."""
 
 
-def _reason(e):
+def reason(e):
     """'Type: first line' of the innermost cause, the part a user can act on."""
     while e.__cause__ is not None:
         e = e.__cause__
@@ -74,7 +74,7 @@ class Tokenizer:
             except Exception as e:  # an unknown name, or BPE files that cannot be downloaded
                 cache = (os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
                          or "/tmp/data-gym-cache")
-                raise TokenizerError(f"could not load tiktoken's {self.name!r} BPE files ({_reason(e)}); without "
+                raise TokenizerError(f"could not load tiktoken's {self.name!r} BPE files ({reason(e)}); without "
                                      f"network, copy tiktoken's cache ({cache}) from a machine that has run "
                                      f"get_encoding({self.name!r})") from None
         if TIKTOKEN_EOT not in enc.special_tokens_set:
@@ -89,7 +89,7 @@ class Tokenizer:
         try:
             sp.LoadFromSerializedProto(self.files[self.name])
         except Exception as e:
-            raise TokenizerError(f"{self._where()} is not a SentencePiece model ({_reason(e)})") from None
+            raise TokenizerError(f"{self._where()} is not a SentencePiece model ({reason(e)})") from None
         if sp.eos_id() < 0:
             raise TokenizerError(f"the SentencePiece model {self._where()} has no end-of-sequence "
                                  f"token (eos_id=-1) to separate documents; train it with eos_id >= 0")
@@ -103,7 +103,7 @@ class Tokenizer:
             tok = HFTokenizer.from_str(self.files[self.name].decode("utf-8"))
         except Exception as e:
             raise TokenizerError(f"{self._where()} is not a tokenizer.json of Hugging Face "
-                                 f"tokenizers ({_reason(e)})") from None
+                                 f"tokenizers ({reason(e)})") from None
         tok.encode_special_tokens = True  # "</s>" inside a document stays text, as with SentencePiece
         eos = self._eos_token or _eos_from_config(self.files)
         eot = tok.token_to_id(eos) if eos else None
@@ -190,7 +190,7 @@ def _sentencepiece_hf_files(tok):
         try:
             backend = AutoTokenizer.from_pretrained(d).backend_tokenizer
         except Exception as e:
-            return {}, f"transformers cannot convert the SentencePiece model ({_reason(e)})"
+            return {}, f"transformers cannot convert the SentencePiece model ({reason(e)})"
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     backend.pre_tokenizer = None
     backend.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")  # no BOS
@@ -222,7 +222,7 @@ def _read(path):
         with open(path, "rb") as f:
             return f.read()
     except OSError as e:
-        raise TokenizerError(f"cannot read {path} ({_reason(e)})") from None
+        raise TokenizerError(f"cannot read {path} ({reason(e)})") from None
 
 
 def _from_path(path, source):
@@ -277,7 +277,7 @@ def load(spec):
         path = snapshot_download(spec, allow_patterns=list(HF_TOKENIZER_FILES))
     except Exception as e:
         raise TokenizerError(f"tokenizer {spec!r} is no tiktoken encoding ({', '.join(tiktoken.list_encoding_names())}) "
-                             f"nor a local path, and the Hugging Face hub did not give it ({_reason(e)}); offline, "
+                             f"nor a local path, and the Hugging Face hub did not give it ({reason(e)}); offline, "
                              f"pass a local file: --tokenizer=path/to/tokenizer.model (SentencePiece, as Llama 2's) "
                              f"or a directory holding tokenizer.json") from None
     return _from_path(path, spec)

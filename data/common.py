@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 import tokenizer  # the repo root's; the prepare scripts put the root on sys.path
+from tokenizer import reason  # "Type: first line" of an error's innermost cause
 
 # datasets' builder for each local file type; a .txt file is one document, as in OpenWebText's
 # own archives (one .txt per web page)
@@ -29,15 +30,6 @@ WRITE_BATCH = 4096  # documents per memmap write: big enough to be fast, small e
 
 class DataError(Exception):
     """Bad input or an unreachable source: main() prints it as one line and exits 1."""
-
-
-def reason(e):
-    """'Type: first line' of the innermost cause, which is the part a user can act on."""
-    while e.__cause__ is not None:
-        e = e.__cause__
-    line = (str(e).strip().splitlines() or [""])[0]
-    line = line if len(line) <= 120 else line[:120] + "..."
-    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 def get_encoding(encoding):

@@ -275,6 +275,21 @@ def test_generate_returns_prompt_plus_new_tokens(arch):
     assert model.generate(long, 4).shape == (1, 24)
 
 
+def test_generate_never_picks_the_ids_a_padded_vocab_adds():
+    """With the logits of ids >= 90 raised by 1e4, an unrestricted argmax picks them; the
+    tokenizer's vocab_size (90 of the model's 97) keeps every new id below it, greedy or sampled."""
+    torch.manual_seed(0)
+    model = GPT(tiny("gpt2")).eval()
+    padded = torch.zeros(97)
+    padded[90:] = 1e4
+    model.lm_head.register_forward_hook(lambda module, args, out: out + padded)
+    idx = torch.randint(0, 90, (2, 5))
+    assert (model.generate(idx, 4, temperature=0)[:, 5:] >= 90).all()  # the padded ids do win unrestricted
+    for kw in (dict(temperature=0), dict(temperature=1.0), dict(temperature=1.0, top_k=5)):
+        out = model.generate(idx, 6, vocab_size=90, **kw)
+        assert out[:, 5:].max() < 90, kw
+
+
 # --- sample.py ---------------------------------------------------------------------------------
 
 def write_checkpoint(out_dir, config, dataset="default", method="bf16", old_layout=False):
