@@ -282,7 +282,7 @@ def held_bytes(model, x, y, device):
             s = t.untyped_storage()
             if s.data_ptr() not in state:
                 storages[s.data_ptr()] = s.nbytes()
-        del saved, held
+        saved.clear(), held.clear()  # free them before the backward
         loss.backward()
     model.zero_grad(set_to_none=True)
     return sum(storages.values())
