@@ -155,10 +155,11 @@ def plot_loss(groups, names, title, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI)
     for ax, kind, key in ((axes[0], "logs", "loss"), (axes[1], "evals", "val/loss")):
-        top = []
+        points = []  # (tokens, mean loss) of every line
         for (color, ls), group, name in zip(styles(groups), groups, names):
             curves = [{r["iter"] * run["tokens_per_iter"]: r[key] for r in run[kind]} for run in group]
             xs, mean, lo, hi = mean_band(curves)
@@ -167,13 +168,16 @@ def plot_loss(groups, names, title, path):
             ax.plot(xs, mean, color=color, ls=ls, label=name, lw=1.4)
             if len(group) > 1:
                 ax.fill_between(xs, lo, hi, color=color, alpha=0.2, lw=0)
-            top += mean
-        # the first steps' loss (about ln(vocab)) would flatten the part worth reading
-        lo_y, hi_y = _finite_range(top)
-        tail = sorted(v for v in top if math.isfinite(v))
-        if tail:
-            hi_y = min(hi_y, tail[int(0.9 * (len(tail) - 1))] + 0.25 * (hi_y - lo_y) + 1e-6)
-        ax.set_ylim(lo_y - 0.02 * (hi_y - lo_y) - 1e-6, hi_y)
+            points += zip(xs, mean)
+        # The first steps' loss (about ln(vocab)) would flatten the part worth reading: the top of
+        # the axis is the highest loss after the first fifth of the tokens (the warmup's fall).
+        lo_y, hi_y = _finite_range([v for _, v in points])
+        last = max((x for x, _ in points), default=0)
+        late = [v for x, v in points if x >= 0.2 * last and math.isfinite(v)]
+        if late:
+            hi_y = min(hi_y, max(late) + 0.08 * (max(late) - lo_y) + 1e-6)
+        ax.set_ylim(lo_y - 0.04 * (hi_y - lo_y) - 1e-6, hi_y)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())
         ax.set_xlabel("tokens")
         ax.set_ylabel("train loss (PQN on)" if key == "loss" else "val loss (PQN off)")
         ax.grid(alpha=0.3)
@@ -188,6 +192,7 @@ def plot_bitwidth(groups, names, title, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     for (color, ls), group, name in zip(styles(groups), groups, names):
@@ -202,6 +207,7 @@ def plot_bitwidth(groups, names, title, path):
         ax.plot(xs, mean, color=color, ls=ls, label=f"{name}: mean", lw=1.4)
         # the band: the lowest block's b_t (lowest over seeds) to the highest block's (highest over seeds)
         ax.fill_between(per_stat["min"][0], per_stat["min"][2], per_stat["max"][3], color=color, alpha=0.15, lw=0)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())
     ax.set_xlabel("tokens")
     ax.set_ylabel("b_t (line: mean over blocks; band: min..max)")
     ax.grid(alpha=0.3)
