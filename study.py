@@ -70,8 +70,8 @@ STUDIES = {
     "fig3a": dict(
         about="Fig. 3a at laptop scale: gaussws on one kind of layer at a time, b_target 0, at the high lr "
               "(where the paper looked for the source of bf16's instability)",
-        arms=[arm(GPT2, method=f"gaussws[{p}]", b_target=0.0, learning_rate=HIGH_LR)
-              for p in ("qkv", "out", "up", "down", "od")],
+        arms=[BF16_HIGH] + [arm(GPT2, method=f"gaussws[{p}]", b_target=0.0, learning_rate=HIGH_LR)
+                            for p in ("qkv", "out", "up", "down", "od")],
         seeds=(1,), export=("auto", "mxfp6_e3m2"), export_bf16=False),
     "fig3b": dict(
         about="Fig. 3b at laptop scale: Fig. 1b's high-lr arm with Adam-mini in place of AdamW",
@@ -298,6 +298,43 @@ def machine():
     return f"{cpu}, {os.cpu_count()} logical cores"
 
 
+PQT_ONLY = ("b_init", "b_target", "bitwidth_weight_decay")  # keys that mean nothing to a bf16 run
+
+
+def reference_arm(a):
+    """The bf16 arm an arm is paired with: the same config and overrides, method bf16 (None for a
+    bf16 arm). With the same seed the two start from the same weights and see the same batches,
+    so their difference per seed is free of the seed-to-seed spread."""
+    if a["overrides"].get("method", "bf16") == "bf16":
+        return None
+    return arm(a["config"], **{**{k: v for k, v in a["overrides"].items() if k not in PQT_ONLY}, "method": "bf16"})
+
+
+def paired(entry, a, study, root, runs):
+    """entry["vs_bf16"]: per seed, this arm's val loss (and exported val loss per format) minus its
+    reference bf16 run's (exported at the same format: quantized after training), mean ± std over
+    the seeds where both finished. The reference run is read from its directory whether or not it is
+    one of this study's arms (it then has to have been run, e.g. by the study that has it)."""
+    ref = reference_arm(a)
+    if ref is None:
+        return
+    val, exports = [], {f: [] for f in study["export"]}
+    for seed in study["seeds"]:
+        mine = runs.get(run_name(a, seed))
+        ref_dir = os.path.join(root, "runs", run_name(ref, seed))
+        done = read_json(os.path.join(ref_dir, "done.json"))
+        if mine is None or mine["status"] != "finished" or not done or done["status"] != "finished":
+            continue
+        val.append(mine["val_loss"] - run_figures(ref_dir, done)["val_loss"])
+        ref_export = read_json(os.path.join(ref_dir, "export.json")) or {}  # export_losses' cache
+        for f in exports:
+            e, r = mine.get("export", {}).get(f), ref_export.get(f)
+            if isinstance(e, dict) and isinstance(r, dict):
+                exports[f].append(e["val_loss"] - r["val_loss"])
+    entry["vs_bf16"] = {"reference": arm_label(ref), "runs": [run_name(ref, s) for s in study["seeds"]],
+                        "val_loss": stats(val), "export": {f: stats(v) for f, v in exports.items()}}
+
+
 def summarize(name, study, root):
     """results.json's content: per run and per arm (mean ± std over seeds), from the runs' files."""
     runs, arms = {}, []
@@ -334,6 +371,8 @@ def summarize(name, study, root):
                 entry["export"][fmt] = {"val_loss": stats([e["val_loss"] for e in done_]),
                                         "increase_pct": stats(increase), "bits_per_weight": stats(bits), "missing": why}
         arms.append(entry)
+    for entry, a in zip(arms, study["arms"]):  # after all arms: a reference's exports are then written
+        paired(entry, a, study, root, runs)
     return {"study": name, "about": study["about"], "command": f"python study.py {name}", "seeds": list(study["seeds"]),
             "machine": machine(), "torch": sorted({f["torch"] for f in runs.values() if f["torch"]}),
             "devices": sorted({f"{f['device']} x{f['world_size']}" for f in runs.values()}),
@@ -341,11 +380,11 @@ def summarize(name, study, root):
             "runs_finished": len(runs), "runs_total": len(runs_of(study)), "arms": arms, "runs": runs}
 
 
-def fmt_stats(s, digits=4, pct=False):
+def fmt_stats(s, digits=4, pct=False, signed=False):
     if not s["n"]:
         return "-"
     unit = " %" if pct else ""
-    mean = f"{s['mean']:+.{digits}f}" if pct else f"{s['mean']:.{digits}f}"
+    mean = f"{s['mean']:+.{digits}f}" if pct or signed else f"{s['mean']:.{digits}f}"
     return mean + unit if s["std"] is None else f"{mean} ± {s['std']:.{digits}f}{unit}"
 
 
@@ -383,6 +422,19 @@ def markdown(results):
             else:
                 row.append("; ".join(e["missing"]) or "-")
         lines.append("| " + " | ".join(row) + " |")
+    pairs = [a for a in results["arms"] if a.get("vs_bf16")]
+    if pairs:
+        head = ["arm", "paired with", "seeds", "val loss − bf16's"]
+        head += [f"at {f}: − bf16's at {f}" for f in export_formats]
+        lines += ["", "Paired by seed with the bf16 run of the same settings (same initial weights, same batches): "
+                  "the difference of the final val losses (negative: lower than bf16's), and of the exported "
+                  "models' (the bf16 run quantized after training), mean ± std over seeds.", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for a in pairs:
+            v = a["vs_bf16"]
+            row = [arm_label(a), v["reference"], str(v["val_loss"]["n"]), fmt_stats(v["val_loss"], pct=False, signed=True)]
+            row += [fmt_stats(v["export"][f], signed=True) if f in v["export"] else "-" for f in export_formats]
+            lines.append("| " + " | ".join(row) + " |")
     lines += ["", "b_t: the last log line's mean, min and max over all blocks, averaged over seeds. "
               "Increase: the exported model's val loss over the unquantized checkpoint's on the same batches "
               "(export.py), in %, mean ± std over seeds; bits/w: export.py's bits per quantized weight, scales included. "

@@ -101,6 +101,26 @@ def test_results_json_holds_the_figures_of_the_runs_own_logs(finished):
     assert f"{results['arms'][0]['val_loss']['mean']:.4f}" in md and "python study.py tiny" in md
 
 
+def test_each_pqt_arm_is_paired_by_seed_with_its_bf16_run(finished):
+    """vs_bf16: the PQT run's last val loss minus the bf16 run's of the same seed, read by hand."""
+    root, _, _ = finished
+    results = json.load(open(os.path.join(root, "tiny", "results.json")))
+    bf16, pqt = results["arms"]
+    assert "vs_bf16" not in bf16
+    last = {n: records(os.path.join(root, "runs", n))[0] for n in ("tiny-bf16-s1", "tiny-gaussws_all-s1")}
+    want = last["tiny-gaussws_all-s1"][TINY["max_iters"]]["val/loss"] - last["tiny-bf16-s1"][TINY["max_iters"]]["val/loss"]
+    assert pqt["vs_bf16"]["runs"] == ["tiny-bf16-s1"] and pqt["vs_bf16"]["val_loss"]["values"] == [want]
+    assert pqt["vs_bf16"]["export"]["auto"]["n"] == 0  # the bf16 run is not exported in this study
+    assert "Paired by seed" in open(os.path.join(root, "tiny", "results.md")).read()
+
+
+def test_the_reference_of_an_arm_drops_the_keys_only_pqt_has():
+    a = study.arm("c.py", method="diffq[all]", learning_rate=0.01, b_target=2.0, bitwidth_weight_decay=10.0, b_init=5.0)
+    assert study.reference_arm(a) == study.arm("c.py", method="bf16", learning_rate=0.01)
+    assert study.reference_arm(study.arm("c.py", method="bf16")) is None
+    assert study.run_name(study.reference_arm(study.STUDIES["3bit"]["arms"][1]), 1) == "gpt2-bf16-s1"
+
+
 def test_a_second_call_skips_finished_runs(finished, tiny_config):
     root, _, _ = finished
     logs = [os.path.join(root, "runs", n, "train.log") for n in ("tiny-bf16-s1", "tiny-gaussws_all-s1")]
@@ -236,7 +256,7 @@ def test_dry_run_lists_every_run_with_its_command_and_nproc_uses_torchrun(tmp_pa
     monkeypatch.chdir(ROOT)  # main() works in the repository; the test's directory is restored after
     assert study.main(["fig3a", "--dry_run", f"--root={tmp_path}"]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if "[to run]" in l]
-    assert len(lines) == 5 and all("python train.py config/mini_gpt2.py" in l for l in lines)
+    assert len(lines) == 6 and all("python train.py config/mini_gpt2.py" in l for l in lines)
     assert study.main(["fig4", "--dry_run", "--nproc=2", f"--root={tmp_path}"]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if "[to run]" in l]
     assert len(lines) == 9
