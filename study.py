@@ -424,8 +424,9 @@ def markdown(results):
         lines.append("| " + " | ".join(row) + " |")
     pairs = [a for a in results["arms"] if a.get("vs_bf16")]
     if pairs:
+        exported = [f for f in export_formats if any(a["vs_bf16"]["export"].get(f, {}).get("n") for a in pairs)]
         head = ["arm", "paired with", "seeds", "val loss − bf16's"]
-        head += [f"at {f}: − bf16's at {f}" for f in export_formats]
+        head += [f"exported at {f} − bf16 at {f}" for f in exported]
         lines += ["", "Paired by seed with the bf16 run of the same settings (same initial weights, same batches): "
                   "the difference of the final val losses (negative: lower than bf16's), and of the exported "
                   "models' (the bf16 run quantized after training), mean ± std over seeds.", "",
@@ -433,7 +434,7 @@ def markdown(results):
         for a in pairs:
             v = a["vs_bf16"]
             row = [arm_label(a), v["reference"], str(v["val_loss"]["n"]), fmt_stats(v["val_loss"], pct=False, signed=True)]
-            row += [fmt_stats(v["export"][f], signed=True) if f in v["export"] else "-" for f in export_formats]
+            row += [fmt_stats(v["export"][f], signed=True) if f in v["export"] else "-" for f in exported]
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "b_t: the last log line's mean, min and max over all blocks, averaged over seeds. "
               "Increase: the exported model's val loss over the unquantized checkpoint's on the same batches "
