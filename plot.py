@@ -8,7 +8,10 @@ to the highest seed. Writes
     loss.png      train loss (the logged training loss, PQN on) and val loss (eval, PQN off)
                   against tokens, one line per setting;
     bitwidth.png  b_t mean (line) and min..max over all blocks (band) against tokens, for the
-                  settings with PQT layers (not written when there are none).
+                  settings with PQT layers (not written when there are none);
+    paired.png    val loss minus that of the bf16 run with the same settings and seed (the same
+                  initial weights and batches, so the seed-to-seed spread cancels), against tokens,
+                  for the PQT settings whose bf16 twin is among the runs (not written otherwise).
 Legends name each setting's method, learning rate and optimizer (and whatever else differs);
 the title names what all settings share. The b_t histograms per layer role of one checkpoint are
 export.py's figure, not drawn here.
@@ -125,6 +128,39 @@ def labels(groups):
     return [", ".join(d[k] for k in keys if k in differ and k in d) for d in described], title
 
 
+PQT_ONLY = ("b_init", "b_target", "bitwidth_weight_decay", "bitwidth_lambda")  # settings a bf16 run ignores
+
+
+def bf16_twin(config):
+    """The setting of the bf16 run a run is paired with: the same, less what only PQT reads."""
+    return setting({**{k: v for k, v in config.items() if k not in PQT_ONLY}, "method": "bf16"})
+
+
+def paired_curves(groups):
+    """[(group index, [{tokens: val loss - the bf16 twin's} per seed that has a twin])] for the PQT
+    groups with at least one twin; points where both runs evaluated."""
+    twins = {}  # bf16 twin setting -> {seed: run}
+    for group in groups:
+        if group[0]["config"]["method"] == "bf16":
+            twins.setdefault(bf16_twin(group[0]["config"]), {}).update({r["config"]["seed"]: r for r in group})
+    out = []
+    for i, group in enumerate(groups):
+        if group[0]["config"]["method"] == "bf16":
+            continue
+        by_seed = twins.get(bf16_twin(group[0]["config"]), {})
+        curves = []
+        for run in group:
+            twin = by_seed.get(run["config"]["seed"])
+            if twin is None:
+                continue
+            ref = {r["iter"]: r["val/loss"] for r in twin["evals"]}
+            curves.append({r["iter"] * run["tokens_per_iter"]: r["val/loss"] - ref[r["iter"]]
+                           for r in run["evals"] if r["iter"] in ref})
+        if curves:
+            out.append((i, curves))
+    return out
+
+
 def mean_band(curves):
     """{x: values} of several seeds -> xs, mean, lo, hi at every x where any seed has a value (a
     seed that stopped early, e.g. diverged, leaves the band where it stops)."""
@@ -218,8 +254,36 @@ def plot_bitwidth(groups, names, title, path):
     plt.close(fig)
 
 
+def plot_paired(groups, names, title, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    all_styles = styles(groups)
+    for i, curves in paired_curves(groups):
+        (color, ls), n = all_styles[i], len(curves)
+        xs, mean, lo, hi = mean_band(curves)
+        ax.plot(xs, mean, color=color, ls=ls, lw=1.4, marker="o", ms=3,
+                label=f"{names[i]} ({n} seed{'s' if n > 1 else ''})")
+        if n > 1:
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.15, lw=0)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("val loss − bf16's, same seed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title + "; below 0: lower loss than bf16", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def make_plots(run_dirs, out, title_prefix=""):
-    """Read the runs and write loss.png (and bitwidth.png when a run has PQT) under `out`.
+    """Read the runs and write loss.png (bitwidth.png when a run has PQT, paired.png when a PQT run
+    has its bf16 twin) under `out`.
     Returns the paths written."""
     runs = [read_run(d) for d in run_dirs]
     groups = group_seeds(runs)
@@ -230,7 +294,10 @@ def make_plots(run_dirs, out, title_prefix=""):
     plot_loss(groups, names, title, written[0])
     if any("b_t/mean" in r for run in runs for r in run["logs"]):
         written.append(os.path.join(out, "bitwidth.png"))
-        plot_bitwidth(groups, names, title, written[1])
+        plot_bitwidth(groups, names, title, written[-1])
+    if paired_curves(groups):
+        written.append(os.path.join(out, "paired.png"))
+        plot_paired(groups, names, title, written[-1])
     return written
 
 

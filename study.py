@@ -17,7 +17,7 @@ retried: the same seed diverges again.
 
 Results go to out/study/<study>/: results.json and results.md (final val loss mean ± std over
 seeds, tokens, wall time, b_t, and the exported model's val loss where the study exports) and
-plots/ (plot.py's loss.png and bitwidth.png). Every figure is read from the runs' own files:
+plots/ (plot.py's loss.png, bitwidth.png and paired.png). Every figure is read from the runs' own files:
 metrics.jsonl, config.json, and the export reports.
 """
 import hashlib
@@ -439,7 +439,7 @@ def markdown(results):
     lines += ["", "b_t: the last log line's mean, min and max over all blocks, averaged over seeds. "
               "Increase: the exported model's val loss over the unquantized checkpoint's on the same batches "
               "(export.py), in %, mean ± std over seeds; bits/w: export.py's bits per quantized weight, scales included. "
-              "Plots: plots/loss.png, plots/bitwidth.png; the b_t histograms per layer role of each exported PQT "
+              "Plots: plots/loss.png, plots/bitwidth.png, plots/paired.png; the b_t histograms per layer role of each exported PQT "
               "run: runs/<run>/bitwidths.png (export.py).", ""]
     return "\n".join(lines)
 

@@ -65,14 +65,36 @@ def runs(tmp_path):
             make_run(tmp_path / "g3", config(seed=3), offset=-0.05), make_run(tmp_path / "b1", config("bf16", seed=1), 0.1)]
 
 
-def test_draws_loss_and_bitwidth_pngs_of_the_expected_size(runs, tmp_path):
+def test_draws_loss_bitwidth_and_paired_pngs_of_the_expected_size(runs, tmp_path):
     out = tmp_path / "plots"
     plot.main([*runs, f"--out={out}"])
-    for name in ("loss.png", "bitwidth.png"):
+    for name in ("loss.png", "bitwidth.png", "paired.png"):
         path = out / name
         assert png_size(path) == (int(plot.FIGSIZE[0] * plot.DPI), int(plot.FIGSIZE[1] * plot.DPI))
         assert os.path.getsize(path) > 10_000
         assert drawn_fraction(path) > 0.02  # axes, ticks, text and the curves; a blank canvas has none
+
+
+def test_a_pqt_run_is_paired_with_the_bf16_run_of_its_seed_and_settings(runs, tmp_path):
+    """g1 (seed 1) has a bf16 twin 0.1 above it: its val loss minus the twin's is -0.1 at every eval.
+    g2, g3 (seeds 2, 3) have none; a bf16 run at another lr is no twin; b_target (which bf16 does not
+    read) does not stop a pairing."""
+    groups = plot.group_seeds([plot.read_run(d) for d in runs])
+    (i, curves), = plot.paired_curves(groups)
+    assert groups[i][0]["config"]["method"] == "gaussws[all]" and len(curves) == 1
+    assert sorted(curves[0]) == [it * 2 * 4 * 16 for it in range(0, 41, 10)]
+    assert all(v == pytest.approx(-0.1) for v in curves[0].values())
+    other_lr = make_run(tmp_path / "b_lr", config("bf16", lr=1e-2, seed=2))
+    low_bits = make_run(tmp_path / "g_low", config(seed=1, b_target=2.0, bitwidth_weight_decay=10.0), offset=0.3)
+    groups = plot.group_seeds([plot.read_run(d) for d in [*runs, other_lr, low_bits]])
+    paired = {groups[i][0]["config"]["b_target"]: curves for i, curves in plot.paired_curves(groups)}
+    assert sorted(paired) == [2.0, 4.0] and len(paired[4.0]) == 1
+    assert all(v == pytest.approx(0.2) for v in paired[2.0][0].values())
+
+
+def test_no_paired_png_without_a_bf16_twin(runs, tmp_path):
+    written = plot.make_plots(runs[:3], str(tmp_path / "plots"))
+    assert [os.path.basename(p) for p in written] == ["loss.png", "bitwidth.png"]
 
 
 def test_no_bitwidth_png_without_pqt_runs(tmp_path):
