@@ -187,11 +187,22 @@ def styles(groups):
             for g, r in zip(groups, rest)]
 
 
-def plot_loss(groups, names, title, path):
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend; imported only when a plot is drawn."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def _tokens_axis(ax):
     import matplotlib.ticker
+    ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())  # 200 k, 1 M
+    ax.set_xlabel("tokens")
+
+
+def plot_loss(groups, names, title, path):
+    plt = _pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI)
     for ax, kind, key in ((axes[0], "logs", "loss"), (axes[1], "evals", "val/loss")):
@@ -213,8 +224,7 @@ def plot_loss(groups, names, title, path):
         if late:
             hi_y = min(hi_y, max(late) + 0.08 * (max(late) - lo_y) + 1e-6)
         ax.set_ylim(lo_y - 0.04 * (hi_y - lo_y) - 1e-6, hi_y)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())
-        ax.set_xlabel("tokens")
+        _tokens_axis(ax)
         ax.set_ylabel("train loss (PQN on)" if key == "loss" else "val loss (PQN off)")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
@@ -225,10 +235,7 @@ def plot_loss(groups, names, title, path):
 
 
 def plot_bitwidth(groups, names, title, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     for (color, ls), group, name in zip(styles(groups), groups, names):
@@ -243,8 +250,7 @@ def plot_bitwidth(groups, names, title, path):
         ax.plot(xs, mean, color=color, ls=ls, label=f"{name}: mean", lw=1.4)
         # the band: the lowest block's b_t (lowest over seeds) to the highest block's (highest over seeds)
         ax.fill_between(per_stat["min"][0], per_stat["min"][2], per_stat["max"][3], color=color, alpha=0.15, lw=0)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())
-    ax.set_xlabel("tokens")
+    _tokens_axis(ax)
     ax.set_ylabel("b_t (line: mean over blocks; band: min..max)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -254,15 +260,13 @@ def plot_bitwidth(groups, names, title, path):
     plt.close(fig)
 
 
-def plot_paired(groups, names, title, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+def plot_paired(groups, pairs, names, title, path):
+    """pairs: paired_curves(groups)."""
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     all_styles = styles(groups)
-    for i, curves in paired_curves(groups):
+    for i, curves in pairs:
         (color, ls), n = all_styles[i], len(curves)
         xs, mean, lo, hi = mean_band(curves)
         ax.plot(xs, mean, color=color, ls=ls, lw=1.4, marker="o", ms=3,
@@ -270,8 +274,7 @@ def plot_paired(groups, names, title, path):
         if n > 1:
             ax.fill_between(xs, lo, hi, color=color, alpha=0.15, lw=0)
     ax.axhline(0.0, color="k", lw=0.8)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())
-    ax.set_xlabel("tokens")
+    _tokens_axis(ax)
     ax.set_ylabel("val loss − bf16's, same seed")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -295,9 +298,10 @@ def make_plots(run_dirs, out, title_prefix=""):
     if any("b_t/mean" in r for run in runs for r in run["logs"]):
         written.append(os.path.join(out, "bitwidth.png"))
         plot_bitwidth(groups, names, title, written[-1])
-    if paired_curves(groups):
+    pairs = paired_curves(groups)
+    if pairs:
         written.append(os.path.join(out, "paired.png"))
-        plot_paired(groups, names, title, written[-1])
+        plot_paired(groups, pairs, names, title, written[-1])
     return written
 
 

@@ -298,16 +298,13 @@ def machine():
     return f"{cpu}, {os.cpu_count()} logical cores"
 
 
-PQT_ONLY = ("b_init", "b_target", "bitwidth_weight_decay")  # keys that mean nothing to a bf16 run
-
-
 def reference_arm(a):
     """The bf16 arm an arm is paired with: the same config and overrides, method bf16 (None for a
     bf16 arm). With the same seed the two start from the same weights and see the same batches,
     so their difference per seed is free of the seed-to-seed spread."""
     if a["overrides"].get("method", "bf16") == "bf16":
         return None
-    return arm(a["config"], **{**{k: v for k, v in a["overrides"].items() if k not in PQT_ONLY}, "method": "bf16"})
+    return arm(a["config"], **{**{k: v for k, v in a["overrides"].items() if k not in plot.PQT_ONLY}, "method": "bf16"})
 
 
 def paired(entry, a, study, root, runs):
@@ -320,12 +317,13 @@ def paired(entry, a, study, root, runs):
         return
     val, exports = [], {f: [] for f in study["export"]}
     for seed in study["seeds"]:
-        mine = runs.get(run_name(a, seed))
-        ref_dir = os.path.join(root, "runs", run_name(ref, seed))
+        mine, ref_name = runs.get(run_name(a, seed)), run_name(ref, seed)
+        ref_dir = os.path.join(root, "runs", ref_name)
         done = read_json(os.path.join(ref_dir, "done.json"))
         if mine is None or mine["status"] != "finished" or not done or done["status"] != "finished":
             continue
-        val.append(mine["val_loss"] - run_figures(ref_dir, done)["val_loss"])
+        ref_val = (runs.get(ref_name) or run_figures(ref_dir, done))["val_loss"]  # read already if in this study
+        val.append(mine["val_loss"] - ref_val)
         ref_export = read_json(os.path.join(ref_dir, "export.json")) or {}  # export_losses' cache
         for f in exports:
             e, r = mine.get("export", {}).get(f), ref_export.get(f)
@@ -433,7 +431,7 @@ def markdown(results):
                   "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for a in pairs:
             v = a["vs_bf16"]
-            row = [arm_label(a), v["reference"], str(v["val_loss"]["n"]), fmt_stats(v["val_loss"], pct=False, signed=True)]
+            row = [arm_label(a), v["reference"], str(v["val_loss"]["n"]), fmt_stats(v["val_loss"], signed=True)]
             row += [fmt_stats(v["export"][f], signed=True) if f in v["export"] else "-" for f in exported]
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "b_t: the last log line's mean, min and max over all blocks, averaged over seeds. "
