@@ -136,11 +136,12 @@ def bf16_twin(config):
     return setting({**{k: v for k, v in config.items() if k not in PQT_ONLY}, "method": "bf16"})
 
 
-def paired_curves(groups):
+def paired_curves(groups, twin_runs=()):
     """[(group index, [{tokens: val loss - the bf16 twin's} per seed that has a twin])] for the PQT
-    groups with at least one twin; points where both runs evaluated."""
+    groups with at least one twin; points where both runs evaluated. Twins are the bf16 runs among
+    the groups and twin_runs (bf16 runs to pair with that are not drawn themselves)."""
     twins = {}  # bf16 twin setting -> {seed: run}
-    for group in groups:
+    for group in [*groups, *group_seeds(list(twin_runs))]:
         if group[0]["config"]["method"] == "bf16":
             twins.setdefault(bf16_twin(group[0]["config"]), {}).update({r["config"]["seed"]: r for r in group})
     out = []
@@ -284,9 +285,9 @@ def plot_paired(groups, pairs, names, title, path):
     plt.close(fig)
 
 
-def make_plots(run_dirs, out, title_prefix=""):
+def make_plots(run_dirs, out, title_prefix="", twin_dirs=()):
     """Read the runs and write loss.png (bitwidth.png when a run has PQT, paired.png when a PQT run
-    has its bf16 twin) under `out`.
+    has its bf16 twin among run_dirs or twin_dirs) under `out`.
     Returns the paths written."""
     runs = [read_run(d) for d in run_dirs]
     groups = group_seeds(runs)
@@ -298,7 +299,7 @@ def make_plots(run_dirs, out, title_prefix=""):
     if any("b_t/mean" in r for run in runs for r in run["logs"]):
         written.append(os.path.join(out, "bitwidth.png"))
         plot_bitwidth(groups, names, title, written[-1])
-    pairs = paired_curves(groups)
+    pairs = paired_curves(groups, [read_run(d) for d in twin_dirs])
     if pairs:
         written.append(os.path.join(out, "paired.png"))
         plot_paired(groups, pairs, names, title, written[-1])

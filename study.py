@@ -450,7 +450,11 @@ def write_results(name, study, root):
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(markdown(results))
     run_dirs = [os.path.join(root, "runs", n) for n in results["runs"]]
-    written = plot.make_plots(run_dirs, os.path.join(out, "plots"), title_prefix=name) if run_dirs else []
+    # the bf16 runs the paired table used that are not this study's (the noise study's are fig1b's)
+    twins = sorted({os.path.join(root, "runs", n) for a in results["arms"] if a.get("vs_bf16")
+                    for n in a["vs_bf16"]["runs"] if n not in results["runs"]})
+    twins = [d for d in twins if (read_json(os.path.join(d, "done.json")) or {}).get("status") == "finished"]
+    written = plot.make_plots(run_dirs, os.path.join(out, "plots"), title_prefix=name, twin_dirs=twins) if run_dirs else []
     return [os.path.join(out, "results.json"), os.path.join(out, "results.md"), *written]
 
 

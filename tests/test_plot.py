@@ -97,6 +97,17 @@ def test_no_paired_png_without_a_bf16_twin(runs, tmp_path):
     assert [os.path.basename(p) for p in written] == ["loss.png", "bitwidth.png"]
 
 
+def test_a_twin_given_apart_is_paired_with_but_not_drawn(runs, tmp_path):
+    """The bf16 run b1 as twin_dirs: g1 is paired with it (-0.1), and it is no setting of its own."""
+    gaussws = [plot.read_run(d) for d in runs[:3]]
+    groups = plot.group_seeds(gaussws)
+    (i, curves), = plot.paired_curves(groups, [plot.read_run(runs[3])])
+    assert len(groups) == 1 and i == 0 and len(curves) == 1
+    assert all(v == pytest.approx(-0.1) for v in curves[0].values())
+    written = plot.make_plots(runs[:3], str(tmp_path / "plots"), twin_dirs=[runs[3]])
+    assert [os.path.basename(p) for p in written] == ["loss.png", "bitwidth.png", "paired.png"]
+
+
 def test_no_bitwidth_png_without_pqt_runs(tmp_path):
     run = make_run(tmp_path / "b", config("bf16"))
     written = plot.make_plots([run], str(tmp_path / "plots"))

@@ -114,6 +114,19 @@ def test_each_pqt_arm_is_paired_by_seed_with_its_bf16_run(finished):
     assert "Paired by seed" in open(os.path.join(root, "tiny", "results.md")).read()
 
 
+def test_a_study_without_the_bf16_arm_pairs_with_the_run_another_study_made(finished, tiny_config):
+    """As the noise study pairs with fig1b's bf16 runs: the table and paired.png use the bf16 run
+    found in the runs directory."""
+    root, _, _ = finished
+    only = dict(about="gaussws only", arms=[study.arm(tiny_config, method="gaussws[all]")], seeds=(1,), export=(),
+                export_bf16=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert study.run_study("only", only, root, echo=False) == 0
+    results = json.load(open(os.path.join(root, "only", "results.json")))
+    assert list(results["runs"]) == ["tiny-gaussws_all-s1"] and results["arms"][0]["vs_bf16"]["val_loss"]["n"] == 1
+    assert os.path.getsize(os.path.join(root, "only", "plots", "paired.png")) > 0
+
+
 def test_the_reference_of_an_arm_drops_the_keys_only_pqt_has():
     a = study.arm("c.py", method="diffq[all]", learning_rate=0.01, b_target=2.0, bitwidth_weight_decay=10.0, b_init=5.0)
     assert study.reference_arm(a) == study.arm("c.py", method="bf16", learning_rate=0.01)
