@@ -147,14 +147,6 @@ class Tokenizer:
             meta["tokenizer_source"] = self.source
         return meta
 
-    def save(self, out_dir):
-        """Write the tokenizer's files into out_dir (each atomically), for meta() to name."""
-        for name, blob in self.files.items():
-            path = os.path.join(out_dir, name)
-            with open(path + ".tmp", "wb") as f:
-                f.write(blob)
-            os.replace(path + ".tmp", path)
-
     def hf_files(self):
         """({name: bytes}, why) for a transformers tokenizer (AutoTokenizer) equal to this one: the
         files, or {} and why there are none (tiktoken, bytes, a model transformers converts otherwise)."""

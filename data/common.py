@@ -12,6 +12,7 @@ import math
 import os
 import secrets
 import sys
+import tempfile
 from contextlib import contextmanager
 from functools import partial
 
@@ -92,7 +93,12 @@ def load_local(files, streaming=False, flag="--data_files"):
 
 
 def _iterate(ds):
-    yield from ds
+    """The stream's records; a text that is not a string stops it (datasets would cast 5 to "5")."""
+    for i, record in enumerate(ds):
+        if not isinstance(record["text"], str):
+            raise DataError(f"document {i} of the stream has a 'text' of type {type(record['text']).__name__}, "
+                            f"not a string; every document needs its text as a string")
+        yield record
 
 
 def materialize(ds, max_docs, cache_dir):
@@ -107,7 +113,39 @@ def materialize(ds, max_docs, cache_dir):
         return Dataset.from_generator(partial(_iterate, ds.select_columns(["text"])),
                                       features=Features({"text": Value("string")}), cache_dir=cache_dir)
     except Exception as e:
-        raise DataError(f"reading the stream failed ({reason(e)})") from e
+        cause = e
+        while cause is not None and not isinstance(cause, DataError):  # datasets wraps the generator's errors
+            cause = cause.__cause__ or cause.__context__
+        raise cause or DataError(f"reading the stream failed ({reason(e)})") from None
+
+
+def check_texts(ds, what):
+    """Every document of ds (a Dataset; `what` names its source for the message) has a text that is a
+    string of valid UTF-8, before any is tokenized: pyarrow's JSON reader keeps invalid bytes, and
+    numbers or nulls in 'text', which would fail deep inside tokenizing."""
+    import pyarrow as pa
+    kind = ds.features["text"]
+    if getattr(kind, "dtype", None) not in ("string", "large_string"):
+        raise DataError(f"{what}: field 'text' is not a string in every document (it reads as {kind}); every "
+                        f"document needs its text as a string")
+    start = 0
+    for batch in ds.with_format("arrow").iter(batch_size=WRITE_BATCH):
+        texts = batch["text"]
+        if texts.null_count:
+            i = start + texts.is_null().to_pylist().index(True)
+            raise DataError(f"{what}: document {i} has no text (null); every document needs its text as a string")
+        for chunk in texts.chunks if isinstance(texts, pa.ChunkedArray) else [texts]:
+            try:
+                chunk.validate(full=True)
+            except pa.ArrowInvalid as e:
+                for j, raw in enumerate(chunk.cast(pa.large_binary()).to_pylist()):
+                    try:
+                        raw.decode("utf-8")
+                    except UnicodeDecodeError as bad:
+                        raise DataError(f"{what}: the text of document {start + j} is not valid UTF-8 (byte "
+                                        f"{bad.start}); save the files as UTF-8") from None
+                raise DataError(f"{what}: the documents do not read as text ({e})") from None
+            start += len(chunk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,6 +190,61 @@ def write_atomic(path, data):
             os.remove(tmp)
 
 
+def reserve(path, nbytes):
+    """Create path with nbytes allocated on disk. A memory map of a sparse file that meets a full disk
+    dies of SIGBUS, with no message; reserved first, a full disk is an OSError (ENOSPC) here."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def staged(out_dir, names):
+    """{name: temporary path} for the files `names` of out_dir (meta.json last). Once the block has
+    written them all, they replace out_dir's files: meta.json is removed first and renamed last, so
+    between the renames the data counts as incomplete, never as a mix of two preparations. A failure
+    before that (a full disk: one DataError line) leaves out_dir's files as they were, no temporary left."""
+    temps = {name: temp_path(os.path.join(out_dir, name)) for name in names}
+    try:
+        yield temps
+        meta = os.path.join(out_dir, "meta.json")
+        if os.path.exists(meta):
+            os.remove(meta)
+        for name, tmp in temps.items():
+            commit(tmp, os.path.join(out_dir, name))
+    except OSError as e:
+        raise DataError(f"cannot write into {out_dir} ({e.strerror or e}): free space there or choose another "
+                        f"--out_dir") from None
+    finally:
+        for tmp in temps.values():
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def unusable_dir(path):
+    """Why no file can be written in the directory path (made where missing), or None. Tried rather
+    than read off the permission bits, which do not bind root: a temporary directory is made and
+    removed in path's first existing ancestor."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".probe-"))
+    except OSError as e:
+        return f"cannot write in {probe} ({e.strerror})"
+    return None
+
+
+def check_out_dir(out_dir):
+    why = unusable_dir(out_dir)
+    if why:
+        raise DataError(f"--out_dir={str(out_dir)!r} is unusable: {why}; choose a directory that can be written")
+
+
 @contextmanager
 def prepare_lock(out_dir):
     """One preparation of out_dir at a time: an fcntl lock on the folder itself (no lock file to
@@ -168,7 +261,9 @@ def prepare_lock(out_dir):
 
 def load_meta(data_dir):
     """meta.json of a prepared dataset, checked against its .bin files before anything trains on
-    them. Raises DataError (one line: what is wrong, the value, what is accepted)."""
+    them: sizes, and every token below vocab_size (numpy's max over the memory-mapped file: one read
+    of the data, about a second for OpenWebText's 17 GB from the page cache). Raises DataError (one
+    line: what is wrong, the value, what is accepted)."""
     path = os.path.join(data_dir, "meta.json")
     again = f"prepare the data again (python {os.path.join(data_dir, 'prepare.py')})"
     try:
@@ -189,6 +284,10 @@ def load_meta(data_dir):
     itemsize = np.dtype(dtype).itemsize
     if vocab > np.iinfo(dtype).max + 1:
         raise DataError(f"{path}: vocab_size={vocab} does not fit dtype {dtype} (at most {np.iinfo(dtype).max + 1})")
+    max_token = meta.get("max_token")
+    if max_token is not None and not (isinstance(max_token, int) and 0 <= max_token < vocab):
+        raise DataError(f"{path}: max_token={max_token!r} but vocab_size={vocab}: the data holds tokens the "
+                        f"vocabulary does not; prepare it with the tokenizer of that vocabulary")
     for split in ("train", "val"):
         bin_path = os.path.join(data_dir, f"{split}.bin")
         try:
@@ -201,10 +300,11 @@ def load_meta(data_dir):
                             f"({tokens * itemsize} bytes): the dtype or the file is wrong; {again}")
         if size % itemsize:
             raise DataError(f"{bin_path} holds {size} bytes, not a whole number of {dtype} tokens; {again}")
-    max_token = meta.get("max_token")
-    if max_token is not None and not (isinstance(max_token, int) and 0 <= max_token < vocab):
-        raise DataError(f"{path}: max_token={max_token!r} but vocab_size={vocab}: the data holds tokens the "
-                        f"vocabulary does not; prepare it with the tokenizer of that vocabulary")
+        top = int(np.memmap(bin_path, dtype=dtype, mode="r").max()) if size else -1
+        if top >= vocab or max_token is not None and top > max_token:
+            said = f"vocab_size={vocab}" if top >= vocab else f"max_token={max_token}"
+            raise DataError(f"{bin_path} holds token id {top}, but meta.json says {said}: the .bin files are not the "
+                            f"data meta.json describes; {again}")
     return meta
 
 
@@ -216,9 +316,9 @@ def write_bins(splits, encoding, out_dir, num_proc, source):
 
 def _write_bins(splits, encoding, out_dir, num_proc, source):
     """Tokenize {"train": Dataset, "val": Dataset} (one eot after each document) and write
-    <split>.bin and meta.json into out_dir. Everything goes to uniquely named temporary files first
-    and is renamed (after an fsync) only when all is written, so an interrupted run leaves earlier
-    good files as they were, and a second run on the same out_dir waits for the first."""
+    <split>.bin, meta.json and the tokenizer's files into out_dir. Everything goes to uniquely named
+    temporary files first (staged) and is renamed only when all is written, so an interrupted run
+    leaves earlier good files as they were, and a second run on the same out_dir waits for the first."""
     from datasets import Features, Sequence, Value
     enc = get_encoding(encoding)  # a name, a tokenizer.Tokenizer or a tiktoken.Encoding
     eot = enc.eot
@@ -232,21 +332,18 @@ def _write_bins(splits, encoding, out_dir, num_proc, source):
         return {"ids": ids, "len": [len(x) for x in ids]}
 
     features = Features({"ids": Sequence(Value(np.dtype(dtype).name)), "len": Value("int64")})
-    os.makedirs(out_dir, exist_ok=True)
     meta = {"vocab_size": enc.vocab_size, "dtype": np.dtype(dtype).name, **enc.meta()}
-    final = {os.path.join(out_dir, f"{split}.bin"): None for split in splits}
-    final[os.path.join(out_dir, "meta.json")] = None
-    try:
+    names = [f"{split}.bin" for split in splits] + sorted(enc.files) + ["meta.json"]  # meta.json last
+    with staged(out_dir, names) as temps:
         for split, ds in splits.items():
             tokenized = ds.map(process, batched=True, remove_columns=ds.column_names, features=features,
                                num_proc=num_proc if num_proc > 1 else None, desc=f"tokenizing {split}")
             n = int(np.sum(tokenized.with_format("numpy")["len"], dtype=np.uint64))
-            path = os.path.join(out_dir, f"{split}.bin")
-            final[path] = temp_path(path)
-            arr = np.memmap(final[path], dtype=dtype, mode="w+", shape=(n,))
+            reserve(temps[f"{split}.bin"], n * np.dtype(dtype).itemsize)
+            arr = np.memmap(temps[f"{split}.bin"], dtype=dtype, mode="r+", shape=(n,))
             idx, max_token = 0, 0
             for batch in tqdm(tokenized.with_format("arrow").iter(batch_size=WRITE_BATCH),
-                              total=math.ceil(len(tokenized) / WRITE_BATCH), desc=f"writing {path}"):
+                              total=math.ceil(len(tokenized) / WRITE_BATCH), desc=f"writing {split}.bin"):
                 ids = batch["ids"].combine_chunks().flatten().to_numpy()
                 arr[idx: idx + len(ids)] = ids
                 idx += len(ids)
@@ -256,21 +353,13 @@ def _write_bins(splits, encoding, out_dir, num_proc, source):
             meta[f"{split}_tokens"], meta[f"{split}_docs"] = n, len(ds)
             meta["max_token"] = max(meta.get("max_token", 0), max_token)
         meta["source"] = source
-        path = os.path.join(out_dir, "meta.json")
-        final[path] = temp_path(path)
-        with open(final[path], "w") as f:
+        for name, blob in enc.files.items():  # the tokenizer's files, which meta.json names (SentencePiece, tokenizers)
+            with open(temps[name], "wb") as f:
+                f.write(blob)
+        with open(temps["meta.json"], "w") as f:
             json.dump(meta, f, indent=2)
-        if os.path.exists(path):
-            os.remove(path)  # between the renames below the data counts as incomplete, as in data/default
-        enc.save(out_dir)  # the tokenizer's files, which meta.json names (SentencePiece, tokenizers)
-        for path, tmp in final.items():  # meta.json last
-            commit(tmp, path)
-            final[path] = None
-    finally:
-        for tmp in final.values():
-            if tmp is not None and os.path.exists(tmp):
-                os.remove(tmp)
-    print(f"wrote {', '.join(final)}: " + ", ".join(f"{s} {meta[f'{s}_tokens']:,} tokens" for s in splits))
+    print(f"wrote {', '.join(os.path.join(out_dir, n) for n in names)}: "
+          + ", ".join(f"{s} {meta[f'{s}_tokens']:,} tokens" for s in splits))
     return meta
 
 

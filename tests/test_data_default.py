@@ -80,3 +80,26 @@ def test_preparing_twice_gives_the_same_bytes(prepared, tmp_path):
     assert again == meta
     for name in ("train.bin", "val.bin", "meta.json"):
         assert (tmp_path / name).read_bytes() == (out / name).read_bytes()
+
+
+def test_a_full_disk_is_one_line_and_the_earlier_corpus_stays(prepared, tmp_path, monkeypatch):
+    from disk_faults import full_disk_open
+    out, _ = prepared
+    for name in ("train.bin", "val.bin", "meta.json"):
+        (tmp_path / name).write_bytes((out / name).read_bytes())
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    monkeypatch.setattr(prepare_default, "open", full_disk_open(), raising=False)  # train.bin's write fills the disk
+    with pytest.raises(prepare_default.common.DataError) as e:
+        prepare_default.prepare(out_dir=str(tmp_path))
+    assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # meta.json too: the data stays complete
+
+
+def test_an_unusable_out_dir_is_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("keep")
+    for out_dir in (tmp_path / "a_file", tmp_path / "a_file" / "sub"):
+        with pytest.raises(prepare_default.common.DataError, match="is unusable: .*a_file is not a directory"):
+            prepare_default.prepare(out_dir=str(out_dir))
+        with pytest.raises(prepare_default.common.DataError, match="is unusable"):
+            prepare_default.prepare_if_missing(out_dir=str(out_dir))
+    assert (tmp_path / "a_file").read_text() == "keep"

@@ -43,20 +43,20 @@ def test_two_runs_preparing_the_default_corpus_at_once(tmp_path, fn):
 
 
 def test_a_second_preparation_waits_for_the_first(tmp_path, monkeypatch):
-    """Deterministic: the first is held between writing train.bin and the rest; the second (another
+    """Deterministic: the first is held between renaming train.bin and the rest; the second (another
     process) must not write into the folder meanwhile, and both end with whole, matching files."""
     import threading
     sys.path.insert(0, os.path.join(ROOT, "data", "default"))
     import prepare
     out, go = tmp_path / "default", tmp_path / "go"
-    held, release, real = threading.Event(), threading.Event(), common.write_atomic
+    held, release, real = threading.Event(), threading.Event(), common.commit
 
-    def write_then_hold(path, data):
-        real(path, data)
+    def commit_then_hold(tmp, path):
+        real(tmp, path)
         if path.endswith("train.bin"):
             held.set()
             release.wait(60)
-    monkeypatch.setattr(common, "write_atomic", write_then_hold)
+    monkeypatch.setattr(common, "commit", commit_then_hold)
     first = threading.Thread(target=prepare.prepare, args=(str(out),))
     first.start()
     assert held.wait(60)
@@ -65,7 +65,9 @@ def test_a_second_preparation_waits_for_the_first(tmp_path, monkeypatch):
     second = subprocess.Popen([sys.executable, "-c", code, str(out), str(go)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     time.sleep(3)  # ample time for the second to prepare the corpus (0.5 s), were it not waiting
-    assert second.poll() is None and sorted(os.listdir(out)) == ["train.bin"]
+    during = os.listdir(out)
+    assert second.poll() is None and [n for n in during if not n.startswith(".")] == ["train.bin"]
+    assert not [n for n in during if f".{second.pid}." in n]  # the first's temporaries only
     release.set()
     first.join(60)
     _, err = second.communicate(timeout=60)
@@ -108,6 +110,31 @@ def test_a_bad_meta_json_is_one_line(tmp_path, meta, message):
     with pytest.raises(DataError) as e:
         common.load_meta(dataset(tmp_path, meta))
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("meta,train,val,message", [
+    ({"vocab_size": 256}, np.array([1, 300, 2]), np.array([3]), "train.bin holds token id 300, but meta.json says "
+                                                               "vocab_size=256"),  # no max_token to trust
+    ({**GOOD, "train_tokens": 3, "val_tokens": 2}, np.array([1, 2, 2]), np.array([7, 1]), "val.bin holds token id 7, "
+                                                                                        "but meta.json says max_token=2"),
+    ({"vocab_size": 256, "max_token": 255}, np.array([256, 0]), np.array([1]), "train.bin holds token id 256"),
+])
+def test_tokens_the_vocabulary_does_not_have_are_found_at_load(tmp_path, meta, train, val, message):
+    """Checked against the tokens themselves: an embedding lookup past vocab_size fails deep in the model."""
+    d = dataset(tmp_path, meta, train=train.astype(np.uint16).tobytes(), val=val.astype(np.uint16).tobytes())
+    with pytest.raises(DataError) as e:
+        common.load_meta(d)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_train_py_refuses_tokens_beyond_the_vocabulary_in_one_line(tmp_path):
+    import train
+    ids = np.arange(2000) % 300  # tokens up to 299, meta.json says 256 and has no max_token
+    d = dataset(tmp_path, {"vocab_size": 256}, train=ids.astype(np.uint16).tobytes(), val=ids[:500].astype(np.uint16).tobytes())
+    with pytest.raises(train.ConfigError) as e:
+        train.main([f"--dataset={d}", f"--out_dir={tmp_path / 'out'}", "--n_layer=1", "--n_head=2", "--n_embd=32",
+                    "--block_size=16", "--batch_size=2", "--max_iters=1", "--device=cpu", "--compile=False"])
+    assert "holds token id 299, but meta.json says vocab_size=256" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_missing_files_and_odd_sizes(tmp_path):

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiktoken
+from disk_faults import full_disk_open, no_space, read_only_dir, tiny_tmpfs
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -155,18 +157,38 @@ def test_c4_reads_whole_local_splits_without_streaming(tmp_path):
     assert meta["train_tokens"] == n_tokens(enc, train) and meta["val_tokens"] == n_tokens(enc, val)
 
 
-def test_a_failed_run_leaves_the_earlier_files_as_they_were(tmp_path, monkeypatch):
+def full_disk_at_the_bins(monkeypatch):
+    """The .bin files' space is reserved before they are memory-mapped: a full disk says so there."""
+    def no_room(fd, offset, length):
+        raise no_space()
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+
+
+def full_disk_at_meta_json(monkeypatch):
+    monkeypatch.setattr(common, "open", full_disk_open(), raising=False)  # meta.json is written after both bins
+
+
+@pytest.mark.parametrize("fault", [full_disk_at_the_bins, full_disk_at_meta_json])
+def test_a_full_disk_is_one_line_and_leaves_the_earlier_files_as_they_were(tmp_path, monkeypatch, fault):
     enc, out_dir = tiny_encoding(), tmp_path / "out"
     owt.prepare(data_files=write_jsonl(tmp_path / "a.jsonl", make_docs(20)), out_dir=out_dir, encoding=enc)
     before = {p.name: p.read_bytes() for p in out_dir.iterdir()}
-
-    def fail(*args, **kwargs):  # meta.json is written after both .bin files: fail there
-        raise OSError("disk full")
-
-    monkeypatch.setattr(common.json, "dump", fail)
-    with pytest.raises(OSError, match="disk full"):
+    fault(monkeypatch)
+    with pytest.raises(common.DataError) as e:
         owt.prepare(data_files=write_jsonl(tmp_path / "b.jsonl", make_docs(30, seed=9)), out_dir=out_dir, encoding=enc)
-    assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before  # no .tmp left, nothing replaced
+    assert "No space left on device" in str(e.value) and "--out_dir" in str(e.value) and "\n" not in str(e.value)
+    assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before  # no temporary left, nothing replaced
+
+
+def test_a_really_full_disk_is_one_line_not_a_sigbus(tmp_path):
+    """On a 64 KiB tmpfs the bins do not fit: the memory map of an unreserved file died of SIGBUS."""
+    docs = [" ".join(["thing"] * 400) + f" {i}" for i in range(40)]  # ~100 KB of tokens
+    mount = tmp_path / "small"
+    r = run_cli("openwebtext", tmp_path, f"--data_files={write_jsonl(tmp_path / 'd.jsonl', docs)}",
+                f"--out_dir={mount / 'out'}", "--tokenizer=tiny", "--num_proc=1", prefix=tiny_tmpfs(mount))
+    last = r.stderr.strip().splitlines()[-1]  # after datasets' progress bars
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("error:") == 1, r.stderr
+    assert last.startswith("error: cannot write into") and "No space left on device" in last
 
 
 @pytest.mark.parametrize("files, expect", [
@@ -188,6 +210,54 @@ def test_bad_local_files_are_one_clear_error(tmp_path, files, expect):
     assert not (tmp_path / "out" / "train.bin").exists()
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["files", "stream"])
+@pytest.mark.parametrize("lines, expect", [
+    ([b'{"text": 5}', b'{"text": 6}'], "not a string"),
+    ([b'{"text": "a"}', b'{"text": 5}', b'{"text": "b"}'], "not a string"),  # a stream cast it to "5"
+    ([b'{"text": "a"}', b'{"text": ["x"]}', b'{"text": "b"}'], "not a string"),
+    ([b'{"text": "a"}', b'{"text": null}', b'{"text": "b"}'], "null|NoneType"),
+    ([b'{"text": "a"}', b'{"text": "b\xff\xfec"}', b'{"text": "d"}'], "utf-8"),  # bytes that are not UTF-8
+    ([b'{"text": "a"}', b'{"text": "b\\ud800c"}', b'{"text": "d"}'], "surrogate"),  # an escape UTF-8 has no code for
+], ids=["numbers", "a-number", "a-list", "a-null", "invalid-utf8", "lone-surrogate"])
+def test_a_document_whose_text_is_not_a_utf8_string_is_one_line(tmp_path, lines, expect, streaming):
+    (tmp_path / "docs.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "train.bin").write_bytes(b"earlier run")
+    with pytest.raises(common.DataError) as e:
+        owt.prepare(data_files=str(tmp_path / "docs.jsonl"), out_dir=out_dir, encoding=tiny_encoding(),
+                    streaming=streaming)
+    assert re.search(expect, str(e.value), re.IGNORECASE) and "\n" not in str(e.value), str(e.value)
+    assert os.listdir(out_dir) == ["train.bin"] and (out_dir / "train.bin").read_bytes() == b"earlier run"
+
+
+def test_the_document_that_is_not_utf8_is_named(tmp_path):
+    docs = [b'{"text": "fine"}'] * 5000 + [b'{"text": "caf\xe9"}']  # Latin-1, past the first batch
+    (tmp_path / "docs.jsonl").write_bytes(b"\n".join(docs) + b"\n")
+    with pytest.raises(common.DataError, match="document 5000 is not valid UTF-8 \\(byte 3\\)"):
+        owt.prepare(data_files=str(tmp_path / "docs.jsonl"), out_dir=tmp_path / "out", encoding=tiny_encoding())
+
+
+def unusable_out_dirs(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    return {"a file": tmp_path / "a_file", "under a file": tmp_path / "a_file" / "out",
+            "read-only": read_only_dir(tmp_path), "not creatable": "/proc/no/such/place"}
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "read-only", "not creatable"])
+def test_an_unusable_out_dir_is_one_line_before_any_work(tmp_path, case):
+    out_dir = unusable_out_dirs(tmp_path)[case]
+    data = write_jsonl(tmp_path / "d.jsonl", make_docs(5))
+    with pytest.raises(common.DataError, match="--out_dir=.* is unusable"):
+        owt.prepare(data_files=data, out_dir=out_dir, encoding=tiny_encoding())
+    with pytest.raises(common.DataError, match="--out_dir=.* is unusable"):
+        c4.prepare(data_files=data, val_data_files=data, out_dir=out_dir, encoding=tiny_encoding())
+    line = one_error_line(run_cli("openwebtext", tmp_path, f"--data_files={data}", f"--out_dir={out_dir}",
+                                  "--tokenizer=tiny"))
+    assert "is unusable" in line and "Hugging Face" not in line  # checked before the tokenizer or any download
+    assert (tmp_path / "a_file").read_text() == "not a directory"
+
+
 def test_c4_local_files_need_their_validation_files_too(tmp_path):
     with pytest.raises(common.DataError, match="--val_data_files"):
         c4.prepare(data_files=write_jsonl(tmp_path / "t.jsonl", ["a", "b"]), out_dir=tmp_path, encoding=tiny_encoding())
@@ -207,7 +277,7 @@ ENCODING_CONSTRUCTORS = {{"tiny": lambda: {args!r}}}
 """
 
 
-def run_cli(script, tmp_path, *args):
+def run_cli(script, tmp_path, *args, prefix=()):
     plugins = tmp_path / "plugins" / "tiktoken_ext"
     plugins.mkdir(parents=True, exist_ok=True)
     (plugins / "tiny_test_plugin.py").write_text(PLUGIN.format(args=tiny_encoding_args()))
@@ -216,7 +286,7 @@ def run_cli(script, tmp_path, *args):
                TIKTOKEN_CACHE_DIR=str(tmp_path / "empty_tiktoken_cache"),
                HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")  # port 9: refused at once
     env.pop("NO_PROXY", None), env.pop("no_proxy", None)
-    return subprocess.run([sys.executable, str(ROOT / "data" / script / "prepare.py"), *args], env=env,
+    return subprocess.run([*prefix, sys.executable, str(ROOT / "data" / script / "prepare.py"), *args], env=env,
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
 

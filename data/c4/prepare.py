@@ -22,6 +22,7 @@ def prepare(data_files=None, val_data_files=None, out_dir=HERE, encoding="gpt2",
             max_docs=None):
     """Write out_dir/{train,val}.bin and meta.json; encoding is a tiktoken.Encoding or its name;
     max_docs limits each split."""
+    common.check_out_dir(out_dir)  # before any slow work
     if bool(data_files) != bool(val_data_files):
         raise common.DataError("C4 keeps its own validation split: give --data_files (train) and --val_data_files "
                                "together, e.g. --data_files='en/c4-train.*.json.gz' "
@@ -41,6 +42,8 @@ def prepare(data_files=None, val_data_files=None, out_dir=HERE, encoding="gpt2",
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".stream-") as cache_dir:  # holds a stream's documents
         splits = {split: common.materialize(ds, max_docs, cache_dir) for split, ds in splits.items()}
+        for split, flag in (("train", "--data_files"), ("val", "--val_data_files")):
+            common.check_texts(splits[split], flag if data_files else f"{HUB_DATASET} {split}")
         return common.write_bins(splits, enc, out_dir, num_proc, source)
 
 

@@ -11,7 +11,8 @@ decodes them). Split: document i (in the order above) goes to
 val when i % 20 == 0, else to train: about 5%, and the same on every run of the same Python.
 Writes train.bin and val.bin (uint16, like nanoGPT's other datasets, so train.py reads every
 dataset the same way) and meta.json. meta.json is written last: its presence means the data is
-complete. Files are written under unique temporary names and renamed after an fsync, and one
+complete. Files are written under unique temporary names and renamed after an fsync, all of them
+only once all are written (a full disk leaves the earlier files as they were), and one
 preparation of a folder runs at a time (data/common.py), so two first runs that both find the
 corpus missing neither collide nor see half-written files.
 
@@ -65,7 +66,8 @@ def unigram_entropy(tokens, vocab_size=256):
 
 
 def prepare(out_dir=os.path.dirname(os.path.abspath(__file__))):
-    """Write train.bin, val.bin and meta.json into out_dir; return the meta dict."""
+    """Write train.bin, val.bin and meta.json into out_dir; return the meta dict. Raises common.DataError."""
+    common.check_out_dir(out_dir)
     with common.prepare_lock(out_dir):
         return _prepare(out_dir)
 
@@ -87,12 +89,12 @@ def _prepare(out_dir):
         "documents": len(docs),
         "source": f"Python {sysconfig.get_python_version()} standard library and pydoc topics",
     }
-    meta_path = os.path.join(out_dir, "meta.json")
-    if os.path.exists(meta_path):
-        os.remove(meta_path)  # until the new one lands, the data counts as incomplete
-    common.write_atomic(os.path.join(out_dir, "train.bin"), train_ids.tobytes())
-    common.write_atomic(os.path.join(out_dir, "val.bin"), val_ids.tobytes())
-    common.write_atomic(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
+    files = {"train.bin": train_ids.tobytes(), "val.bin": val_ids.tobytes(),
+             "meta.json": (json.dumps(meta, indent=1) + "\n").encode()}
+    with common.staged(out_dir, files) as temps:  # all written, then renamed: a full disk changes nothing
+        for name, data in files.items():
+            with open(temps[name], "wb") as f:
+                f.write(data)
     return meta
 
 
@@ -100,6 +102,7 @@ def prepare_if_missing(out_dir=os.path.dirname(os.path.abspath(__file__))):
     """The meta dict of out_dir, preparing it first unless a complete copy is there. Under the
     preparation lock, so when two runs start at once the second waits for the first and uses its
     files (prepare() would write them again, removing meta.json while the first run reads it)."""
+    common.check_out_dir(out_dir)
     with common.prepare_lock(out_dir):
         try:
             return common.load_meta(out_dir)
@@ -109,7 +112,10 @@ def prepare_if_missing(out_dir=os.path.dirname(os.path.abspath(__file__))):
 
 
 def main():
-    meta = prepare()
+    try:
+        meta = prepare()
+    except common.DataError as e:
+        sys.exit(f"error: {e}")
     print(f"{meta['documents']} documents ({meta['source']})")
     print(f"train has {meta['train_tokens']:,} tokens")
     print(f"val has {meta['val_tokens']:,} tokens")

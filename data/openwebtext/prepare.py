@@ -22,6 +22,7 @@ VAL_FRACTION, SPLIT_SEED = 0.0005, 2357  # nanoGPT's split: ~4k of ~8M documents
 
 def prepare(data_files=None, out_dir=HERE, encoding="gpt2", num_proc=1, streaming=False, max_docs=None):
     """Write out_dir/{train,val}.bin and meta.json; encoding is a tiktoken.Encoding or its name."""
+    common.check_out_dir(out_dir)  # before any slow work
     files = data_files and common.find_files(data_files)
     enc = common.get_encoding(encoding)  # before loading, so a missing tokenizer fails before a 54 GB download
     if data_files:
@@ -35,6 +36,7 @@ def prepare(data_files=None, out_dir=HERE, encoding="gpt2", num_proc=1, streamin
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".stream-") as cache_dir:  # holds a stream's documents
         ds = common.materialize(ds, max_docs, cache_dir)
+        common.check_texts(ds, "--data_files" if data_files else HUB_DATASET)  # in the files' order, before the split
         if len(ds) < 2:
             raise common.DataError(f"need at least 2 documents to split off a val set, got {len(ds)} from {source}")
         split = ds.train_test_split(test_size=VAL_FRACTION, seed=SPLIT_SEED, shuffle=True)

@@ -1,0 +1,67 @@
+"""Filesystem faults for the tests of unusable output places and full disks: a directory in which no
+file can be made, writes that fail half-way with ENOSPC (as a disk that fills), and, where the
+platform allows it, a really full filesystem (a tiny tmpfs in a private mount namespace)."""
+import errno
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+
+def no_space():
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def read_only_dir(tmp_path):
+    """A directory in which no file can be made: mode 0555, or, for root (whom modes do not bind),
+    sysfs, which refuses new files to everyone."""
+    d = tmp_path / "read-only"
+    d.mkdir()
+    d.chmod(0o555)
+    for candidate in (str(d), "/sys"):
+        try:
+            os.rmdir(tempfile.mkdtemp(dir=candidate))
+        except OSError:
+            return candidate
+    pytest.skip("no directory here refuses new files (running as root, and no sysfs)")
+
+
+class _FillingFile:
+    """A file opened for writing on a disk that fills: half of the first write lands, then ENOSPC."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        self._f.write(data[:len(data) // 2])
+        self._f.flush()
+        raise no_space()
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def full_disk_open(real_open=open):
+    """An open() whose files opened for writing fill the disk (_FillingFile); reading is as usual."""
+    def fake_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return _FillingFile(f) if any(c in mode for c in "wax+") else f
+    return fake_open
+
+
+def tiny_tmpfs(mountpoint, size="64k"):
+    """The command prefix that runs a command with a tmpfs of `size` mounted at mountpoint, in a mount
+    namespace of its own (nothing outside sees it); skips where unshare or mount is not permitted."""
+    prefix = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"', str(mountpoint)]
+    os.makedirs(mountpoint, exist_ok=True)
+    if shutil.which("unshare") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode:
+        pytest.skip("a private tmpfs needs unshare and mount permission (root with CAP_SYS_ADMIN), not here")
+    return prefix
