@@ -20,13 +20,15 @@ Layers without PQT, embeddings, head, norms and biases are kept in BF16 (--other
 keeps them exact). A run without PQT layers (a bf16 run) has its block Linears quantized instead,
 which is plain post-training quantization, the baseline PQT competes with.
 """
+import hashlib
+import io
 import json
 import math
 import os
 import struct
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 import checkpoint
 import train
 from configurator import ConfigError, configure
+from data.common import unusable_dir, write_atomic
 from kernels import BL
 from model import GPT, ROLES, ModelConfig
 
@@ -407,8 +410,8 @@ def print_bitwidths(report):
               + "".join(f"{100 * r['tiers'][label]:>6.1f}%" for _, label in TIERS))
 
 
-def plot_bitwidths(report, path):
-    """Histograms of b_t per role and overall (the paper's Fig. 5), Table C's tier bounds dashed; PNG at path."""
+def plot_bitwidths(report):
+    """Histograms of b_t per role and overall (the paper's Fig. 5), Table C's tier bounds dashed: PNG bytes."""
     from matplotlib.figure import Figure  # optional dependency, needed only here; no pyplot, no backend
     groups = list(report["roles"].items()) + [("all", report["overall"])]
     fig = Figure(figsize=(7, 1.6 * len(groups) + 0.6), layout="tight")
@@ -432,10 +435,15 @@ def plot_bitwidths(report, path):
         lower = bound
     axes[-1].set_xlabel("learned bitwidth b_t of a 32x32 block (dashed: Table C tiers 4, 5, 9, 12)")
     fig.suptitle(f"{report['method']}: b_init {report['b_init']}, b_target {report['b_target']}", fontsize=10)
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    return png.getvalue()
 
 
 # --- the exported file -------------------------------------------------------------------------
+
+EXPORT_VERSION = "2"  # the file's "pqt_export"; "1": an older export.py, which recorded no checksums
+INFO_KEYS = ("model_args", "pqt", "formats", "quantized", "mix", "config", "meta", "iter_num")  # JSON in the metadata
 
 def format_ids_for(name, fmt_name, b_t, shape):
     """The format id of each block of layer `name` under --format (auto/auto-int need the layer's b_t)."""
@@ -474,47 +482,198 @@ def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata):
     mix = dict(format=fmt_name, quantized_weights=n, quantized_bytes=quantized_bytes,
                bits_per_weight=8 * quantized_bytes / n if n else None,
                share={f: c / n for f, c in sorted(weights_by_format.items(), key=lambda fc: BY_NAME[fc[0]])})
-    metadata = {**metadata, "format": fmt_name, "formats": json.dumps([f.name for f in FORMATS]),
-                "quantized": json.dumps(shapes), "mix": json.dumps(mix)}
+    metadata = {**metadata, "pqt_export": EXPORT_VERSION, "format": fmt_name,
+                "formats": json.dumps([f.name for f in FORMATS]), "quantized": json.dumps(shapes), "mix": json.dumps(mix)}
+    metadata["sha256"] = checksums(tensors, metadata)
     return save(tensors, metadata=metadata), mix
 
 
-def _parse(data, where):
-    """(tensors, metadata) of an exported file's bytes."""
-    from safetensors.torch import load as load_tensors
+def tensor_sha256(t):
+    """SHA-256 of a tensor's bytes as safetensors stores them (little-endian, row-major)."""
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def metadata_sha256(metadata):
+    """SHA-256 of the metadata entries but the checksums themselves, in a canonical order."""
+    return hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "sha256"}, sort_keys=True).encode()
+                          ).hexdigest()
+
+
+def checksums(tensors, metadata):
+    """The "sha256" metadata entry: every tensor's checksum and the metadata's, checked by load."""
+    return json.dumps({"tensors": {k: tensor_sha256(t) for k, t in tensors.items()},
+                       "metadata": metadata_sha256(metadata)})
+
+
+def _header(data, where):
+    """(tensor entries {name: {dtype, shape, data_offsets}}, metadata) of a safetensors file's bytes."""
+    foreign = f"{where} is not a model file written by export.py"
+    if len(data) < 8 or struct.unpack("<Q", data[:8])[0] > len(data) - 8:
+        raise ExportError(f"{foreign} (shorter than its header says: truncated, or not a safetensors file)")
+    (n,) = struct.unpack("<Q", data[:8])
     try:
-        (header_len,) = struct.unpack("<Q", data[:8])
-        metadata = json.loads(data[8:8 + header_len]).get("__metadata__") or {}
-        if metadata.get("pqt_export") != "1":
-            raise ValueError("no pqt_export metadata")
-        return load_tensors(data), metadata
-    except Exception as e:
-        raise ExportError(f"{where} is not a model file written by export.py ({type(e).__name__}: {e})")
+        header = json.loads(data[8:8 + n])
+    except ValueError as e:
+        raise ExportError(f"{foreign} (its header is not JSON: {e})") from None
+    metadata = header.pop("__metadata__", None) if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or "pqt_export" not in metadata:
+        raise ExportError(f"{foreign} (no pqt_export metadata)")
+    if metadata["pqt_export"] == "1" and "sha256" not in metadata:
+        raise ExportError(f"{where} was written by an older export.py that recorded no checksums, so it cannot be "
+                          f"verified; export the run again (python export.py --out_dir=RUN --format=...)")
+    if metadata["pqt_export"] != EXPORT_VERSION:
+        raise ExportError(f"{where} has export version {metadata['pqt_export']!r}; this export.py reads "
+                          f"{EXPORT_VERSION!r}: export the run again with this export.py")
+    return header, metadata
+
+
+def _verify(data, header, metadata, where):
+    """Every tensor's bytes and the metadata against the checksums recorded at export."""
+    damaged = f"{where} fails verification (damaged, or not written by export.py)"
+    try:
+        sums = json.loads(metadata["sha256"])
+        tensor_sums, metadata_sum = dict(sums["tensors"]), sums["metadata"]
+    except (KeyError, TypeError, ValueError):
+        raise ExportError(f"{damaged}: its checksums cannot be read; export the run again") from None
+    if metadata_sha256(metadata) != metadata_sum:
+        raise ExportError(f"{damaged}: its metadata does not match its checksum; export the run again")
+    if set(tensor_sums) != set(header):
+        odd = sorted(set(tensor_sums) ^ set(header))
+        raise ExportError(f"{damaged}: tensors {odd[:3]} are missing or were added; export the run again")
+    base = 8 + struct.unpack("<Q", data[:8])[0]
+    view = memoryview(data)
+    for name, entry in header.items():
+        try:
+            start, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ExportError(f"{damaged}: the header entry of {name} is malformed; export the run again") from None
+        if not 0 <= start <= end <= len(data) - base or hashlib.sha256(view[base + start:base + end]).hexdigest() \
+                != tensor_sums[name]:
+            raise ExportError(f"{damaged}: tensor {name} does not match its checksum (flipped or missing bytes); "
+                              f"export the run again")
+
+
+def _info(metadata, where):
+    """The metadata's JSON entries, parsed and type-checked."""
+    info = {"format": metadata.get("format")}
+    if not isinstance(info["format"], str):
+        raise ExportError(f"{where} lacks the metadata entry 'format' export.py writes; export the run again")
+    for key in INFO_KEYS:
+        if key not in metadata:
+            raise ExportError(f"{where} lacks the metadata entry {key!r} export.py writes; export the run again")
+        try:
+            info[key] = json.loads(metadata[key])
+        except (TypeError, ValueError) as e:
+            raise ExportError(f"{where}: metadata entry {key!r} is not JSON ({e}); export the run again") from None
+    kinds = dict(model_args=dict, pqt=dict, formats=list, quantized=dict, mix=dict, config=dict, meta=(dict, type(None)))
+    for key, kind in kinds.items():
+        if not isinstance(info[key], kind):
+            raise ExportError(f"{where}: metadata entry {key!r} is a JSON {type(info[key]).__name__}, not what "
+                              f"export.py writes; export the run again")
+    if info["formats"] != [f.name for f in FORMATS][:len(info["formats"])]:
+        raise ExportError(f"{where} numbers its formats differently from this export.py: {info['formats']}")
+    unknown = sorted(set(info["model_args"]) - {f.name for f in fields(ModelConfig)})
+    if unknown:
+        raise ExportError(f"{where}: model_args has keys this project's model does not know: {unknown}")
+    return info
+
+
+def _reference(info, where):
+    """{key: shape} of the unique tensors (a tied weight once) of the model that info describes (meta device)."""
+    try:
+        with torch.device("meta"):
+            model = GPT(ModelConfig(**info["model_args"]))
+    except (TypeError, ValueError, ZeroDivisionError, RuntimeError, OverflowError) as e:
+        raise ExportError(f"{where}: model_args {info['model_args']} do not describe a model "
+                          f"({type(e).__name__}: {e})") from None
+    shapes, seen = {}, set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in seen:  # export_bytes stores a tied weight once, under its first name
+            seen.add(id(value))
+            shapes[key] = tuple(value.shape)
+    return shapes
+
+
+def _check_quantized(tensors, key, shape, n_formats, where):
+    """The names of a quantized weight's tensors, each checked against the block count of its shape."""
+    ids = tensors.get(f"{key}.format")
+    nb = (-(-shape[0] // BL), -(-shape[1] // BL))
+    if ids is None or ids.dtype != torch.uint8 or tuple(ids.shape) != nb:
+        got = "missing" if ids is None else f"{ids.dtype} {tuple(ids.shape)}"
+        raise ExportError(f"{where}: {key}.format should hold one uint8 format id per 32x32 block {nb}, got {got}")
+    ids = ids.flatten().long()
+    if (ids >= n_formats).any():
+        raise ExportError(f"{where}: {key}.format holds format id {int(ids.max())}; the file names {n_formats} formats")
+    real = to_blocks(torch.ones(shape, dtype=torch.bool)).sum(dim=1)  # elements of each block (edge blocks fewer)
+    names = {f"{key}.format"}
+    for fid in ids.unique().tolist():
+        fmt, sel = FORMATS[fid], ids == fid
+        want = {f"{key}.{fmt.name}.codes": (torch.uint8, (-(-int(real[sel].sum()) * fmt.bits // 8),))}
+        if fmt.scaled:
+            want[f"{key}.{fmt.name}.scales"] = (torch.bfloat16 if fmt.kind == "int" else torch.uint8, (int(sel.sum()),))
+        for name, (dtype, size) in want.items():
+            t = tensors.get(name)
+            if t is None or t.dtype != dtype or tuple(t.shape) != size:
+                got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+                raise ExportError(f"{where}: {name} should be {dtype} {size} for the blocks of {key}, got {got}")
+        scales = tensors.get(f"{key}.{fmt.name}.scales")
+        if fmt.kind == "fp" and scales is not None and (scales == 255).any():
+            raise ExportError(f"{where}: {key} has the E8M0 scale code 255 (NaN), which export.py never writes")
+        names |= want.keys()
+    return names
+
+
+def _check_tensors(tensors, info, where):
+    """Every tensor of the model is in the file, of its shape; nothing else is."""
+    reference, quantized = _reference(info, where), info["quantized"]
+    expected = set()
+    for key, shape in quantized.items():
+        if key not in reference or list(reference[key]) != shape or len(shape) != 2:
+            raise ExportError(f"{where}: quantized weight {key} {shape} is not a weight of the model "
+                              f"{info['model_args']} ({list(reference.get(key, ())) or 'no such weight'})")
+        expected |= _check_quantized(tensors, key, tuple(shape), len(info["formats"]), where)
+    for key, shape in reference.items():
+        if key in quantized:
+            continue
+        t = tensors.get(key)
+        if t is None or not t.is_floating_point() or tuple(t.shape) != shape:
+            got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+            raise ExportError(f"{where}: {key} should be a float tensor of shape {shape}, got {got}")
+        expected.add(key)
+    if set(tensors) - expected:
+        raise ExportError(f"{where} holds tensors the model does not have: {sorted(set(tensors) - expected)[:3]}")
 
 
 def rebuild(data, device="cpu", where="the exported file"):
-    """(model in eval mode with the dequantized weights, info) from an exported file's bytes."""
-    tensors, metadata = _parse(data, where)
-    info = {k: (json.loads(v) if k not in ("format", "pqt_export") else v) for k, v in metadata.items()}
-    if info["formats"] != [f.name for f in FORMATS][:len(info["formats"])]:
-        raise ExportError(f"{where} numbers its formats differently from this export.py: {info['formats']}")
+    """(model in eval mode with the dequantized weights, info) from an exported file's bytes, verified
+    first: the checksums export recorded, every tensor's size against the model and its blocks, and
+    the rebuilt model finite. Anything else is ExportError, one line."""
+    from safetensors.torch import load as load_tensors
+    header, metadata = _header(data, where)
+    _verify(data, header, metadata, where)
+    info = _info(metadata, where)
+    try:
+        tensors = load_tensors(data)
+    except Exception as e:  # safetensors' own errors have no common base class
+        raise ExportError(f"{where} is not a valid safetensors file ({type(e).__name__}: {e})") from None
+    _check_tensors(tensors, info, where)
     model = GPT(ModelConfig(**info["model_args"]))
     own = model.state_dict()
-    state = {k: v.float() for k, v in tensors.items() if k in own}
+    state = {k: v.float() for k, v in tensors.items() if k in own and k not in info["quantized"]}
     for key, (m, n) in info["quantized"].items():
         prefix = key + "."
         state[key] = dequantize_weight({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, m, n)
-    result = model.load_state_dict(state, strict=False)
-    loaded = {own[k].data_ptr() for k in state}
-    missing = [k for k in result.missing_keys if own[k].data_ptr() not in loaded]  # a tied weight is loaded
-    if missing:
-        raise ExportError(f"{where} lacks tensors of the model: {missing[:3]}")
+    model.load_state_dict(state, strict=False)  # complete, as _check_tensors found; a tied weight comes with its twin
+    for key, value in model.state_dict().items():
+        if not torch.isfinite(value).all():
+            raise ExportError(f"{where}: {key} holds {int((~torch.isfinite(value)).sum())} non-finite values (an Inf "
+                              f"or NaN scale, norm or weight); a non-finite model is not loaded: export the run again")
     return model.to(device).eval(), info
 
 
 def load(path, device="cpu"):
-    """(model, info) from a file written by export.py: the model (eval mode) holds the dequantized
-    weights; info holds model_args, pqt, format, mix, config and meta (the dataset's tokenizer)."""
+    """(model, info) from a file written by export.py, verified (rebuild): the model (eval mode) holds
+    the dequantized weights; info holds model_args, pqt, format, mix, config and meta (the dataset's tokenizer)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -561,9 +720,22 @@ def parse_formats(spec):
     return list(dict.fromkeys(names))
 
 
-def main(argv):
-    cfg = dict(DEFAULTS)
-    configure(cfg, argv)
+def check_device(name):
+    """--device names a device this machine has: cpu, or cuda / cuda:N with a GPU there."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ExportError(f"--device={name!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ExportError(f"--device={name!r}, but torch finds no CUDA GPU here; use --device=cpu")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ExportError(f"--device={name!r}, but torch finds {torch.cuda.device_count()} CUDA GPUs here")
+
+
+def check_args(cfg):
+    """(formats, export_dir, {format: path}) of the command line, every value checked before any work."""
     formats = parse_formats(cfg["format"])
     if cfg["layers"] not in ("pqt", "all"):
         raise ExportError(f"--layers={cfg['layers']!r}: expected 'pqt' or 'all'")
@@ -571,12 +743,33 @@ def main(argv):
         raise ExportError(f"--other_dtype={cfg['other_dtype']!r}: expected 'bfloat16' or 'float32'")
     if cfg["eval_iters"] < 0:
         raise ExportError(f"--eval_iters={cfg['eval_iters']}: expected >= 1 batches, or 0 for the run's own")
+    check_device(cfg["device"])
     export_dir = cfg["export_dir"] or cfg["out_dir"]
+    why = unusable_dir(export_dir)
+    if why:
+        raise ExportError(f"--export_dir={export_dir!r} is unusable: {why}; choose a directory that can be written")
     paths = {f: os.path.join(export_dir, f"model-{f}.safetensors") for f in formats}
     if cfg["save"] and not cfg["overwrite"]:
         for path in paths.values():
             if os.path.exists(path):
                 raise ExportError(f"{path} exists; pass --overwrite=True to replace it, or choose another --export_dir")
+    return formats, export_dir, paths
+
+
+def write_output(path, data):
+    """bytes to path atomically (data.common.write_atomic): a full disk is one line, the old file kept."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_atomic(path, data)
+    except OSError as e:
+        raise ExportError(f"cannot write {path} ({e.strerror or e}): free space or choose another --export_dir; "
+                          f"no file there was replaced") from None
+
+
+def main(argv):
+    cfg = dict(DEFAULTS)
+    configure(cfg, argv)
+    formats, export_dir, paths = check_args(cfg)
 
     ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
     if not os.path.lexists(ckpt_path) and os.path.lexists(os.path.join(cfg["out_dir"], "ckpt.dcp")):
@@ -613,15 +806,12 @@ def main(argv):
         batches = eval_batches(config, model.config.block_size, cfg["eval_iters"] or config["eval_iters"])
         reference = val_loss(model.to(cfg["device"]), batches, config["dtype"], cfg["device"])
     report = bitwidth_report(b_t, shapes, linears, pqt) if b_t else None
-    if cfg["save"] or report:
-        os.makedirs(export_dir, exist_ok=True)
     if report:
-        with open(os.path.join(export_dir, "bitwidths.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        write_output(os.path.join(export_dir, "bitwidths.json"), json.dumps(report, indent=1).encode())
         if cfg["plot"]:
-            plot_bitwidths(report, os.path.join(export_dir, "bitwidths.png"))
+            write_output(os.path.join(export_dir, "bitwidths.png"), plot_bitwidths(report))
 
-    metadata = {"pqt_export": "1", "model_args": json.dumps(arch_args), "pqt": json.dumps(pqt),
+    metadata = {"model_args": json.dumps(arch_args), "pqt": json.dumps(pqt),
                 "config": json.dumps(config), "meta": json.dumps(meta), "iter_num": json.dumps(iter_num)}
     results = []
     other_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["other_dtype"]]
@@ -629,12 +819,7 @@ def main(argv):
         data, mix = export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata)
         result = dict(mix, path=paths[fmt_name] if cfg["save"] else None, file_bytes=len(data))
         if cfg["save"]:
-            tmp = paths[fmt_name] + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, paths[fmt_name])  # atomic: a crash leaves no half-written model file
+            write_output(paths[fmt_name], data)  # atomic: a crash leaves no half-written model file
         if cfg["evaluate"]:
             exported, _ = rebuild(data, cfg["device"])
             loss = val_loss(exported, batches, config["dtype"], cfg["device"])

@@ -1,5 +1,6 @@
 """export.py: element formats against torch's casts and hand-decoded bits, OCP MX block scales,
 Table C's choice of format, the file, the quantized loss, bad input."""
+import hashlib
 import json
 import math
 import os
@@ -495,3 +496,217 @@ def test_an_exported_file_goes_to_transformers_with_its_dequantized_weights(data
     with torch.no_grad():
         a, b = ours(x, torch.zeros_like(x))[0], theirs(x).logits
     assert (a - b).abs().max().item() <= 1e-5 * (1 + b.abs().max().item())  # FP32, as tests/test_hf.py
+
+
+# --- a file is verified before it is loaded ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def exported(data_dir, tmp_path_factory):
+    """Good files of a small PQT run: mxfp4 (E8M0 scales), int4 (BF16 scales), auto (a mix)."""
+    d = tmp_path_factory.mktemp("exported")
+    make_checkpoint(d, data_dir)
+    assert E.cli([f"--out_dir={d}", "--format=mxfp4,int4,auto", "--evaluate=False", "--plot=False"]) == 0
+    return d
+
+
+def raw_header(data):
+    """(tensor entries, metadata, where the tensor bytes start) of safetensors bytes, read by hand."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    return header, header.pop("__metadata__"), 8 + n
+
+
+def file_parts(path):
+    """(tensors, metadata) of a file, read by safetensors itself."""
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+
+
+def seal(path, tensors, metadata):
+    """Write a file as export.py would, its checksums made here by hand: SHA-256 of each tensor's bytes
+    in the file, and of the other metadata entries as JSON with sorted keys."""
+    from safetensors.torch import save
+    meta = {k: v for k, v in metadata.items() if k != "sha256"}
+    header, _, base = raw_header(save(tensors, metadata=meta))  # the tensors' byte ranges, as in the final file
+    data = save(tensors, metadata=meta)
+    sums = {k: hashlib.sha256(data[base + e["data_offsets"][0]:base + e["data_offsets"][1]]).hexdigest()
+            for k, e in header.items()}
+    meta["sha256"] = json.dumps({"tensors": sums, "metadata": hashlib.sha256(json.dumps(meta, sort_keys=True)
+                                                                             .encode()).hexdigest()})
+    with open(path, "wb") as f:
+        f.write(save(tensors, metadata=meta))
+    return str(path)
+
+
+def test_a_file_records_the_checksum_of_every_tensor_and_of_its_metadata(exported):
+    for fmt in ("mxfp4", "int4", "auto"):
+        data = (exported / f"model-{fmt}.safetensors").read_bytes()
+        header, metadata, base = raw_header(data)
+        sums = json.loads(metadata["sha256"])
+        assert sums["tensors"] == {k: hashlib.sha256(data[base + e["data_offsets"][0]:base + e["data_offsets"][1]])
+                                   .hexdigest() for k, e in header.items()}
+        rest = {k: v for k, v in metadata.items() if k != "sha256"}
+        assert sums["metadata"] == hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+        assert metadata["pqt_export"] == "2"
+
+
+def flip_byte(name):
+    def corrupt(data):
+        header, _, base = raw_header(data)
+        at = base + header[name]["data_offsets"][0] + 1
+        return data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:]
+    return corrupt
+
+
+def edit_metadata(key, value):
+    def corrupt(data):  # the header rewritten, its tensors' bytes kept: only the metadata's checksum can tell
+        header, metadata, base = raw_header(data)
+        header["__metadata__"] = {**metadata, key: value}
+        text = json.dumps(header).encode()
+        return struct.pack("<Q", len(text)) + text + data[base:]
+    return corrupt
+
+
+def older_export(data):
+    header, metadata, base = raw_header(data)
+    header["__metadata__"] = {k: ("1" if k == "pqt_export" else v) for k, v in metadata.items() if k != "sha256"}
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data[base:]
+
+
+CORRUPT = {  # the mxfp4 file's bytes -> damaged bytes
+    "a flipped bit in codes": flip_byte("transformer.h.0.mlp.c_fc.weight.mxfp4.codes"),
+    "a flipped bit in a norm": flip_byte("transformer.ln_f.weight"),
+    "a flipped bit in a scale": flip_byte("transformer.h.1.attn.c_proj.weight.mxfp4.scales"),
+    "truncated": lambda data: data[:-100],
+    "model_args edited": edit_metadata("model_args", json.dumps({"arch": "gpt2", "n_layer": 3, "n_head": 2,
+                                                                 "n_embd": 48, "vocab_size": 256, "block_size": 32})),
+    "cut inside the header": lambda data: data[:40],
+    "empty": lambda data: b"",
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT))
+def test_a_damaged_file_is_refused_in_one_line(exported, tmp_path, case):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(CORRUPT[case]((exported / "model-mxfp4.safetensors").read_bytes()))
+    with pytest.raises(E.ExportError) as e:
+        E.load(str(path))
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message
+    assert ("checksum" in message if case not in ("cut inside the header", "empty")
+            else "not a model file written by export.py" in message), message
+
+
+def foreign(data_dir, tmp_path):
+    """safetensors files of other tools, or of an older export.py, that do not verify."""
+    from safetensors.torch import save_file
+    save_file({"w": torch.ones(3)}, tmp_path / "hf.safetensors", metadata={"format": "pt"})
+    save_file({"transformer.wte.weight": torch.ones(3)}, tmp_path / "claims.safetensors",
+              metadata={"pqt_export": "2", "model_args": "{}"})
+    return {"another tool's": (tmp_path / "hf.safetensors", "not a model file written by export.py"),
+            "one claiming to be an export": (tmp_path / "claims.safetensors", "checksums cannot be read"),
+            "an older export": (tmp_path / "old.safetensors", "older export.py that recorded no checksums")}
+
+
+def test_files_of_other_tools_and_older_exports_are_refused(exported, data_dir, tmp_path):
+    (tmp_path / "old.safetensors").write_bytes(older_export((exported / "model-mxfp4.safetensors").read_bytes()))
+    for case, (path, expect) in foreign(data_dir, tmp_path).items():
+        with pytest.raises(E.ExportError) as e:
+            E.load(str(path))
+        assert expect in str(e.value) and "\n" not in str(e.value), (case, str(e.value))
+    assert "export the run again" in str(e.value)
+
+
+def set_tensor(name, fn):
+    return lambda tensors, metadata: tensors.update({name: fn(tensors[name].clone())})
+
+
+def set_meta(key, fn):
+    return lambda tensors, metadata: metadata.update({key: fn(metadata[key])})
+
+
+def args_with(**change):
+    return set_meta("model_args", lambda s: json.dumps({**json.loads(s), **change}))
+
+
+def drop(name):
+    return lambda tensors, metadata: tensors.pop(name)
+
+
+def bad_format_id(t):
+    t.view(-1)[0] = 200
+    return t
+
+
+def set_first(value):
+    def fn(t):
+        t.view(-1)[0] = value
+        return t
+    return fn
+
+
+C_FC = "transformer.h.0.mlp.c_fc.weight"
+MALFORMED = {  # (file, change made to its tensors and metadata, then sealed with valid checksums, the message)
+    "bad format id": ("mxfp4", set_tensor(f"{C_FC}.format", bad_format_id), "holds format id 200"),
+    "metadata not JSON": ("mxfp4", set_meta("model_args", lambda s: s[:-3]), "'model_args' is not JSON"),
+    "metadata of another type": ("mxfp4", set_meta("quantized", lambda s: "[1, 2]"), "'quantized' is a JSON list"),
+    "a norm of another shape": ("mxfp4", set_tensor("transformer.ln_f.weight", lambda t: t[:40].clone()),
+                                "transformer.ln_f.weight should be a float tensor of shape (48,), got"),
+    "a quantized shape the model lacks": ("mxfp4", set_meta("quantized", lambda s: json.dumps(
+        {**json.loads(s), C_FC: [100, 48]})), f"quantized weight {C_FC} [100, 48] is not a weight of the model"),
+    "format ids of another shape": ("mxfp4", set_tensor(f"{C_FC}.format", lambda t: t[:-1].clone()),
+                                    "one uint8 format id per 32x32 block (6, 2)"),
+    "truncated codes": ("mxfp4", set_tensor(f"{C_FC}.mxfp4.codes", lambda t: t[:-1].clone()),
+                        f"{C_FC}.mxfp4.codes should be torch.uint8 (4608,)"),  # 192 x 48 weights of 4 bits
+    "missing scales": ("mxfp4", drop(f"{C_FC}.mxfp4.scales"), f"{C_FC}.mxfp4.scales should be torch.uint8 (12,)"),
+    "scales of another dtype": ("int4", set_tensor(f"{C_FC}.int4.scales", lambda t: t.float()),
+                                f"{C_FC}.int4.scales should be torch.bfloat16 (12,)"),
+    "a missing norm": ("mxfp4", drop("transformer.ln_f.weight"), "transformer.ln_f.weight should be a float tensor"),
+    "an extra tensor": ("mxfp4", lambda t, m: t.update(extra=torch.zeros(2)), "tensors the model does not have: "
+                                                                              "['extra']"),
+    "a missing metadata entry": ("mxfp4", lambda t, m: m.pop("quantized"), "lacks the metadata entry 'quantized'"),
+    "unknown model_args keys": ("mxfp4", args_with(n_experts=4), "model_args has keys this project's model does "
+                                                                  "not know: ['n_experts']"),
+    "model_args of zero heads": ("mxfp4", args_with(n_head=0), "do not describe a model (ZeroDivisionError"),
+    "model_args of text": ("mxfp4", args_with(n_layer="2"), "do not describe a model (TypeError"),
+    "an Inf scale": ("int4", set_tensor(f"{C_FC}.int4.scales", set_first(float("inf"))),
+                     f"{C_FC} holds 1024 non-finite values"),  # the first block's 32 x 32 weights
+    "a NaN E8M0 scale": ("mxfp4", set_tensor(f"{C_FC}.mxfp4.scales", set_first(255)), "scale code 255 (NaN)"),
+    "an E8M0 scale past float32": ("mxfp4", set_tensor(f"{C_FC}.mxfp4.scales", set_first(254)),
+                                   f"{C_FC} holds"),  # 2^127 times a code of 1.5 or more is Inf in float32
+    "a NaN norm": ("mxfp4", set_tensor("transformer.h.1.ln_2.weight", set_first(float("nan"))),
+                   "transformer.h.1.ln_2.weight holds 1 non-finite values"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_file_with_valid_checksums_is_refused_in_one_line(exported, tmp_path, case):
+    fmt, change, expect = MALFORMED[case]
+    tensors, metadata = file_parts(exported / f"model-{fmt}.safetensors")
+    change(tensors, metadata)
+    path = seal(tmp_path / "model.safetensors", tensors, metadata)
+    with pytest.raises(E.ExportError) as e:
+        E.load(path)
+    assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_sealing_by_hand_makes_a_file_that_loads(exported, tmp_path):
+    """The malformed files above fail for what was changed, not for how they were written."""
+    tensors, metadata = file_parts(exported / "model-mxfp4.safetensors")
+    model, _ = E.load(seal(tmp_path / "model.safetensors", tensors, metadata))
+    reference, _ = E.load(str(exported / "model-mxfp4.safetensors"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+
+
+def test_sample_and_hf_refuse_a_damaged_file_in_one_line_and_write_nothing(exported, tmp_path):
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(CORRUPT["a flipped bit in codes"]((exported / "model-mxfp4.safetensors").read_bytes()))
+    for script, args in (("sample.py", [f"--init_from={bad}", "--device=cpu"]),
+                         ("hf.py", [f"--ckpt={bad}", f"--out={tmp_path / 'hf'}"])):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
+                           timeout=120, cwd=tmp_path)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 1 and len(lines) == 1 and "does not match its checksum" in lines[0], p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # hf.py wrote no model
