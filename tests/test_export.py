@@ -710,3 +710,41 @@ def test_sample_and_hf_refuse_a_damaged_file_in_one_line_and_write_nothing(expor
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 1 and len(lines) == 1 and "does not match its checksum" in lines[0], p.stderr
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # hf.py wrote no model
+
+
+# --- the command's output place, its device, a full disk ----------------------------------------
+
+def test_a_bad_device_is_one_line_before_any_work(tmp_path, capsys):
+    """No checkpoint at --out_dir: the device is checked first, so its line, not the checkpoint's, comes."""
+    absent = "cuda:99" if torch.cuda.is_available() else "cuda"
+    for device, expect in (("gpu0", "expected cpu, cuda or cuda:N"), ("mps", "expected cpu, cuda or cuda:N"),
+                           (absent, "CUDA GPU"), ("cuda:99", "CUDA GPU")):
+        rc, out, err = run([f"--out_dir={tmp_path}", f"--device={device}"], capsys)
+        assert rc == 1 and expect in err and f"--device={device!r}" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_unusable_export_dir_is_one_line_before_any_work(tmp_path, capsys):
+    from disk_faults import read_only_dir
+    (tmp_path / "a_file").write_text("keep")
+    for export_dir in (tmp_path / "a_file", tmp_path / "a_file" / "sub", read_only_dir(tmp_path),
+                       "/proc/no/such/place"):
+        rc, out, err = run([f"--out_dir={tmp_path / 'no_run'}", f"--export_dir={export_dir}"], capsys)
+        assert rc == 1 and "--export_dir=" in err and "is unusable" in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "a_file").read_text() == "keep"
+
+
+@pytest.mark.parametrize("run_kind", ["pqt", "bf16"])  # PQT: bitwidths.json is the first write; bf16: the model file
+def test_a_full_disk_is_one_line_and_replaces_nothing(data_dir, tmp_path, capsys, monkeypatch, run_kind):
+    from data import common
+    from disk_faults import full_disk_open
+    make_checkpoint(tmp_path, data_dir, pqt_roles=None if run_kind == "pqt" else ())
+    rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", "--evaluate=False"], capsys)
+    assert rc == 0, err
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    make_checkpoint(tmp_path, data_dir, pqt_roles=None if run_kind == "pqt" else (), seed=1)  # other weights
+    before["ckpt.pt"] = (tmp_path / "ckpt.pt").read_bytes()
+    monkeypatch.setattr(common, "open", full_disk_open(), raising=False)  # export.py writes through data.common
+    rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", "--evaluate=False", "--overwrite=True"], capsys)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "No space left on device" in err, err
+    assert "cannot write" in err and ("bitwidths.json" if run_kind == "pqt" else "model-mxfp4.safetensors") in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temporary left, nothing replaced
