@@ -14,6 +14,7 @@ transformers is not needed here; safetensors is.
 import argparse
 import glob
 import json
+import math
 import os
 import shutil
 import sys
@@ -97,6 +98,20 @@ def _refuse(path, what, value, accepted):
     raise HFError(f"{path}: {what}={value!r} is not supported (accepted: {accepted})")
 
 
+def _positive(c, path, key, kind=int, default=KeyError):
+    """c[key] as a positive int (kind int) or a positive finite number (kind float); absent or null:
+    default (KeyError: the key is required, and load_pretrained says the config lacks it)."""
+    value = c.get(key)
+    if value is None:
+        if default is KeyError:
+            raise KeyError(key)
+        return default
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and (isinstance(value, int) if kind is int else math.isfinite(value)) and value > 0):
+        raise HFError(f"{path}: {key}={value!r}; expected a positive {'integer' if kind is int else 'number'}")
+    return kind(value)
+
+
 def _gpt2_args(c, path):
     if c.get("activation_function", "gelu_new") not in GPT2_GELU:
         _refuse(path, "activation_function", c.get("activation_function"), ", ".join(GPT2_GELU))
@@ -105,14 +120,18 @@ def _gpt2_args(c, path):
                       ("add_cross_attention", False)):
         if c.get(key, want) != want:  # our GPT2 is nanoGPT's: these are fixed there
             _refuse(path, key, c[key], repr(want))
-    return dict(arch="gpt2", n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"],
-                ffn_hidden=c.get("n_inner") or 4 * c["n_embd"], vocab_size=c["vocab_size"],
-                block_size=c["n_positions"], bias=True, gelu=GPT2_GELU[c.get("activation_function", "gelu_new")])
+    n_embd = _positive(c, path, "n_embd")
+    return dict(arch="gpt2", n_layer=_positive(c, path, "n_layer"), n_head=_positive(c, path, "n_head"), n_embd=n_embd,
+                ffn_hidden=_positive(c, path, "n_inner", default=4 * n_embd), vocab_size=_positive(c, path, "vocab_size"),
+                block_size=_positive(c, path, "n_positions"), bias=True,
+                gelu=GPT2_GELU[c.get("activation_function", "gelu_new")])
 
 
 def _llama_args(c, path):
-    n_embd, n_head = c["hidden_size"], c["num_attention_heads"]
+    n_embd, n_head = _positive(c, path, "hidden_size"), _positive(c, path, "num_attention_heads")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}  # transformers 5 / earlier
+    if not isinstance(rope, dict):
+        _refuse(path, "rope_parameters", rope, "a JSON object")
     for key, value, want in (("hidden_act", c.get("hidden_act", "silu"), "silu"),
                              ("attention_bias", c.get("attention_bias", False), False),
                              ("mlp_bias", c.get("mlp_bias", False), False),
@@ -120,18 +139,28 @@ def _llama_args(c, path):
                              ("rope_type", rope.get("rope_type", rope.get("type", "default")), "default")):
         if value != want:
             _refuse(path, key, value, repr(want))
-    return dict(arch="llama2", n_layer=c["num_hidden_layers"], n_head=n_head,
-                n_kv_head=c.get("num_key_value_heads") or n_head, n_embd=n_embd, ffn_hidden=c["intermediate_size"],
-                vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"], bias=False,
-                rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-                norm_eps=float(c.get("rms_norm_eps", 1e-6)))
+    theta = _positive(rope, path, "rope_theta", float, default=_positive(c, path, "rope_theta", float, default=10000.0))
+    return dict(arch="llama2", n_layer=_positive(c, path, "num_hidden_layers"), n_head=n_head,
+                n_kv_head=_positive(c, path, "num_key_value_heads", default=n_head), n_embd=n_embd,
+                ffn_hidden=_positive(c, path, "intermediate_size"), vocab_size=_positive(c, path, "vocab_size"),
+                block_size=_positive(c, path, "max_position_embeddings"), bias=False, rope_theta=theta,
+                norm_eps=_positive(c, path, "rms_norm_eps", float, default=1e-6))
 
 
 def _read_weights(d):
     index = os.path.join(d, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted({os.path.join(d, name) for name in json.load(f)["weight_map"].values()})
+        try:
+            with open(index) as f:
+                names = set(json.load(f)["weight_map"].values())
+            if not all(isinstance(n, str) and n and os.path.basename(n) == n for n in names):
+                raise ValueError("its weight_map's values are not file names")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise HFError(f"cannot read {index} ({reason(e)}); download the model again") from None
+        files = sorted(os.path.join(d, name) for name in names)
+        for f in files:
+            if not os.path.isfile(f):
+                raise HFError(f"{index} names {os.path.basename(f)}, which {d} does not hold; download the model again")
     else:
         files = sorted(glob.glob(os.path.join(d, "*.safetensors")))
     if not files:
@@ -209,7 +238,7 @@ def _check_shapes(model_args, sd, where):
         with torch.device("meta"):
             want = {k: v.shape for k, v in GPT(ModelConfig(**model_args)).state_dict().items()
                     if not k.endswith(".b_i")}
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ZeroDivisionError) as e:
         raise HFError(f"{where}: {reason(e)}") from None
     missing, extra = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
     if missing or extra:
@@ -312,6 +341,19 @@ def _to_llama(sd, config):
     return out, hf
 
 
+def check_out(out_dir):
+    """out_dir can be written whole: it does not exist, or is an empty directory, and its parent can be
+    made and written (data.common.unusable_dir tries it)."""
+    from data.common import unusable_dir
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise HFError(f"{out_dir} exists and is not an empty directory; choose a new --out")
+    parent = os.path.dirname(out_dir)
+    why = unusable_dir(parent)
+    if why:
+        raise HFError(f"--out={out_dir} cannot be written: {why}; choose another --out")
+
+
 def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
     """Write out_dir as a transformers directory (config.json, model.safetensors, and the tokenizer's
     files when tokenizer, a tokenizer.Tokenizer, has them) that AutoModelForCausalLM.from_pretrained
@@ -336,13 +378,12 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
     eot = tokenizer.eot if tokenizer is not None else None
     hf.update(bos_token_id=eot, eos_token_id=eot)
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise HFError(f"{out_dir} exists and is not an empty directory; choose a new --out")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
+    check_out(out_dir)
     from safetensors.torch import save_file
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.")
+    tmp = None
     try:
+        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(out_dir), prefix=f".{os.path.basename(out_dir)}.")
         save_file({k: v.contiguous().clone() for k, v in out.items()}, os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt"})  # clone: safetensors refuses tensors that share memory
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -353,8 +394,11 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty, checked above
         os.replace(tmp, out_dir)
+    except OSError as e:
+        raise HFError(f"cannot write {out_dir} ({e.strerror or e}): free space or choose another --out; nothing "
+                      f"was written") from None
     finally:
-        if os.path.isdir(tmp):
+        if tmp is not None and os.path.isdir(tmp):
             shutil.rmtree(tmp)
     return sorted(["config.json", "model.safetensors", *files]), why
 
@@ -411,6 +455,7 @@ def main(argv):
                    "data/<the checkpoint's dataset>)")
     args = p.parse_args(argv)
     import tokenizer
+    check_out(args.out)  # before reading the checkpoint
     ckpt = read_exported(args.ckpt) if args.ckpt.endswith(".safetensors") else read_checkpoint(args.ckpt)
     try:
         tok, why = data_tokenizer(ckpt, args.data_dir)

@@ -275,6 +275,105 @@ def test_weights_of_another_shape_are_refused(tmp_path):
     assert "self_attn.k_proj" in one_line(e.value) or "attn.k.weight" in one_line(e.value)
 
 
+GPT2_BASE = dict(architectures=["GPT2LMHeadModel"], n_embd=8, n_head=2, n_layer=1, vocab_size=10, n_positions=8)
+LLAMA_BASE = dict(architectures=["LlamaForCausalLM"], hidden_size=8, num_attention_heads=2, num_hidden_layers=1,
+                  intermediate_size=16, vocab_size=10, max_position_embeddings=8)
+
+
+@pytest.mark.parametrize("config, expect", [
+    ({**GPT2_BASE, "n_layer": "2"}, "n_layer='2'; expected a positive integer"),
+    ({**GPT2_BASE, "n_head": 0}, "n_head=0; expected a positive integer"),
+    ({**GPT2_BASE, "n_embd": 8.0}, "n_embd=8.0; expected a positive integer"),
+    ({**GPT2_BASE, "vocab_size": -1}, "vocab_size=-1"),
+    ({**GPT2_BASE, "n_positions": True}, "n_positions=True"),
+    ({**GPT2_BASE, "n_inner": [32]}, "n_inner=[32]"),
+    ({**LLAMA_BASE, "hidden_size": 0}, "hidden_size=0"),
+    ({**LLAMA_BASE, "num_key_value_heads": 0}, "num_key_value_heads=0"),
+    ({**LLAMA_BASE, "rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6'; expected a positive number"),
+    ({**LLAMA_BASE, "rope_theta": 0}, "rope_theta=0; expected a positive number"),
+    ({**LLAMA_BASE, "rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}}, "rope_theta=nan"),
+    ({**LLAMA_BASE, "rope_parameters": "default"}, "rope_parameters='default' is not supported"),
+])
+def test_a_config_of_wrong_types_or_zeros_is_refused_in_one_line(tmp_path, config, expect):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hf.HFError) as e:
+        hf.load_pretrained(str(tmp_path))
+    assert expect in one_line(e.value) and "config.json" in str(e.value)
+
+
+def sharded(tmp_path):
+    """A GPT2 saved in shards with model.safetensors.index.json, as large hub models are."""
+    theirs = hf_gpt2()
+    theirs.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    return theirs, index
+
+
+@pytest.mark.parametrize("break_index, expect", [
+    (lambda index: "{not json", "cannot read"),
+    (lambda index: json.dumps({"metadata": {}}), "KeyError: 'weight_map'"),
+    (lambda index: json.dumps({"weight_map": ["model-00001.safetensors"]}), "cannot read"),
+    (lambda index: json.dumps({"weight_map": {**index["weight_map"], "wte.weight": 7}}), "not file names"),
+    (lambda index: json.dumps({"weight_map": {**index["weight_map"], "wte.weight": "../elsewhere.safetensors"}}),
+     "not file names"),
+    (lambda index: json.dumps({"weight_map": {**index["weight_map"], "wte.weight": "model-09999.safetensors"}}),
+     "names model-09999.safetensors, which"),
+], ids=["not-json", "no-weight-map", "a-list", "a-number", "outside", "a-missing-shard"])
+def test_a_broken_safetensors_index_is_refused_in_one_line(tmp_path, break_index, expect):
+    theirs, index = sharded(tmp_path)
+    assert_logits_equal(our_logits(ours_from(*hf.load_pretrained(str(tmp_path))), tokens()), hf_logits(theirs, tokens()))
+    (tmp_path / "model.safetensors.index.json").write_text(break_index(index))
+    with pytest.raises(hf.HFError) as e:
+        hf.load_pretrained(str(tmp_path))
+    assert expect in one_line(e.value) and "index.json" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("case", ["under a file", "read-only", "not creatable"])
+def test_an_out_in_an_unwritable_place_is_one_line_before_the_checkpoint_is_read(tmp_path, case):
+    from disk_faults import read_only_dir
+    (tmp_path / "a_file").write_text("keep")
+    out = {"under a file": tmp_path / "a_file" / "hf", "read-only": os.path.join(read_only_dir(tmp_path), "hf"),
+           "not creatable": "/proc/no/such/hf"}[case]
+    with pytest.raises(hf.HFError) as e:  # the checkpoint does not exist: --out is checked first
+        hf.main([f"--ckpt={tmp_path / 'missing.pt'}", f"--out={out}"])
+    assert f"--out={out} cannot be written" in one_line(e.value)
+    assert "cannot be written" in error_line(run(tmp_path, "hf.py", f"--ckpt={tmp_path / 'missing.pt'}", f"--out={out}"))
+    args, model = our_model("gpt2")
+    with pytest.raises(hf.HFError, match="cannot be written"):
+        hf.save_pretrained(args, model.state_dict(), out)
+    assert (tmp_path / "a_file").read_text() == "keep"
+
+
+def fill_the_disk_in_save_file(monkeypatch):
+    import safetensors.torch
+    from disk_faults import no_space
+
+    def save_file(tensors, path, metadata=None):  # half the file lands, then the disk is full
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        with open(path, "wb") as f:
+            f.write(data[:len(data) // 2])
+        raise no_space()
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+def fill_the_disk_in_config_json(monkeypatch):
+    from disk_faults import full_disk_open
+    monkeypatch.setattr(hf, "open", full_disk_open(), raising=False)
+
+
+@pytest.mark.parametrize("fault", [fill_the_disk_in_save_file, fill_the_disk_in_config_json])
+def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tmp_path, monkeypatch, fault):
+    args, model = our_model("llama2")
+    (tmp_path / "empty").mkdir()  # an empty --out is allowed, and must stay as it was
+    fault(monkeypatch)
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        with pytest.raises(hf.HFError) as e:
+            hf.save_pretrained(args, model.state_dict(), out)
+        assert "No space left on device" in one_line(e.value) and "nothing was written" in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["empty"] and os.listdir(tmp_path / "empty") == []  # no temporary left
+
+
 def offline_env(tmp_path):
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                OMP_NUM_THREADS="1", HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
