@@ -10,11 +10,17 @@ Reads <out_dir>/ckpt.pt (written by train.py) and
 2. quantizes every 32x32 block of the PQT layers to one element format with one shared scale
    (OCP Microscaling (MX) v1.0), either the same format for all blocks or, with `auto`/`auto-int`,
    the format that the block's own b_t asks for, and writes model-<format>.safetensors: packed
-   element codes, scales, per-block format ids and what it takes to rebuild the model (no pickle);
+   element codes, scales, per-block format ids, what it takes to rebuild the model (no pickle) and
+   the SHA-256 of every tensor and of the metadata, which load checks before it rebuilds anything;
 3. evaluates the val loss of each exported model on train.py's fixed evaluation batches, beside
    the loss of the checkpoint's own (unquantized) weights.
 
     model, info = export.load("out/model-auto.safetensors")  # the dequantized model, in eval mode
+
+load refuses in one line (ExportError) a file that is damaged (a checksum differs), malformed (a
+tensor of the wrong size for its blocks, a format id the file does not name, model_args the model
+does not know), of another tool or of an older export.py (no checksums: export the run again),
+and a model that rebuilds non-finite.
 
 Layers without PQT, embeddings, head, norms and biases are kept in BF16 (--other_dtype=float32
 keeps them exact). A run without PQT layers (a bf16 run) has its block Linears quantized instead,

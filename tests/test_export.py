@@ -599,6 +599,19 @@ def test_a_damaged_file_is_refused_in_one_line(exported, tmp_path, case):
             else "not a model file written by export.py" in message), message
 
 
+def test_any_flipped_bit_or_cut_is_refused_in_one_line(exported):
+    """Bits flipped at random anywhere in the file (header, metadata, tensors) and cuts at random lengths."""
+    data = (exported / "model-auto.safetensors").read_bytes()
+    rng = np.random.default_rng(0)
+    damaged = [data[:int(n)] for n in rng.integers(0, len(data), 30)]
+    for i, bit in zip(rng.integers(0, len(data), 300).tolist(), rng.integers(0, 8, 300).tolist()):
+        damaged.append(data[:i] + bytes([data[i] ^ (1 << bit)]) + data[i + 1:])
+    for d in damaged:
+        with pytest.raises(E.ExportError) as e:
+            E.rebuild(d)
+        assert "\n" not in str(e.value)
+
+
 def foreign(data_dir, tmp_path):
     """safetensors files of other tools, or of an older export.py, that do not verify."""
     from safetensors.torch import save_file
