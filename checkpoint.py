@@ -12,7 +12,29 @@ header.pt (everything but the tensors of model and optimizers) and crc32.json (a
 file). `path` itself is a symlink to the directory, swapped atomically, as the file above is renamed.
 
 Readers (sample.py, export): load_model(path) gives {"model": full state dict, **header} from either.
-One writer per out_dir: lock(out_dir).
+One writer per out_dir: lock(out_dir), an fcntl lock on <out_dir>/.lock; a second run on the same
+out_dir is refused in one line naming the holder's pid, and the kernel drops the lock when the
+process ends, however it ends.
+
+What a run's checkpoint holds (train.py writes it: out_dir/ckpt.pt, or out_dir/ckpt.dcp under FSDP,
+where model and optimizer are DCP's files and the rest is header.pt):
+    model           the model's state dict, b_i included
+    optimizer       a list of optimizer state dicts, one per optimizer
+    model_args      the architecture: model.ModelConfig's fields
+    pqt             {"method", "b_init", "b_target"}; older checkpoints kept the method inside
+                    model_args, and train.py reads both layouts
+    iter_num, best_val_loss
+    config          every key of train.py's config
+    rng_state       torch's CPU generator (dropout draws from it), and cuda_rng_state on GPUs
+The data order and the noise are functions of (seed, step) and seed is in config, so these continue
+a run exactly.
+
+Failures: a missing file, flipped bytes anywhere in the tensors, a truncated copy, a file that is not
+a checkpoint, a full disk or an unwritable directory are one line each (CheckpointError), and a
+failed save leaves the previous checkpoint whole and no temporary file. Out of memory and other
+failures are raised as they are, never reported as a bad file. DCP's .metadata is a pickle: it is
+read with an allow-list of the classes DCP puts there, and its non-tensor values (the optimizers'
+param_groups) with weights_only=True.
 
 Why the zip CRCs rather than a hash written beside the file: torch.save already writes a CRC32 of
 every record in its zip archive (torch.load never checks them), so verifying costs one read and

@@ -2,9 +2,13 @@
 
     python train.py config/gpt2_gaussws_od.py --batch_size=32 --method="gaussws[od]"
 
-A config file is plain Python that reassigns some of the defaults. An override must name an
+A config file is plain Python that reassigns some of the defaults. It may start from another
+config file, its base, by naming it: `base = "base/gpt2_owt.py"` (relative to the naming file's
+folder) applies the base's settings first and then the file's own, so a paper run holds only what
+differs from its family's recipe. A base may name a base of its own. An override must name an
 existing key (a typo lists close matches) and keep the default's type (an int default takes
-"3", a float default "3e-4" or "3", a bool "True"/"False", a string anything).
+"3", a float default "3e-4" or "3", a bool "True"/"False", a string anything); a config file's
+values, its bases' included, are checked the same way.
 """
 import ast
 import difflib
@@ -38,6 +42,28 @@ def _coerce(key, value, default):
     return value
 
 
+def file_settings(path, named_by=()):
+    """[(file, its settings)] of config file `path`: its base's chain first, then its own."""
+    if not os.path.isfile(path):
+        where = f"{named_by[-1]}: base" if named_by else "config"
+        raise ConfigError(f"{where} file {path!r} not found (arguments are config files and --key=value)")
+    if os.path.realpath(path) in map(os.path.realpath, named_by):
+        raise ConfigError(f"config file {path}: its bases form a cycle ({' -> '.join([*named_by, path])})")
+    scope = {}
+    try:
+        exec(compile(open(path).read(), path, "exec"), scope)
+    except Exception as e:
+        raise ConfigError(f"config file {path} failed: {type(e).__name__}: {e}") from None
+    own = {k: v for k, v in scope.items()
+           if not (k.startswith("_") or callable(v) or type(v).__name__ == "module")}
+    if "base" not in own:
+        return [(path, own)]
+    base = own.pop("base")
+    if not isinstance(base, str) or not base.endswith(".py"):
+        raise ConfigError(f"{path}: base={base!r}: expected the path of a config file, like \"base/gpt2_owt.py\"")
+    return file_settings(os.path.join(os.path.dirname(path), base), (*named_by, path)) + [(path, own)]
+
+
 def configure(config, argv):
     """Apply config files and --key=value overrides in `argv` to the dict `config`, in order.
 
@@ -46,20 +72,15 @@ def configure(config, argv):
     explicit = set()
     for arg in argv:
         if not arg.startswith("--"):
-            if not os.path.isfile(arg):
-                raise ConfigError(f"config file {arg!r} not found (arguments are config files and --key=value)")
-            scope = {}
-            try:
-                exec(compile(open(arg).read(), arg, "exec"), scope)
-            except Exception as e:
-                raise ConfigError(f"config file {arg} failed: {type(e).__name__}: {e}") from None
-            for key, value in scope.items():
-                if key.startswith("_") or key == "__builtins__" or callable(value) or type(value).__name__ == "module":
-                    continue
-                if key not in config:
-                    raise ConfigError(f"{arg}: {_unknown(key, config)}")
-                config[key] = _coerce(key, value, config[key])
-                explicit.add(key)
+            for path, settings in file_settings(arg):
+                for key, value in settings.items():
+                    if key not in config:
+                        raise ConfigError(f"{path}: {_unknown(key, config)}")
+                    try:
+                        config[key] = _coerce(key, value, config[key])
+                    except ConfigError as e:
+                        raise ConfigError(f"{path}: {e}") from None
+                    explicit.add(key)
         else:
             key, sep, value = arg[2:].partition("=")
             if not sep:

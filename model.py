@@ -1,4 +1,4 @@
-"""GPT2 and Llama2 in one file: the architectures, and nothing of the method.
+"""GPT2 and Llama2 in one file: the architectures; the method is applied to them from outside.
 
 GPT2 follows nanoGPT (and so GPT-2 itself): learned positions, pre-LN, GELU, tied lm_head, and
 GPT-2's own parameter names (transformer.wte, wpe, h.N.attn.c_attn, ...), so a GPT-2 checkpoint
@@ -9,6 +9,10 @@ transformer.h.N.attn.q, ...) so that the two read alike.
 Every Linear is a plain nn.Linear. Pseudo-quantization training enters afterwards:
 gaussws.convert(model, "gaussws[od]", ROLES[arch], ...) swaps the Linears whose role the method
 names for gaussws.PQTLinear, keeping their weights; embeddings, norms and lm_head always stay.
+Besides ROLES (which Linear of a block is qkv, out, up or down: the architecture's side of the
+method switch), all model.py knows of the method is the name of the bitwidth parameters such a
+layer adds, b_i: get_num_params leaves them out of the model's size, get_num_bitwidth_params
+counts them.
 """
 import math
 from dataclasses import dataclass

@@ -1,5 +1,7 @@
 """Every file in config/ is a run a user can launch: it passes train.py's dry run, and its model size,
-method, optimizer, learning rate and token budget are what its name and the paper say.
+method, optimizer, learning rate and token budget are what its name and the paper say. A run's file
+holds only what differs from its family's base in config/base/ (`base = "..."`, configurator.py),
+and resolves to the settings it had when every run's file still spelled out its whole recipe.
 
 The expected sizes come from the published models, not from model.py: a preset that drifts from the
 model its config names fails here.
@@ -7,16 +9,19 @@ model its config names fails here.
 import contextlib
 import glob
 import io
+import json
 import os
 import re
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
 import gaussws
 import train
-from model import PRESETS, ROLES
+from configurator import ConfigError, configure
+from model import PRESETS, ROLES, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # config/mini_*.py are the laptop-scale bases of study.py, tested in test_study.py
@@ -53,10 +58,9 @@ def model_of(name):
 
 
 def settings(path):
-    """The assignments of a config file, as train.py's configurator reads them."""
-    scope = {}
-    exec(compile(open(path).read(), path, "exec"), scope)
-    return {k: v for k, v in scope.items() if not k.startswith("_")}
+    """The settings a config file makes, its bases' included, as train.py's configurator reads them."""
+    c = dict(train.DEFAULTS)
+    return {k: c[k] for k in configure(c, [path])}
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +157,96 @@ def test_the_command_line_dry_run_exits_0():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert printed(r.stdout, "parameters") > 0
+
+
+# --- bases: each run holds only what differs, and resolves as before ---------------------------------
+
+# Every config file's resolution at commit e87f73e, when each file still spelled out its whole recipe
+# (no bases): record() below run on that commit's configurator, train.DEFAULTS and files.
+RESOLVED_BEFORE = os.path.join(ROOT, "tests", "configs_e87f73e.json")
+MACHINE_DEFAULTS = ("device", "dtype")  # train.py picks these by the hardware; no config sets them
+MODEL_KEYS = {f.name for f in fields(ModelConfig)} | {"model"}
+
+
+def record(path):
+    """A config's resolved settings, and the model keys it sets (they decide which of a preset's and
+    an init_from checkpoint's shape wins, train.config_model_args)."""
+    c = dict(train.DEFAULTS)
+    explicit = configure(c, [path])
+    assert not explicit & set(MACHINE_DEFAULTS), path
+    return {"settings": {k: v for k, v in sorted(c.items()) if k not in MACHINE_DEFAULTS},
+            "model_keys_set": sorted(explicit & MODEL_KEYS), "explicit": explicit}
+
+
+with open(RESOLVED_BEFORE) as f:
+    BEFORE = json.load(f)
+
+
+@pytest.mark.parametrize("rel", sorted(BEFORE))
+def test_config_resolves_to_the_settings_it_had_before_it_had_a_base(rel):
+    path = os.path.join(ROOT, rel)
+    assert os.path.isfile(path), f"{rel} is gone"
+    now, before = record(path), BEFORE[rel]
+    changed = [f"{k}: {before['settings'][k]!r} before, {now['settings'].get(k, '<no such key>')!r} now"
+               for k in before["settings"]
+               if k not in now["settings"] or (type(now["settings"][k]), now["settings"][k])
+               != (type(before["settings"][k]), before["settings"][k])]
+    assert not changed, f"{rel}: " + "; ".join(changed)
+    # a key train.py gained since is its default here, unless the file sets it
+    assert not {k for k in now["settings"] if k not in before["settings"]} & now["explicit"]
+    assert now["model_keys_set"] == before["model_keys_set"]
+
+
+def test_every_base_is_the_base_of_a_run_and_not_a_run():
+    bases = {os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "config", "base", "*.py"))}
+    named = set()
+    for p in glob.glob(os.path.join(ROOT, "config", "*.py")) + glob.glob(os.path.join(ROOT, "config", "base", "*.py")):
+        m = re.search(r'^base = "(.+)"', open(p).read(), re.M)
+        if m:
+            named.add(os.path.relpath(os.path.normpath(os.path.join(os.path.dirname(p), m.group(1))), ROOT))
+    assert bases and bases == named & bases, f"bases no file names: {sorted(bases - named)}"
+    for b in bases:
+        assert "out_dir" not in settings(os.path.join(ROOT, b)), f"{b} is a base: its runs name their out_dir"
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_base_applies_first_its_own_base_before_it_relative_to_its_folder(tmp_path, monkeypatch):
+    write(tmp_path / "config" / "base" / "family.py", 'base = "recipe.py"\nbatch_size = 8\nmax_iters = 100\n')
+    write(tmp_path / "config" / "base" / "recipe.py", 'batch_size = 2\nlearning_rate = 1e-3\nmin_lr = 3\n')
+    run = write(tmp_path / "config" / "run.py", 'max_iters = 7\nbase = "base/family.py"\n')
+    monkeypatch.chdir(tmp_path / "config" / "base")  # bases are found from the naming file, not the cwd
+    c = dict(train.DEFAULTS)
+    explicit = configure(c, [run, "--max_iters=9"])
+    assert (c["batch_size"], c["learning_rate"], c["max_iters"]) == (8, 1e-3, 9)  # the later wins
+    assert type(c["min_lr"]) is float and c["min_lr"] == 3.0  # a base's values are coerced as the file's
+    assert explicit == {"batch_size", "learning_rate", "min_lr", "max_iters"}
+    assert c["eval_iters"] == train.DEFAULTS["eval_iters"]
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"run.py": 'base = "nowhere.py"\n'}, r"run.py: base file '.*nowhere.py' not found"),
+    ({"run.py": 'base = "a.py"\n', "a.py": 'base = "run.py"\n'}, r"its bases form a cycle \(.*run.py -> .*a.py -> .*run.py\)"),
+    ({"run.py": 'base = "run.py"\n'}, r"its bases form a cycle"),
+    ({"run.py": "base = 3\n"}, r"run.py: base=3: expected the path of a config file"),
+    ({"run.py": 'base = "a.py"\n', "a.py": "batch_size = 2.5\n"}, r"a.py: batch_size=2.5 is a float, but batch_size takes a int"),
+    ({"run.py": 'base = "a.py"\n', "a.py": "bach_size = 8\n"}, r"a.py: unknown config key 'bach_size'; did you mean --batch_size"),
+    ({"run.py": 'base = "a.py"\n', "a.py": "x = 1 / 0\n"}, r"config file .*a.py failed: ZeroDivisionError"),
+])
+def test_a_bad_base_is_one_error_naming_the_file(tmp_path, files, message):
+    for name, text in files.items():
+        write(tmp_path / name, text)
+    with pytest.raises(ConfigError, match=message):
+        configure(dict(train.DEFAULTS), [str(tmp_path / "run.py")])
+
+
+def test_a_missing_base_on_the_command_line_is_one_line_and_exit_1(tmp_path):
+    run = write(tmp_path / "run.py", 'base = "base/gone.py"\n')
+    r = subprocess.run([sys.executable, "train.py", run, "--dry_run=True"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: ") and "gone.py' not found" in r.stderr

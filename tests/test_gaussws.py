@@ -137,9 +137,22 @@ def test_lemma1_no_gaussws_noise_underflows_in_bf16_below_9_bits(backend):
         if b < 8:  # an FP32 master weight keeps the guarantee one bit lower
             w_hat = gaussws.pseudo_quantize(w_fp32, b_t, 5, backend=backend)
             assert (w_hat != w_fp32.bfloat16())[r != 0].all(), b
-    # The bound is tight: above it some noise is lost.
-    w_hat = gaussws.pseudo_quantize(w_bf16, torch.full((4, 3), 10.0), 5, backend=backend)
-    assert (w_hat == w_bf16)[r != 0].any()
+
+    # The bound is tight: at b_t = 9 some noise is lost. There |R| = 1 adds max|w| * 2^-8, which is half
+    # a unit in the last place of a weight equal to its block's max when that max is a power of two;
+    # round-to-nearest-even then keeps the weight (its mantissa, all zeros, is even) when R pushes it
+    # away from zero, and moves it when R pulls it into the binade below, where that noise is a whole
+    # unit. Every other weight lies in a lower binade, where the same noise is a unit or more.
+    top = 2.0**-6
+    w = (torch.randn(128, 96) * 0.004).clamp(-0.99 * top, 0.99 * top)
+    at_max = torch.rand(128, 96) < 0.2  # about 200 of each block's 1024 weights are +-max
+    w = torch.where(at_max, top * torch.sign(torch.randn(128, 96)), w).bfloat16()
+    assert torch.equal(gaussws.block_absmax(w).float(), torch.full((4, 3), top))
+    kept_by_the_tie = at_max & (r * w.float().sign() == 1)
+    assert kept_by_the_tie.any()
+    for b, lost in ((8.99, torch.zeros_like(at_max)), (9.0, kept_by_the_tie)):
+        w_hat = gaussws.pseudo_quantize(w, torch.full((4, 3), b), 5, backend=backend)
+        assert torch.equal((w_hat == w) & (r != 0), lost), b
 
 
 def test_lemma1_uniform_noise_keeps_fewer_bits():

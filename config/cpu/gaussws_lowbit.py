@@ -7,11 +7,7 @@
 # the loss's own gradient pushes b_t back up. Our choice: the paper prints no such setting.
 #   python train.py config/cpu/gaussws_lowbit.py
 #   python export.py --out_dir=out/cpu_gaussws_lowbit --format=auto,auto-int,mxfp8_e4m3,mxfp6_e3m2,mxfp4,int4,int3
+# Every setting this file does not name is train.py's default (the default CPU run's).
 
 out_dir = "out/cpu_gaussws_lowbit"
-dataset = "default"
-method = "gaussws[all]"
-b_init = 6.0
-b_target = 4.0
 bitwidth_weight_decay = 4.0
-seed = 1337
