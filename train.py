@@ -118,21 +118,22 @@ EXIT_DIVERGED = 3
 # and weights finite; after its first step its val loss at most ln(vocab_size) + VAL_LOSS_MARGIN
 # nats, where a model that predicts every token uniformly scores ln(vocab_size) and an untrained one
 # about that: one a nat worse has not learned but lost its way (seen: 1.6e13); and no b_t more than
-# B_T_MARGIN bits below b_target: weight decay on b_i pulls b_t to b_target and the loss pulls it up,
-# so only a blown-up optimizer puts it there, where Eq. 3's noise, 2^(1 - b_t) times the block max,
-# drowns the weights (at b_t of about -1e6 it overflows and the next step is NaN).
+# B_T_MARGIN bits below min(b_init, b_target): b_t starts at b_init, weight decay on b_i pulls it to
+# b_target and the loss pulls it up, so only a blown-up optimizer puts it there, where Eq. 3's noise,
+# 2^(1 - b_t) times the block max, drowns the weights (at b_t of about -1e6 it overflows: the next
+# step is NaN).
 VAL_LOSS_MARGIN, B_T_MARGIN = 1.0, 8.0
 
 
-def insanity(losses, b_t, vocab_size, b_target, trained):
+def insanity(losses, b_t, vocab_size, b_floor, trained):
     """(what, value, limit) of the first rule above the evaluated model breaks, or None.
     losses: estimate_loss's; b_t: gaussws.bitwidth_stats' (None without PQT); trained: it took a step."""
     if not all(map(math.isfinite, losses.values())):
         return "eval_loss", losses, None
     if trained and losses["val"] > math.log(vocab_size) + VAL_LOSS_MARGIN:
         return "val_loss", losses["val"], math.log(vocab_size) + VAL_LOSS_MARGIN
-    if b_t is not None and not b_t["min"] >= b_target - B_T_MARGIN:  # NaN too
-        return "b_t", b_t["min"], b_target - B_T_MARGIN
+    if b_t is not None and not b_t["min"] >= b_floor - B_T_MARGIN:  # NaN too
+        return "b_t", b_t["min"], b_floor - B_T_MARGIN
     return None
 
 
@@ -761,13 +762,13 @@ def _main(argv, resources):
             if not all_finite(raw_model, ddp):  # b_i, unseen by the eval, included
                 diverged("model", None, f"the model holds non-finite values at step {iter_num}; stopping without "
                                         f"saving ({kept(saved_step, ckpt_path)})")
-            broken = insanity(losses, gaussws.bitwidth_stats(raw_model), mconf.vocab_size, c["b_target"],
-                              trained=iter_num > 0)
+            broken = insanity(losses, gaussws.bitwidth_stats(raw_model), mconf.vocab_size,
+                              min(c["b_init"], c["b_target"]), trained=iter_num > 0)
             if broken:
                 what, value, limit = broken
                 told = (f"eval loss is {losses}" if what == "eval_loss" else
                         f"val loss is {value:.4g}, above ln(vocab_size) + {VAL_LOSS_MARGIN:g} = {limit:.4f}"
-                        if what == "val_loss" else f"b_t fell to {value:.4g}, below b_target - {B_T_MARGIN:g} = {limit:g}")
+                        if what == "val_loss" else f"b_t fell to {value:.4g}, below min(b_init, b_target) - {B_T_MARGIN:g} = {limit:g}")
                 diverged(what, value, f"{told} at step {iter_num}; stopping without saving "
                                       f"({kept(saved_step, ckpt_path)}). Try a lower --learning_rate or --grad_clip",
                          limit)

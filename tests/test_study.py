@@ -351,11 +351,12 @@ def test_a_hand_edited_record_is_one_line_and_changes_nothing(finished, tiny_con
     import shutil
     root, _, _ = finished
     copy = tmp_path / "root"
-    shutil.copytree(os.path.join(root, "runs"), copy / "runs")
+    shutil.copytree(os.path.join(root, "runs", "tiny-gaussws_all-s1"), copy / "runs" / "tiny-gaussws_all-s1")
     path = copy / "runs" / "tiny-gaussws_all-s1" / record
     path.write_bytes(text.encode("latin-1"))
     files = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
-    config = dict(two_runs(tiny_config), export=("auto",))
+    config = dict(about="gaussws only", arms=[study.arm(tiny_config, method="gaussws[all]")], seeds=(1,),
+                  export=("auto",), export_bf16=False)
     with pytest.raises(study.StudyError) as e, contextlib.redirect_stdout(io.StringIO()):
         study.run_study("tiny", config, str(copy), echo=False)
     message = str(e.value)

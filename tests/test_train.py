@@ -581,7 +581,7 @@ def test_a_finite_but_diverged_model_never_replaces_the_good_checkpoint(data_dir
 
 
 def test_b_t_far_below_b_target_stops_the_run_before_a_save(data_dir, trained, tmp_path):
-    """b_i = -5 by hand: b_t = 4 + (-5)(6 - 4) = -6, more than 8 bits below b_target 4."""
+    """b_i = -5 by hand: b_t = 4 + (-5)(6 - 4) = -6, more than 8 bits below min(b_init 6, b_target 4)."""
     import torch
     out = copy_run(trained, tmp_path)
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
@@ -590,7 +590,7 @@ def test_b_t_far_below_b_target_stops_the_run_before_a_save(data_dir, trained, t
             ckpt["model"][k].fill_(-5.0)
     torch.save(ckpt, out / "ckpt.pt")
     before = digest(out / "ckpt.pt")
-    with pytest.raises(train.Diverged, match=r"b_t fell to -6.*below b_target - 8 = -4 at step 11"):
+    with pytest.raises(train.Diverged, match=r"b_t fell to -6.*below min\(b_init, b_target\) - 8 = -4 at step 11"):
         train.main(tiny(data_dir, out, max_iters=20, eval_interval=1, init_from="resume"))
     assert divergence(out) == {"step": 11, "what": "b_t", "checkpoint_step": 10}
     assert digest(out / "ckpt.pt") == before
@@ -804,3 +804,16 @@ def test_weights_that_do_not_fit_the_checkpoints_model_args_are_one_line(data_di
     (line,) = r.stderr.strip().splitlines()
     assert "do not fit the model its model_args describe" in line and "size mismatch for transformer.wte.weight" in line
     assert digest(out / "ckpt.pt") == before
+
+
+def test_the_sane_model_rule_at_its_bounds():
+    """ln(256) + 1 = 6.5452 nats; b_t at least min(b_init, b_target) - 8."""
+    ok, nan = {"train": 2.0, "val": 2.0}, float("nan")
+    assert train.insanity(ok, {"min": -3.99}, 256, 4.0, trained=True) is None
+    assert train.insanity(ok, {"min": -4.01}, 256, 4.0, trained=True) == ("b_t", -4.01, -4.0)
+    assert train.insanity(ok, {"min": nan}, 256, 4.0, trained=True)[0] == "b_t"
+    assert train.insanity(ok, None, 256, 4.0, trained=True) is None  # bf16: no b_t
+    assert train.insanity({"train": 9.0, "val": 6.545}, None, 256, 4.0, trained=True) is None
+    assert train.insanity({"train": 2.0, "val": 6.546}, None, 256, 4.0, trained=True)[0] == "val_loss"
+    assert train.insanity({"train": 2.0, "val": 50.0}, None, 256, 4.0, trained=False) is None  # nothing trained yet
+    assert train.insanity({"train": nan, "val": 2.0}, None, 256, 4.0, trained=False)[0] == "eval_loss"
