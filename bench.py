@@ -711,6 +711,9 @@ def parse_args(argv):
         raise BenchError(str(e)) from None
     args = types.SimpleNamespace(command=command, **{k: v for k, v in config.items() if k not in MODEL_KEYS})
     args.model_overrides = {k: config[k] for k in MODEL_KEYS if k in explicit}
+    for key in ("vocab_size", "n_layer", "n_head", "n_embd"):
+        if args.model_overrides.get(key, 1) < 1:
+            raise BenchError(f"--{key}={args.model_overrides[key]}: expected a positive integer")
     positive = ["repeats"] if command == "kernel" else ["batch_size", "block_size", "rounds", "warmup"]
     for key in positive:
         parse_ints(key, getattr(args, key))

@@ -31,10 +31,17 @@ a run exactly.
 
 Failures: a missing file, flipped bytes anywhere in the tensors, a truncated copy, a file that is not
 a checkpoint, a full disk or an unwritable directory are one line each (CheckpointError), and a
-failed save leaves the previous checkpoint whole and no temporary file. Out of memory and other
-failures are raised as they are, never reported as a bad file. DCP's .metadata is a pickle: it is
+failed save leaves the previous checkpoint whole; what a kill -9 mid-write leaves, the next run
+removes (clean_stale). Out of memory and other failures are raised as they are, never reported as
+a bad file. DCP's .metadata is a pickle: it is
 read with an allow-list of the classes DCP puts there, and its non-tensor values (the optimizers'
 param_groups) with weights_only=True.
+
+The run directory besides its checkpoint:
+    lock(out_dir)                one writer per out_dir (an flock the kernel drops when its holder dies)
+    clean_stale(out_dir)         removes what writers killed mid-write left there (call it holding the lock)
+    write_text(path, text)       atomic, as save(): a reader sees the old file or the new one, whole
+    write_divergence / read_divergence   out_dir/diverged.json, train.py's record of a run that diverged
 
 Why the zip CRCs rather than a hash written beside the file: torch.save already writes a CRC32 of
 every record in its zip archive (torch.load never checks them), so verifying costs one read and
@@ -46,8 +53,10 @@ not an adversary (a weights_only load is what stops malicious pickles).
 import errno
 import fcntl
 import json
+import math
 import os
 import pickle
+import re
 import secrets
 import shutil
 import warnings
@@ -62,6 +71,14 @@ CRCS = "crc32.json"  # sharded: {file name: CRC32} of every other file in the di
 
 class CheckpointError(Exception):
     """A checkpoint that is missing, corrupt, not one, or cannot be written; one line, says what to do."""
+
+
+class Busy(CheckpointError):
+    """lock(out_dir) without wait found the directory held by another process (pid in .holder)."""
+
+    def __init__(self, message, holder):
+        super().__init__(message)
+        self.holder = holder
 
 
 def _first_line(e):
@@ -107,11 +124,34 @@ def save(state, path):
             os.remove(tmp)
         except OSError:
             pass
-        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
-            # torch.save reports a full disk as RuntimeError ("... file write failed")
-            raise CheckpointError(f"cannot save {path}: {_first_line(e)}; the previous checkpoint there, "
+        # torch.save reports a full disk as RuntimeError: "... file write failed", or "unexpected pos
+        # N vs M" with the file's own OSError as its context
+        cause = e.__context__ if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError) else e
+        if isinstance(cause, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
+            raise CheckpointError(f"cannot save {path}: {_first_line(cause)}; the previous checkpoint there, "
                                   f"if any, is unchanged") from None
         raise
+
+
+def write_text(path, text):
+    """text to path atomically, as save(): a crash or a full disk leaves the previous file whole (and
+    no temporary file, but for a kill: clean_stale). Raises CheckpointError (one line)."""
+    path = os.path.abspath(path)
+    tmp = _temp_name(path)
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+    except OSError as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise CheckpointError(f"cannot write {path}: {_first_line(e)}; the previous file there, if any, "
+                              f"is unchanged") from None
 
 
 def verify(path):
@@ -161,29 +201,32 @@ def load(path, map_location="cpu"):
 
 
 class Lock:
-    """An exclusive fcntl.flock on <out_dir>/.lock, held while this object lives (or until
+    """An exclusive fcntl.flock on <out_dir>/<name>, held while this object lives (or until
     release()). The kernel drops it when the process dies, however it dies, so a crash leaves no
-    stale lock to clean up by hand."""
+    stale lock to clean up by hand. wait: block until the holder lets go, instead of raising Busy."""
 
-    def __init__(self, out_dir):
-        self.path, self._fd = os.path.join(out_dir, ".lock"), None
+    def __init__(self, out_dir, wait=False, name=".lock"):
+        self.path, self._fd = os.path.join(out_dir, name), None
         try:
             os.makedirs(out_dir, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
             raise CheckpointError(f"cannot lock {out_dir}: {_first_line(e)}") from None
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except OSError as e:
             holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            self._fd = None
+            self.release()
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CheckpointError(f"{out_dir} is in use by another run (pid {holder}); wait for it to end, "
-                                      f"stop it, or choose another --out_dir") from None
+                raise Busy(f"{out_dir} is in use by another run (pid {holder}); wait for it to end, "
+                           f"stop it, or choose another --out_dir", holder) from None
             raise CheckpointError(f"cannot lock {out_dir}: {_first_line(e)}") from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # the holder, for the message above
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # the holder, for the message above
+        except OSError as e:  # a full disk: nothing is written yet, so stop here
+            self.release()
+            raise CheckpointError(f"cannot write {self.path}: {_first_line(e)}; free some space") from None
 
     def release(self):
         if self._fd is not None:
@@ -200,10 +243,84 @@ class Lock:
         self.release()
 
 
-def lock(out_dir):
+def lock(out_dir, wait=False, name=".lock"):
     """Lock out_dir for this process (call it on the one rank that owns out_dir, rank 0): a second
-    run on the same out_dir gets CheckpointError naming the holder's pid. Keep the returned Lock."""
-    return Lock(out_dir)
+    run on the same out_dir gets Busy naming the holder's pid (or, with wait, waits for it). Keep
+    the returned Lock. Another name is another lock of the same directory (study.py's own)."""
+    return Lock(out_dir, wait, name)
+
+
+_TEMP = re.compile(r"\..+\.(\d{1,9})\.[0-9a-f]{8}\.tmp")  # _temp_name's: .<name>.<pid>.<8 hex>.tmp
+_SHARDED = re.compile(r"(.+)\.[0-9a-f]{8}")  # save_sharded's directory beside its symlink: <name>.<8 hex>
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        pass
+    return True
+
+
+def clean_stale(out_dir):
+    """Remove what writers killed mid-write (kill -9, a power cut) left in out_dir: temporary files
+    named by _temp_name (save, write_text, the data tools) whose process no longer runs on this
+    machine, and sharded-checkpoint directories that no symlink points to. A live writer's temporary
+    file is kept. Call it holding lock(out_dir): only the lock's holder writes sharded directories.
+    Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(out_dir, name)
+        temp, sharded = _TEMP.fullmatch(name), _SHARDED.fullmatch(name)
+        try:
+            if temp and not os.path.isdir(path) and not _alive(int(temp.group(1))):
+                os.unlink(path)
+            elif (sharded and os.path.isdir(path) and not os.path.islink(path)
+                  and os.path.realpath(os.path.join(out_dir, sharded.group(1))) != os.path.realpath(path)
+                  and any(f in (".metadata", HEADER, CRCS) or f.endswith(".distcp") for f in os.listdir(path))):
+                shutil.rmtree(path)
+            else:
+                continue
+        except OSError:  # gone already, or not ours to remove: left as it is
+            continue
+        removed.append(name)
+    return removed
+
+
+DIVERGED = "diverged.json"  # train.py's record of a run it stopped because it diverged
+
+
+def write_divergence(out_dir, record):
+    """out_dir/diverged.json: {"step", "what", "value", ...} of a run that diverged (train.py).
+    Non-finite floats are written as the strings "nan", "inf", "-inf" (JSON has no such numbers)."""
+    def plain(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+    write_text(os.path.join(out_dir, DIVERGED), json.dumps(plain(record), indent=1, allow_nan=False) + "\n")
+
+
+def read_divergence(out_dir):
+    """The divergence record of out_dir, or None where it has none; CheckpointError for one that is
+    not a record of train.py (hand-edited, damaged)."""
+    path = os.path.join(out_dir, DIVERGED)
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {_first_line(e)}; delete it to run the run again") from None
+    if not (isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("what"), str)):
+        raise CheckpointError(f"{path} is not a divergence record of train.py (expected an object with an integer "
+                              f"'step' and a string 'what'); delete it to run the run again")
+    return record
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +541,8 @@ def load_header(path):
 
 
 def remove(path):
-    """Delete a checkpoint: a single file, or a sharded one (its symlink and the directory behind it)."""
+    """Delete a checkpoint: a single file, or a sharded one (its symlink and the directory behind it),
+    durably (the directory is synced, so a power cut cannot bring it back)."""
     if os.path.islink(path) or os.path.isdir(path):
         directory = os.path.realpath(path)
         if os.path.islink(path):
@@ -432,6 +550,9 @@ def remove(path):
         shutil.rmtree(directory, ignore_errors=True)
     elif os.path.lexists(path):
         os.unlink(path)
+    else:
+        return
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def load_model(path, map_location="cpu"):

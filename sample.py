@@ -113,11 +113,18 @@ def main(argv):
         raise UsageError("--device=cuda but torch finds no CUDA GPU here; use --device=cpu")
     if cfg["temperature"] < 0:
         raise UsageError(f"--temperature must be >= 0, got {cfg['temperature']}")
+    if not 0 <= cfg["seed"] < 2**63:
+        raise UsageError(f"--seed={cfg['seed']}: expected an integer in [0, 2^63)")
 
     if cfg["init_from"] == "resume":
         model, ckpt = load_checkpoint(cfg["out_dir"], dev)
     else:
         model, ckpt = load_export(cfg["init_from"], dev)
+    broken = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if broken:  # a diverged model: its logits are NaN, and the argmax of NaN is token 0
+        source = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
+        raise UsageError(f"the model of {source} holds non-finite values (NaN or Inf) in {len(broken)} tensor(s), "
+                         f"e.g. {broken[0]}: it diverged and cannot be sampled; use an earlier checkpoint")
     meta = load_meta(ckpt)
     if meta.get("vocab_size", 0) > model.config.vocab_size:
         raise UsageError(f"the dataset's vocab ({meta.get('vocab_size')}) is larger than the model's "
@@ -153,5 +160,5 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except (UsageError, ConfigError) as e:
-        print(f"sample.py: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

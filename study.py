@@ -12,14 +12,21 @@ the config and the overrides, so an arm that two studies share (the bf16 run of 
 exists; train.py writes its checkpoint at every evaluation, and done.json is written only after
 train.py exits 0 with its last evaluation at max_iters, so a run that was killed is resumed from
 its last checkpoint (--init_from=resume: the same losses as an uninterrupted run), and a finished
-one is skipped. A run whose loss turns NaN or Inf is recorded as diverged (at that step), not
-retried: the same seed diverges again.
+one is skipped. A run that train.py stops as diverged (it writes diverged.json: the step, and
+whether the loss, the gradient norm, the eval loss, the weights or b_t went wrong) is recorded as
+diverged, not retried: the same seed diverges again.
+
+Two runners may share the runs (two studies with the same bf16 runs, in two shells): a runner
+holds a run directory's lock (.study.lock) while it trains, resumes or exports that run, and takes
+it only when no train.py holds the directory either. A run held by another process is put off:
+the runner does the others first, then waits for it, and skips it when the other has finished it.
 
 Results go to out/study/<study>/: results.json and results.md (final val loss mean ± std over
 seeds, tokens, wall time, b_t, and the exported model's val loss where the study exports) and
 plots/ (plot.py's loss.png, bitwidth.png and paired.png). Every figure is read from the runs' own files:
 metrics.jsonl, config.json, and the export reports.
 """
+import collections
 import hashlib
 import json
 import math
@@ -32,6 +39,7 @@ import subprocess
 import sys
 import time
 
+import checkpoint as ckpt_io
 import plot
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -97,7 +105,8 @@ STUDIES = {
 
 SHORT = {"method": "", "learning_rate": "lr", "optimizer": "", "b_init": "binit", "b_target": "btarget",
          "bitwidth_weight_decay": "bwd"}
-DIVERGED = re.compile(r"loss is (nan|inf|-inf) at step (\d+)")  # train.py's message when the loss turns non-finite
+STUDY_LOCK = ".study.lock"  # a runner's lock of a run directory (train.py's own is .lock)
+BUSY = "busy"  # train_one: another process holds the run
 
 
 class StudyError(Exception):
@@ -129,22 +138,48 @@ def launcher(nproc):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
 
 
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# The form of each record the runner keeps in a run directory; read_json refuses any other.
+FORMS = {
+    "done.json": ('{"status": "finished" or "diverged", "wall_s": seconds, "step": its step if diverged}',
+                  lambda r: r.get("status") in ("finished", "diverged") and _number(r.get("wall_s"))
+                  and (r["status"] == "finished" or isinstance(r.get("step"), int))),
+    "run.json": ('{"args": [...], "config_sha": "...", "attempts": [{"wall_s": seconds, "commit": "...", ...}]}',
+                 lambda r: isinstance(r.get("args"), list) and isinstance(r.get("attempts"), list)
+                 and all(isinstance(x, dict) and _number(x.get("wall_s")) and isinstance(x.get("commit"), str)
+                         for x in r["attempts"])),
+    "export.json": ('{format: {"val_loss": number, ...}}',
+                    lambda r: all(isinstance(e, dict) and _number(e.get("val_loss")) for e in r.values())),
+}
+
+
 def read_json(path):
+    """A record of the runner, or None where there is none. One that is not JSON, or not of its form
+    (FORMS: hand-edited, damaged) is a StudyError naming the file."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as e:
+        raise StudyError(f"cannot read {path} ({type(e).__name__}: {str(e)[:200]}); fix it, or move it away "
+                         f"for the runner to redo what it records") from None
+    form, ok = FORMS.get(os.path.basename(path), ("a JSON object", lambda r: True))
+    if not isinstance(record, dict) or not ok(record):
+        raise StudyError(f"{path} is not a record of study.py (expected {form}); fix it, or move it away for "
+                         f"the runner to redo what it records")
+    return record
 
 
 def write_json(path, obj):
-    """Written whole or not at all: a reader never sees half a file."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Written whole or not at all: a reader never sees half a file (checkpoint.write_text)."""
+    try:
+        ckpt_io.write_text(path, json.dumps(obj, indent=1))
+    except ckpt_io.CheckpointError as e:
+        raise StudyError(str(e)) from None
 
 
 def file_sha(path):
@@ -173,16 +208,42 @@ def check_run_dir(run_dir, args, config):
     return record or {**want, "attempts": []}
 
 
-def train_one(name, a, seed, root, nproc, echo):
-    """Run (or resume) one run to its end. Returns its done.json record, or None if train.py failed
-    for another reason than a diverged loss (the run is then tried again on the next call)."""
+def claim(run_dir, wait):
+    """This runner's hold on a run directory: its STUDY_LOCK, taken when no train.py holds the
+    directory's own lock either (another runner's, or one started by hand). None where either is
+    held, or with wait, once both are free. The train.py lock is let go at once, for the train.py
+    this runner starts; no other runner can come between, as each takes STUDY_LOCK first."""
+    held = None
+    try:
+        held = ckpt_io.lock(run_dir, wait=wait, name=STUDY_LOCK)
+        ckpt_io.lock(run_dir, wait=wait).release()
+        return held
+    except ckpt_io.CheckpointError as e:
+        if held:
+            held.release()
+        if isinstance(e, ckpt_io.Busy):
+            return None
+        raise StudyError(str(e)) from None
+
+
+def train_one(name, a, seed, root, nproc, echo, wait=False):
+    """Run (or resume) one run to its end, holding claim(run_dir). Returns its done.json record (of
+    this runner or of another that finished it first), BUSY when another process holds the run and
+    not wait, or None if train.py failed and did not record a divergence (the run is then tried
+    again on the next call)."""
     run_dir = os.path.join(root, "runs", name)
+    held = claim(run_dir, wait)
+    if held is None:
+        return BUSY
+    with held:
+        return read_json(os.path.join(run_dir, "done.json")) or launch(name, a, seed, run_dir, nproc, echo)
+
+
+def launch(name, a, seed, run_dir, nproc, echo):
+    """train.py on one run, new or resumed; its done.json record, or None (train_one)."""
     args = train_args(a, seed, run_dir)
-    os.makedirs(run_dir, exist_ok=True)
     record = check_run_dir(run_dir, args, a["config"])
-    resume = os.path.exists(os.path.join(run_dir, "ckpt.pt"))
-    if not resume and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        os.remove(os.path.join(run_dir, "metrics.jsonl"))  # a start killed before its first checkpoint
+    resume = os.path.exists(os.path.join(run_dir, "ckpt.pt"))  # else a new run: train.py starts its metrics afresh
     cmd = launcher(nproc) + args + [f"--init_from={'resume' if resume else 'scratch'}"]
     attempt = {"command": shlex.join(["python", *cmd[1:]]), "nproc": nproc, "commit": git_commit(),
                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -207,7 +268,11 @@ def train_one(name, a, seed, root, nproc, echo):
     record["attempts"].append({**attempt, "wall_s": time.time() - t0, "exit": rc})
     write_json(os.path.join(run_dir, "run.json"), record)
     wall_s = sum(x["wall_s"] for x in record["attempts"])
-    diverged = next((m for m in map(DIVERGED.search, tail) if m), None)
+    try:  # train.py's record of a divergence, written only by the attempt that stopped (it exits 3)
+        diverged = ckpt_io.read_divergence(run_dir) if rc else None
+    except ckpt_io.CheckpointError as e:
+        print(f"  {name}: {e}")
+        return None
     if rc == 0:
         run = plot.read_run(run_dir)
         if not run["evals"] or run["evals"][-1]["iter"] != run["config"]["max_iters"]:
@@ -215,7 +280,7 @@ def train_one(name, a, seed, root, nproc, echo):
             return None
         done = {"status": "finished", "wall_s": wall_s}
     elif diverged:
-        done = {"status": "diverged", "step": int(diverged.group(2)), "wall_s": wall_s}
+        done = {"status": "diverged", "step": diverged["step"], "what": diverged["what"], "wall_s": wall_s}
     else:
         print(f"  {name}: train.py failed (exit {rc}): {tail[-1] if tail else ''}; see {run_dir}/train.log")
         return None
@@ -233,6 +298,14 @@ def export_losses(run_dir, formats):
     (bitwidths.png in the run directory). Records are kept in the run directory (export.json), so
     each format is exported once. Without export.py: "export unavailable".
     """
+    try:  # one runner exports a run at a time; the other then finds the records
+        with ckpt_io.lock(run_dir, wait=True, name=STUDY_LOCK):
+            return _export_losses(run_dir, formats)
+    except ckpt_io.CheckpointError as e:
+        raise StudyError(str(e)) from None
+
+
+def _export_losses(run_dir, formats):
     cache_path = os.path.join(run_dir, "export.json")
     cache = read_json(cache_path) or {}
     missing = [f for f in formats if f not in cache]
@@ -278,7 +351,7 @@ def run_figures(run_dir, done):
         train_s += r["ms_per_iter"] / 1000 * (r["iter"] - prev)
         prev = r["iter"]
     return {
-        "status": done["status"], "diverged_at": done.get("step"),
+        "status": done["status"], "diverged_at": done.get("step"), "diverged_what": done.get("what"),
         "iter": last_eval["iter"], "tokens": last_eval["iter"] * run["tokens_per_iter"],
         "val_loss": last_eval["val/loss"], "train_loss": last_eval["train/loss"],
         "wall_s": done["wall_s"], "train_s": train_s,
@@ -352,7 +425,8 @@ def summarize(name, study, root):
             figures.append(fig)
         ok = [f for f in figures if f["status"] == "finished"]
         entry = {"config": a["config"], "overrides": a["overrides"], "runs": names, "finished": len(ok),
-                 "diverged": [{"seed": f["seed"], "step": f["diverged_at"]} for f in figures if f["status"] == "diverged"],
+                 "diverged": [{"seed": f["seed"], "step": f["diverged_at"], "what": f["diverged_what"]}
+                              for f in figures if f["status"] == "diverged"],
                  "val_loss": stats([f["val_loss"] for f in ok]), "train_loss": stats([f["train_loss"] for f in ok]),
                  "tokens": sorted({f["tokens"] for f in ok}), "wall_s": stats([f["wall_s"] for f in figures]),
                  "b_t": {k: stats([f["b_t"][k] for f in ok if f["b_t"]]) for k in ("mean", "min", "max")}}
@@ -447,8 +521,10 @@ def write_results(name, study, root):
     os.makedirs(out, exist_ok=True)
     results = summarize(name, study, root)
     write_json(os.path.join(out, "results.json"), results)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(markdown(results))
+    try:
+        ckpt_io.write_text(os.path.join(out, "results.md"), markdown(results))
+    except ckpt_io.CheckpointError as e:
+        raise StudyError(str(e)) from None
     run_dirs = [os.path.join(root, "runs", n) for n in results["runs"]]
     # the bf16 runs the paired table used that are not this study's (the noise study's are fig1b's)
     twins = sorted({os.path.join(root, "runs", n) for a in results["arms"] if a.get("vs_bf16")
@@ -463,7 +539,10 @@ def run_study(name, study, root="out/study", nproc=1, echo=True):
     that failed (0 when all finished or diverged)."""
     todo = runs_of(study)
     failed, walls = 0, []
-    for k, (run, a, seed) in enumerate(todo, 1):
+    # every run in turn; one that another process holds goes to the end, to be waited for there
+    queue = collections.deque((k, run, a, seed, False) for k, (run, a, seed) in enumerate(todo, 1))
+    while queue:
+        k, run, a, seed, wait = queue.popleft()
         done = read_json(os.path.join(root, "runs", run, "done.json"))
         if done is not None:
             print(f"[{name}] run {k} of {len(todo)}: {run} already {done['status']}, skipped", flush=True)
@@ -472,9 +551,14 @@ def run_study(name, study, root="out/study", nproc=1, echo=True):
         left = len(todo) - k + 1
         eta = f"ETA {sum(walls) / len(walls) * left / 60:.0f} min" if walls else "ETA after the first run"
         resume = os.path.exists(os.path.join(root, "runs", run, "ckpt.pt"))
-        print(f"[{name}] run {k} of {len(todo)}: {run}{' (resumed)' if resume else ''}, {eta}", flush=True)
-        done = train_one(run, a, seed, root, nproc, echo)
-        if done is None:
+        print(f"[{name}] run {k} of {len(todo)}: {run}{' (resumed)' if resume else ''}"
+              f"{', waiting for the process that holds it' if wait else ''}, {eta}", flush=True)
+        done = train_one(run, a, seed, root, nproc, echo, wait)
+        if done == BUSY:
+            print(f"[{name}] run {k} of {len(todo)}: {run} is in use by another process; back to it after the "
+                  f"others", flush=True)
+            queue.append((k, run, a, seed, True))
+        elif done is None:
             failed += 1
         else:
             walls.append(done["wall_s"])
@@ -507,6 +591,23 @@ def parse(argv):
     return (names or [None])[0], opts
 
 
+def check_root(root, made):
+    """--root must be a directory, or a path where one can be made (made: make it, with runs/, now)."""
+    parent = root
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise StudyError(f"--root={root}: {parent} is a file; expected a directory (or a path where one can be made)")
+    if made:
+        try:
+            os.makedirs(os.path.join(root, "runs"), exist_ok=True)
+        except OSError as e:
+            raise StudyError(f"--root={root}: cannot make {os.path.join(root, 'runs')} ({e.strerror}); choose a "
+                             f"writable directory") from None
+        if not os.access(os.path.join(root, "runs"), os.W_OK | os.X_OK):
+            raise StudyError(f"--root={root}: {os.path.join(root, 'runs')} is not writable; choose a writable directory")
+
+
 def main(argv):
     name, opts = parse(argv)
     if name is None:
@@ -517,6 +618,7 @@ def main(argv):
     study = STUDIES[name]
     # Config paths and train.py's out_dir are the repository's; --root may be given from anywhere.
     root = os.path.abspath(opts["root"])
+    check_root(root, made=not opts["dry_run"])
     os.chdir(REPO)
     opts["root"] = root if os.path.relpath(root).startswith("..") else os.path.relpath(root)
     if opts["dry_run"]:

@@ -108,6 +108,35 @@ def fail(msg):
     raise ConfigError(msg)
 
 
+class Diverged(ConfigError):
+    """The run stopped because it diverged (a result of its settings, not bad input): one line,
+    exit status EXIT_DIVERGED, and out_dir/diverged.json names the step and what went wrong."""
+
+
+EXIT_DIVERGED = 3
+# A model is kept (trained on, saved) only while every evaluation finds it sane: its eval losses
+# and weights finite; after its first step its val loss at most ln(vocab_size) + VAL_LOSS_MARGIN
+# nats, where a model that predicts every token uniformly scores ln(vocab_size) and an untrained one
+# about that: one a nat worse has not learned but lost its way (seen: 1.6e13); and no b_t more than
+# B_T_MARGIN bits below min(b_init, b_target): b_t starts at b_init, weight decay on b_i pulls it to
+# b_target and the loss pulls it up, so only a blown-up optimizer puts it there, where Eq. 3's noise,
+# 2^(1 - b_t) times the block max, drowns the weights (at b_t of about -1e6 it overflows: the next
+# step is NaN).
+VAL_LOSS_MARGIN, B_T_MARGIN = 1.0, 8.0
+
+
+def insanity(losses, b_t, vocab_size, b_floor, trained):
+    """(what, value, limit) of the first rule above the evaluated model breaks, or None.
+    losses: estimate_loss's; b_t: gaussws.bitwidth_stats' (None without PQT); trained: it took a step."""
+    if not all(map(math.isfinite, losses.values())):
+        return "eval_loss", losses, None
+    if trained and losses["val"] > math.log(vocab_size) + VAL_LOSS_MARGIN:
+        return "val_loss", losses["val"], math.log(vocab_size) + VAL_LOSS_MARGIN
+    if b_t is not None and not b_t["min"] >= b_floor - B_T_MARGIN:  # NaN too
+        return "b_t", b_t["min"], b_floor - B_T_MARGIN
+    return None
+
+
 def keep_freed_cpu_memory():
     """Make glibc keep freed memory for reuse instead of returning it to the OS.
 
@@ -305,7 +334,12 @@ def load_weights(model, state_dict):
     b_init); b_i of layers the new method leaves plain are dropped. Anything else must match."""
     own = model.state_dict()
     state_dict = {k: v for k, v in state_dict.items() if k in own or not k.endswith(".b_i")}
-    result = model.load_state_dict(state_dict, strict=False)
+    try:
+        result = model.load_state_dict(state_dict, strict=False)
+    except RuntimeError as e:  # a shape that differs is an error even when not strict
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        fail(f"the init_from checkpoint does not fit the model: {load_error(e)}")
     missing = [k for k in result.missing_keys if not k.endswith(".b_i")]
     if missing or result.unexpected_keys:
         fail(f"the init_from checkpoint does not fit the model: missing {missing[:3]}, unexpected "
@@ -316,16 +350,28 @@ def load_state(model, optimizers, checkpoint, fsdp):
     if len(checkpoint["optimizer"]) != len(optimizers):
         fail(f"the checkpoint has {len(checkpoint['optimizer'])} optimizer state(s), this run {len(optimizers)}: "
              f"resume with the optimizer it was trained with")
-    if not fsdp:
-        model.load_state_dict(checkpoint["model"])
+    try:
+        if not fsdp:
+            model.load_state_dict(checkpoint["model"])
+            for o, state in zip(optimizers, checkpoint["optimizer"]):
+                o.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, checkpoint["model"], options=options)
         for o, state in zip(optimizers, checkpoint["optimizer"]):
-            o.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, checkpoint["model"], options=options)
-    for o, state in zip(optimizers, checkpoint["optimizer"]):
-        set_optimizer_state_dict(model, o, state, options=options)
+            set_optimizer_state_dict(model, o, state, options=options)
+    except (RuntimeError, ValueError, KeyError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        fail(f"the checkpoint's weights do not fit the model its model_args describe ({load_error(e)}): it cannot "
+             f"be resumed; start a new run with --overwrite=True or use another --out_dir")
+
+
+def load_error(e):
+    """The telling line of a load_state_dict error (its first line only says that loading failed)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    return lines[1 if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else 0][:300]
 
 
 def all_finite(model, distributed):
@@ -346,7 +392,8 @@ def kept(saved_step, ckpt_path):
 
 def open_metrics(path, resumed_step):
     """metrics.jsonl for appending, holding this run's records only: a new run starts it afresh; a
-    resumed one keeps the records up to its checkpoint's step (what came later is redone)."""
+    resumed one keeps the records up to its checkpoint's step (what came later is redone). The kept
+    lines are written to a temporary file renamed over the old one: a crash keeps one or the other."""
     keep = []
     if resumed_step is not None and os.path.exists(path):
         with open(path) as f:
@@ -356,9 +403,13 @@ def open_metrics(path, resumed_step):
                         keep.append(line if line.endswith("\n") else line + "\n")
                 except (ValueError, KeyError, TypeError):  # a line cut short by a crash
                     pass
-    with open(path, "w") as f:
-        f.writelines(keep)
-    return open(path, "a")
+    try:
+        ckpt_io.write_text(path, "".join(keep))
+        return open(path, "a")
+    except ckpt_io.CheckpointError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot open {path}: {e.strerror}")
 
 
 def save_checkpoint(state, path, model=None, optimizers=None):
@@ -552,6 +603,7 @@ def _main(argv, resources):
             resources.enter_context(ckpt_io.lock(c["out_dir"]))  # until main ends; the kernel drops it if we die
         except ckpt_io.CheckpointError as e:
             fail(str(e))
+        ckpt_io.clean_stale(c["out_dir"])  # the temporary files of a run killed while it wrote them
 
     # data
     data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", c["dataset"])  # a path stays a path
@@ -635,10 +687,19 @@ def _main(argv, resources):
     # logging
     versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
     run_info = {**c, "model_args": asdict(mconf), "world_size": world_size, "versions": versions}
+    metrics_file = None
+    if master and not c["eval_only"]:  # an evaluation leaves the run's record (config, metrics) as it is
+        if saved_step is None:  # a new run: the checkpoint it replaces (--overwrite) goes first, so
+            for path in checkpoint_paths(c["out_dir"]):  # that a kill before its first save cannot
+                ckpt_io.remove(path)  # leave that checkpoint to be resumed as this run's
+        if os.path.exists(os.path.join(c["out_dir"], ckpt_io.DIVERGED)):
+            os.remove(os.path.join(c["out_dir"], ckpt_io.DIVERGED))
+        metrics_file = open_metrics(os.path.join(c["out_dir"], "metrics.jsonl"), saved_step)
+        try:
+            ckpt_io.write_text(os.path.join(c["out_dir"], "config.json"), json.dumps(run_info, indent=1))
+        except ckpt_io.CheckpointError as e:
+            fail(str(e))
     if master:
-        os.makedirs(c["out_dir"], exist_ok=True)
-        with open(os.path.join(c["out_dir"], "config.json"), "w") as f:
-            json.dump(run_info, f, indent=1)
         print(f"{raw_model.get_num_params(non_embedding=False) / 1e6:.2f}M parameters "
               f"({mconf.arch}, {c['method']}, {len(gaussws.pqt_layers(raw_model))} PQT layers), "
               f"{tokens_per_iter:,} tokens per step, {world_size} process(es) on {dev}")
@@ -649,14 +710,32 @@ def _main(argv, resources):
         import wandb
         wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], mode=c["wandb_mode"], dir=c["out_dir"],
                    config=run_info)
-    metrics_file = open_metrics(os.path.join(c["out_dir"], "metrics.jsonl"), saved_step) if master and not c["eval_only"] else None
 
     def log(record):
         if metrics_file:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
+            try:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+            except OSError as e:  # a full disk
+                try:
+                    metrics_file.close()
+                except OSError:
+                    pass
+                fail(f"cannot write {metrics_file.name}: {e.strerror or e}; the run stops here "
+                     f"({kept(saved_step, ckpt_path)})")
             if c["wandb_log"]:
                 wandb.log(record, step=record["iter"])
+
+    def diverged(what, value, message, limit=None):
+        """Stop the run as diverged: the one line, and diverged.json for whoever runs it (study.py)."""
+        if master:
+            record = {"step": iter_num, "what": what, "value": value, "limit": limit, "message": message,
+                      "checkpoint": None if saved_step is None else ckpt_path, "checkpoint_step": saved_step}
+            try:
+                ckpt_io.write_divergence(c["out_dir"], record)
+            except ckpt_io.CheckpointError as e:
+                message += f" ({e})"
+        raise Diverged(message)
 
     # the loop
     micro_batch = lambda it, micro: get_batch(splits["train"], (c["seed"], "train", it, rank * local_accum + micro),
@@ -680,14 +759,21 @@ def _main(argv, resources):
                     wandb.log({f"b_t/{k}": wandb.Histogram(v) for k, v in hists.items()}, step=iter_num)
             if c["eval_only"]:
                 break
-            if not all(map(math.isfinite, losses.values())):
-                fail(f"eval loss is {losses} at step {iter_num}; stopping without saving "
-                     f"({kept(saved_step, ckpt_path)}). Try a lower --learning_rate or --grad_clip")
+            if not all_finite(raw_model, ddp):  # b_i, unseen by the eval, included
+                diverged("model", None, f"the model holds non-finite values at step {iter_num}; stopping without "
+                                        f"saving ({kept(saved_step, ckpt_path)})")
+            broken = insanity(losses, gaussws.bitwidth_stats(raw_model), mconf.vocab_size,
+                              min(c["b_init"], c["b_target"]), trained=iter_num > 0)
+            if broken:
+                what, value, limit = broken
+                told = (f"eval loss is {losses}" if what == "eval_loss" else
+                        f"val loss is {value:.4g}, above ln(vocab_size) + {VAL_LOSS_MARGIN:g} = {limit:.4f}"
+                        if what == "val_loss" else f"b_t fell to {value:.4g}, below min(b_init, b_target) - {B_T_MARGIN:g} = {limit:g}")
+                diverged(what, value, f"{told} at step {iter_num}; stopping without saving "
+                                      f"({kept(saved_step, ckpt_path)}). Try a lower --learning_rate or --grad_clip",
+                         limit)
             if c["save_checkpoints"] and iter_num > 0 and (losses["val"] < best_val_loss or c["always_save_checkpoint"]):
                 best_val_loss = min(best_val_loss, losses["val"])
-                if not all_finite(raw_model, ddp):  # b_i, unseen by the eval, included
-                    fail(f"the model holds non-finite values at step {iter_num}; stopping without saving "
-                         f"({kept(saved_step, ckpt_path)})")
                 state = {"model_args": asdict(mconf), "pqt": pqt, "iter_num": iter_num, "best_val_loss": best_val_loss,
                          "config": c,
                          # What continues the run exactly besides the model and optimizers: the data
@@ -737,8 +823,10 @@ def _main(argv, resources):
         step_loss, norm = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()  # one sync a step
         if not (math.isfinite(step_loss) and math.isfinite(norm)):
             what = f"loss is {step_loss}" if not math.isfinite(step_loss) else f"gradient norm is {norm} (loss {step_loss:.4f})"
-            fail(f"{what} at step {iter_num}; stopping before the update ({kept(saved_step, ckpt_path)}). "
-                 f"Try a lower --learning_rate or --grad_clip")
+            diverged("loss" if not math.isfinite(step_loss) else "grad_norm",
+                     step_loss if not math.isfinite(step_loss) else norm,
+                     f"{what} at step {iter_num}; stopping before the update ({kept(saved_step, ckpt_path)}). "
+                     f"Try a lower --learning_rate or --grad_clip")
         for o in optimizers:
             o.step()
             o.zero_grad(set_to_none=True)
@@ -781,4 +869,4 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(EXIT_DIVERGED if isinstance(e, Diverged) else 1)

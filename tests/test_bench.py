@@ -197,6 +197,7 @@ def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
     (["train", "--block_size=4096"], "exceeds the model's block_size"),
     (["train", "--n_head=5"], "multiple of n_head"),
     (["train", "--n_layer=abc"], "--n_layer=abc"),
+    (["train", "--vocab_size=0"], "--vocab_size=0: expected a positive integer"),
     (["train", "--compile=maybe"], "expected a bool"),
     (["train", "--recompute_w_hat=1"], "recompute_w_hat"),
     (["train", "--json=/no/such/dir/x.json"], "folder does not exist"),

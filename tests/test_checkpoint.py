@@ -336,3 +336,120 @@ def test_sample_refuses_a_checkpoint_with_flipped_bytes_in_one_line(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert "is corrupt" in line and "CRC32" in line
+
+
+def test_sample_refuses_a_non_finite_model_in_one_line(tmp_path):
+    """A diverged model's logits are NaN, whose argmax is token 0: NUL bytes at temperature 0."""
+    model = a_model_checkpoint(tmp_path)
+    state = model.state_dict()
+    state["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+    ckpt = checkpoint.load(tmp_path / "ckpt.pt")
+    checkpoint.save({**ckpt, "model": state}, tmp_path / "ckpt.pt")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={tmp_path}", "--device=cpu",
+                        "--num_samples=1", "--max_new_tokens=4", "--temperature=0"], capture_output=True, timeout=120)
+    assert r.returncode == 1 and b"Traceback" not in r.stderr and b"\0" not in r.stdout, r.stderr
+    (line,) = r.stderr.decode().strip().splitlines()
+    assert line.startswith("error: ") and "non-finite values" in line and "transformer.h.0.mlp.c_fc.weight" in line
+
+
+def test_sample_refuses_a_seed_torch_cannot_take_in_one_line(tmp_path):
+    a_model_checkpoint(tmp_path)
+    for seed in (2**63, -1):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={tmp_path}", "--device=cpu",
+                            f"--seed={seed}"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        (line,) = r.stderr.strip().splitlines()
+        assert f"--seed={seed}: expected an integer in [0, 2^63)" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# the run directory: full disks, stale temporaries, the divergence record, waiting for the lock
+
+
+def test_a_disk_that_fills_inside_torch_save_is_one_line(tmp_path, monkeypatch):
+    """torch's writer turns the file's ENOSPC into RuntimeError "unexpected pos N vs M"."""
+    import errno
+    import io
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save(a_state(), path)
+    before = path.read_bytes()
+
+    class FillsUp(io.FileIO):
+        def write(self, b):
+            if self.tell() + len(b) > 300:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(b)
+    monkeypatch.setattr(checkpoint.os, "fdopen", lambda fd, mode: FillsUp(fd, "wb"))
+    with pytest.raises(CheckpointError, match="No space left on device") as e:
+        checkpoint.save(a_state(), path)
+    assert "unexpected pos" not in one_line(e.value)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_write_text_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
+    import errno
+    path = tmp_path / "config.json"
+    path.write_text("old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(CheckpointError, match="No space left on device") as e:
+        checkpoint.write_text(path, "new")
+    one_line(e.value)
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["config.json"]
+
+
+def test_clean_stale_removes_dead_writers_temporaries_and_unlinked_sharded_directories(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    dead, live = p.pid, os.getpid()
+    stale = [f".ckpt.pt.{dead}.0123abcd.tmp", f".ckpt.dcp.{dead}.89abcdef.tmp"]
+    kept = [f".ckpt.pt.{live}.0123abcd.tmp", f".ckpt.pt.{dead}.tmp", "x.tmp", ".lock"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"x")
+    for name, content in (("ckpt.dcp.00000001", ".metadata"), ("ckpt.dcp.00000002", "__0_0.distcp"),
+                          ("ckpt.dcp.00000003", checkpoint.CRCS), ("other.0000000a", "notes.txt")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / content).write_bytes(b"x")
+    os.symlink("ckpt.dcp.00000003", tmp_path / "ckpt.dcp")  # the current sharded checkpoint
+    removed = checkpoint.clean_stale(tmp_path)
+    assert sorted(removed) == sorted(stale + ["ckpt.dcp.00000001", "ckpt.dcp.00000002"])
+    assert sorted(os.listdir(tmp_path)) == sorted(kept + ["ckpt.dcp", "ckpt.dcp.00000003", "other.0000000a"])
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"step": "11", "what": "loss"}', '{"step": 11}'])
+def test_a_hand_edited_divergence_record_is_one_line(tmp_path, text):
+    (tmp_path / "diverged.json").write_text(text)
+    with pytest.raises(CheckpointError, match="diverged.json") as e:
+        checkpoint.read_divergence(tmp_path)
+    one_line(e.value)
+    assert checkpoint.read_divergence(tmp_path / "nowhere") is None
+
+
+def test_a_divergence_record_writes_non_finite_values_as_strings(tmp_path):
+    checkpoint.write_divergence(tmp_path, {"step": 3, "what": "eval_loss", "value": {"train": float("nan"),
+                                                                                     "val": float("inf")}})
+    import json
+    assert json.loads((tmp_path / "diverged.json").read_text()) == {"step": 3, "what": "eval_loss",
+                                                                    "value": {"train": "nan", "val": "inf"}}
+    assert checkpoint.read_divergence(tmp_path)["step"] == 3
+
+
+def test_a_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path):
+    import threading
+    held = checkpoint.lock(tmp_path)
+    with pytest.raises(checkpoint.Busy) as e:
+        checkpoint.lock(tmp_path)
+    assert e.value.holder == str(os.getpid())
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(checkpoint.lock(tmp_path, wait=True)))
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and not got  # still waiting: the lock is held
+    held.release()
+    waiter.join(timeout=30)
+    assert len(got) == 1
+    got[0].release()
+    with checkpoint.lock(tmp_path, name=".study.lock"):  # another name, another lock of the same directory
+        checkpoint.lock(tmp_path).release()

@@ -274,3 +274,107 @@ def test_dry_run_lists_every_run_with_its_command_and_nproc_uses_torchrun(tmp_pa
     lines = [l for l in capsys.readouterr().out.splitlines() if "[to run]" in l]
     assert len(lines) == 9
     assert all("-m torch.distributed.run --standalone --nproc_per_node=2 train.py config/mini_llama2.py" in l for l in lines)
+
+
+# --- two runners, divergences, hand-edited records ---------------------------------------------
+
+def test_a_run_whose_lock_is_held_is_not_touched(tiny_config, tmp_path):
+    """As a second runner finds a run the first is training (before its first checkpoint): train.py's
+    lock of the directory is held, metrics.jsonl holds that run's first records. Nothing is deleted,
+    train.py is not started, the run is put off (BUSY)."""
+    import checkpoint
+    a = study.arm(tiny_config, method="bf16")
+    run_dir = tmp_path / "runs" / study.run_name(a, 1)
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"iter": 0, "train/loss": 5.5, "val/loss": 5.5}) + "\n")
+    before = sorted(os.listdir(run_dir)), (run_dir / "metrics.jsonl").read_bytes()
+    for name in (".lock", ".study.lock"):  # a train.py's lock, then another runner's
+        with checkpoint.lock(str(run_dir), name=name):
+            result = study.train_one(study.run_name(a, 1), a, 1, str(tmp_path), 1, False)
+        assert (sorted(f for f in os.listdir(run_dir) if not f.endswith("lock")),
+                (run_dir / "metrics.jsonl").read_bytes()) == before
+        assert result == study.BUSY
+
+
+def test_a_runner_does_the_free_runs_first_then_waits_for_the_held_one(tiny_config, tmp_path, monkeypatch):
+    """Run 1 is held by another process; the runner trains run 2, then waits for run 1 (the holder lets
+    go when the runner starts to wait) and trains it: both runs whole, one record each."""
+    import checkpoint
+    config = two_runs(tiny_config)
+    names = [n for n, _, _ in study.runs_of(config)]
+    held = checkpoint.lock(os.path.join(str(tmp_path), "runs", names[0]))
+    real_claim, order = study.claim, []
+
+    def claim(run_dir, wait):
+        order.append((os.path.basename(run_dir), wait))
+        if wait:
+            held.release()  # the other process ends
+        return real_claim(run_dir, wait)
+    monkeypatch.setattr(study, "claim", claim)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert study.run_study("tiny", config, str(tmp_path), echo=False) == 0
+    assert order == [(names[0], False), (names[1], False), (names[0], True)]
+    assert f"{names[0]} is in use by another process; back to it after the others" in out.getvalue()
+    for n in names:
+        assert json.load(open(tmp_path / "runs" / n / "done.json"))["status"] == "finished"
+        evals, logs = records(tmp_path / "runs" / n)
+        assert max(evals) == TINY["max_iters"] and sorted(logs) == list(range(1, TINY["max_iters"] + 1))
+
+
+def test_any_divergence_train_py_records_is_a_result_not_a_failure(tiny_config, tmp_path):
+    """lr 1e30 makes the model after step 0 NaN: train.py stops at the eval of step 1 ("eval loss is
+    {...}", not "loss is nan"). The run is recorded as diverged there, and not run again."""
+    a = study.arm(tiny_config, method="bf16", learning_rate=1e30, grad_clip=0.0, warmup_iters=0, decay_lr=False,
+                  dtype="float32", eval_interval=1)
+    one = dict(about="one diverging run", arms=[a], seeds=(1,), export=(), export_bf16=False)
+    run_dir = tmp_path / "runs" / study.run_name(a, 1)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert study.run_study("one", one, str(tmp_path), echo=False) == 0
+    done = json.load(open(run_dir / "done.json"))
+    assert (done["status"], done["step"], done["what"]) == ("diverged", 1, "eval_loss")
+    results = json.load(open(tmp_path / "one" / "results.json"))
+    assert results["arms"][0]["diverged"] == [{"seed": 1, "step": 1, "what": "eval_loss"}]
+    log = (run_dir / "train.log").read_bytes()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert study.run_study("one", one, str(tmp_path), echo=False) == 0
+    assert "already diverged, skipped" in out.getvalue() and (run_dir / "train.log").read_bytes() == log
+
+
+@pytest.mark.parametrize("record,text", [
+    ("done.json", "{not json"), ("done.json", '{"status": "done"}'), ("done.json", '["finished"]'),
+    ("run.json", '{"args": "x", "attempts": []}'), ("run.json", '{"args": [], "attempts": [{"wall_s": "1"}]}'),
+    ("export.json", '{"auto": 1.5}'), ("export.json", "\xff\xfe"),
+])
+def test_a_hand_edited_record_is_one_line_and_changes_nothing(finished, tiny_config, tmp_path, record, text):
+    import shutil
+    root, _, _ = finished
+    copy = tmp_path / "root"
+    shutil.copytree(os.path.join(root, "runs", "tiny-gaussws_all-s1"), copy / "runs" / "tiny-gaussws_all-s1")
+    path = copy / "runs" / "tiny-gaussws_all-s1" / record
+    path.write_bytes(text.encode("latin-1"))
+    files = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    config = dict(about="gaussws only", arms=[study.arm(tiny_config, method="gaussws[all]")], seeds=(1,),
+                  export=("auto",), export_bf16=False)
+    with pytest.raises(study.StudyError) as e, contextlib.redirect_stdout(io.StringIO()):
+        study.run_study("tiny", config, str(copy), echo=False)
+    message = str(e.value)
+    assert str(path) in message and "\n" not in message and "move it away" in message
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.parent != copy / "tiny"} == files
+
+
+def test_a_bad_root_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for root, message in ((tmp_path / "file", "is a file"), (tmp_path / "file" / "below", "is a file"),
+                          ("/proc/no_such_dir/study", "cannot make")):
+        for dry in ([], ["--dry_run"]):
+            r = subprocess.run([sys.executable, "study.py", "fig3a", f"--root={root}", *dry], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120)
+            if dry and root == "/proc/no_such_dir/study":  # a dry run makes nothing, so cannot fail to
+                assert r.returncode == 0, r.stderr
+                continue
+            assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+            (line,) = r.stderr.strip().splitlines()
+            assert line.startswith("error: --root=") and message in line
+    assert (tmp_path / "file").read_text() == "x"

@@ -332,14 +332,16 @@ def test_a_checkpoint_with_flipped_bytes_is_refused_in_one_line(data_dir, traine
     assert (out / "ckpt.pt").read_bytes() == bytes(data)
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, trained):
-    before = digest(trained / "ckpt.pt")
-    r = run_cli(tiny(data_dir, trained, max_iters=40, init_from="resume", learning_rate=1e30, grad_clip=0.0,
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    before = digest(out / "ckpt.pt")
+    r = run_cli(tiny(data_dir, out, max_iters=40, init_from="resume", learning_rate=1e30, grad_clip=0.0,
                      warmup_iters=0, decay_lr=False, dtype="float32", eval_interval=1000))
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == train.EXIT_DIVERGED == 3, r.stderr
     assert "loss is nan" in r.stderr or "loss is inf" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-    assert digest(trained / "ckpt.pt") == before
+    assert digest(out / "ckpt.pt") == before
+    assert divergence(out) == {"step": 11, "what": "loss", "checkpoint_step": 10}  # step 10 updated with lr 1e30
 
 
 def test_dry_run_prints_config_and_exits(tmp_path):
@@ -416,6 +418,13 @@ def copy_run(trained, tmp_path):
     return out
 
 
+def divergence(out_dir):
+    """diverged.json read by hand: its step, what went wrong and the step of the checkpoint kept."""
+    with open(os.path.join(out_dir, "diverged.json")) as f:
+        record = json.load(f)
+    return {k: record[k] for k in ("step", "what", "checkpoint_step")}
+
+
 @pytest.mark.parametrize("max_iters", [5, 10, 0])
 def test_resume_at_or_past_max_iters_ends_at_once(data_dir, trained, tmp_path, capsys, max_iters):
     out = copy_run(trained, tmp_path)
@@ -457,6 +466,8 @@ def test_nan_at_an_eval_step_keeps_the_good_checkpoint(data_dir, trained, tmp_pa
                         warmup_iters=0, decay_lr=False, dtype="float32", eval_interval=1))
     message = str(error.value)
     assert "at step 11" in message and f"the last good checkpoint is {out / 'ckpt.pt'}, step 10" in message
+    assert isinstance(error.value, train.Diverged)
+    assert divergence(out) == {"step": 11, "what": "eval_loss", "checkpoint_step": 10}
     assert digest(out / "ckpt.pt") == before
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["iter_num"] == 10 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
@@ -482,6 +493,7 @@ def test_an_inf_gradient_with_a_finite_loss_is_not_applied(data_dir, trained, tm
             train.main(tiny(data_dir, out, max_iters=20, init_from="resume", grad_clip=grad_clip))
         for k, v in seen["model"].state_dict().items():  # no update reached the weights
             assert torch.equal(v, weights[k]), k
+        assert divergence(out) == {"step": 10, "what": "grad_norm", "checkpoint_step": 10}
     assert digest(out / "ckpt.pt") == before
 
 
@@ -543,3 +555,265 @@ def test_a_checkpoint_this_code_cannot_continue_is_one_line(data_dir, trained, t
     torch.save(ckpt, out / "ckpt.pt")
     with pytest.raises(ConfigError, match=message):
         train.main(tiny(data_dir, out, max_iters=20, init_from="resume"))
+
+
+# --- a run's record: what diverged, what is kept, what an evaluation or a crash leaves ------------
+
+HUGE_LR = dict(init_from="resume", grad_clip=0.0, warmup_iters=0, decay_lr=False, dtype="float32", eval_interval=1)
+
+
+def test_a_finite_but_diverged_model_never_replaces_the_good_checkpoint(data_dir, trained, tmp_path):
+    """lr 1e3: the model after step 10 is finite, its val loss about 1.8e7 nats, far above ln(256) + 1."""
+    import math
+    import torch
+    out = copy_run(trained, tmp_path)
+    before = digest(out / "ckpt.pt")
+    r = run_cli(tiny(data_dir, out, max_iters=20, learning_rate=1e3, **HUGE_LR))
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "val loss is" in line and "above ln(vocab_size) + 1" in line and "step 11" in line
+    assert digest(out / "ckpt.pt") == before
+    record = json.load(open(out / "diverged.json"))
+    assert record["what"] == "val_loss" and record["step"] == 11 and record["checkpoint_step"] == 10
+    assert record["value"] > record["limit"] == pytest.approx(math.log(256) + 1)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 10
+
+
+def test_b_t_far_below_b_target_stops_the_run_before_a_save(data_dir, trained, tmp_path):
+    """b_i = -5 by hand: b_t = 4 + (-5)(6 - 4) = -6, more than 8 bits below min(b_init 6, b_target 4)."""
+    import torch
+    out = copy_run(trained, tmp_path)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    for k in ckpt["model"]:
+        if k.endswith(".b_i"):
+            ckpt["model"][k].fill_(-5.0)
+    torch.save(ckpt, out / "ckpt.pt")
+    before = digest(out / "ckpt.pt")
+    with pytest.raises(train.Diverged, match=r"b_t fell to -6.*below min\(b_init, b_target\) - 8 = -4 at step 11"):
+        train.main(tiny(data_dir, out, max_iters=20, eval_interval=1, init_from="resume"))
+    assert divergence(out) == {"step": 11, "what": "b_t", "checkpoint_step": 10}
+    assert digest(out / "ckpt.pt") == before
+
+
+def test_non_finite_weights_the_eval_does_not_see_stop_the_run(data_dir, tmp_path):
+    """A NaN row of Llama2's (untied) embedding for byte 255, which the data never holds: the loss
+    stays finite, the weights are not."""
+    import torch
+    out = tmp_path / "llama"
+    train.main(tiny(data_dir, out, max_iters=10, arch="llama2", bias=False))
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    ckpt["model"]["transformer.wte.weight"][255] = float("nan")
+    torch.save(ckpt, out / "ckpt.pt")
+    before = digest(out / "ckpt.pt")
+    with pytest.raises(train.Diverged, match="the model holds non-finite values at step 11"):
+        train.main(tiny(data_dir, out, max_iters=20, eval_interval=1, arch="llama2", bias=False, init_from="resume"))
+    assert divergence(out) == {"step": 11, "what": "model", "checkpoint_step": 10}
+    assert digest(out / "ckpt.pt") == before
+
+
+def test_a_resumed_run_that_no_longer_diverges_drops_the_old_record(data_dir, trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    (out / "diverged.json").write_text(json.dumps({"step": 11, "what": "loss"}))
+    train.main(tiny(data_dir, out, max_iters=12, init_from="resume"))
+    assert not (out / "diverged.json").exists()
+
+
+def test_an_evaluation_leaves_the_runs_config_and_metrics_as_they_are(data_dir, trained, tmp_path, capsys):
+    out = copy_run(trained, tmp_path)
+    files = {f: (out / f).read_bytes() for f in ("config.json", "metrics.jsonl", "ckpt.pt")}
+    train.main(tiny(data_dir, out, max_iters=10, init_from="resume", eval_only=True, learning_rate=0.5))
+    assert "step 10: train loss" in capsys.readouterr().out
+    assert {f: (out / f).read_bytes() for f in files} == files
+
+
+class Killed(BaseException):
+    """What a kill -9 at that point leaves, in this process: nothing after it runs."""
+
+
+def test_an_overwrite_killed_before_its_first_save_leaves_no_checkpoint_to_resume(data_dir, trained, tmp_path,
+                                                                                   monkeypatch):
+    out = copy_run(trained, tmp_path)
+
+    def killed(*args, **kwargs):
+        raise Killed()
+    monkeypatch.setattr(train, "save_checkpoint", killed)
+    with pytest.raises(Killed):  # the new run (another lr) is killed at its first save, step 4
+        train.main(tiny(data_dir, out, max_iters=10, eval_interval=4, learning_rate=1e-3, overwrite=True))
+    monkeypatch.undo()
+    assert not (out / "ckpt.pt").exists()  # the replaced run's checkpoint went before the new run began
+    with open(out / "metrics.jsonl") as f:
+        assert [json.loads(line)["iter"] for line in f] == [0, 1, 2, 3, 4, 4]  # the new run's only (log, eval at 4)
+    with pytest.raises(ConfigError, match="holds no checkpoint"):
+        train.main(tiny(data_dir, out, max_iters=10, init_from="resume"))
+
+
+def full_disk_open(monkeypatch, marker):
+    """open() as on a full disk for text that holds `marker`: the file is opened (a "w" truncates it),
+    the write raises ENOSPC. Every open of any module goes through it, old code's and new code's."""
+    import builtins
+    import errno
+    real_open = builtins.open
+
+    class Full:
+        def __init__(self, f):
+            self._f = f
+
+        def write(self, text):
+            if marker in text:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self._f.write(text)
+
+        def writelines(self, lines):
+            for line in lines:
+                self.write(line)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    def patched(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return Full(f) if "w" in mode or "a" in mode else f
+    monkeypatch.setattr(builtins, "open", patched)
+
+
+def test_a_crash_while_resuming_rewrites_no_metrics_in_place(data_dir, trained, tmp_path, monkeypatch):
+    """The kept lines go to a temporary file renamed over metrics.jsonl: a write that fails there
+    (here a full disk) leaves every record up to the checkpoint."""
+    out = copy_run(trained, tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:  # a crashed continuation's record, to be dropped
+        f.write(json.dumps({"iter": 11, "loss": 1.0}) + "\n")
+    before = (out / "metrics.jsonl").read_bytes()
+    full_disk_open(monkeypatch, '"iter"')
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, out, max_iters=12, init_from="resume"))
+    monkeypatch.undo()
+    assert "No space left on device" in str(error.value) and "\n" not in str(error.value)
+    assert (out / "metrics.jsonl").read_bytes() == before
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def test_a_full_disk_at_config_json_is_one_line_and_keeps_the_old_one(data_dir, trained, tmp_path, monkeypatch):
+    out = copy_run(trained, tmp_path)
+    files = {f: (out / f).read_bytes() for f in ("config.json", "metrics.jsonl", "ckpt.pt")}
+    full_disk_open(monkeypatch, '"model_args"')
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, out, max_iters=12, init_from="resume"))
+    monkeypatch.undo()
+    assert "config.json: No space left on device" in str(error.value) and "\n" not in str(error.value)
+    assert {f: (out / f).read_bytes() for f in files} == files
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def test_a_full_disk_at_a_metrics_line_is_one_line_and_keeps_the_checkpoint(data_dir, trained, tmp_path,
+                                                                           monkeypatch):
+    out = copy_run(trained, tmp_path)
+    before = digest(out / "ckpt.pt")
+    full_disk_open(monkeypatch, '"iter": 12')  # the log line of step 12 finds the disk full
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, out, max_iters=14, eval_interval=2, init_from="resume"))
+    monkeypatch.undo()
+    message = str(error.value)
+    assert "metrics.jsonl: No space left on device" in message and "\n" not in message
+    assert f"the last good checkpoint is {out / 'ckpt.pt'}, step 10" in message
+    assert digest(out / "ckpt.pt") == before
+    with open(out / "metrics.jsonl") as f:
+        assert max(json.loads(line)["iter"] for line in f) == 11
+
+
+def test_a_full_disk_at_the_locks_pid_is_one_line_and_releases_the_lock(data_dir, trained, tmp_path, monkeypatch):
+    import errno
+    import checkpoint
+    out = copy_run(trained, tmp_path)
+    files = {f: (out / f).read_bytes() for f in ("config.json", "metrics.jsonl", "ckpt.pt")}
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, out, max_iters=12, init_from="resume"))
+    monkeypatch.undo()
+    assert ".lock: No space left on device" in str(error.value) and "\n" not in str(error.value)
+    assert {f: (out / f).read_bytes() for f in files} == files
+    checkpoint.lock(str(out)).release()  # not held any more
+
+
+def test_a_full_disk_inside_torch_save_is_one_line_and_keeps_the_checkpoint(data_dir, trained, tmp_path,
+                                                                           monkeypatch):
+    """torch.save turns the file's ENOSPC into RuntimeError "unexpected pos N vs M"."""
+    import errno
+    import io
+    import checkpoint
+    out = copy_run(trained, tmp_path)
+    before = digest(out / "ckpt.pt")
+
+    class FillsUp(io.FileIO):
+        written = 0
+
+        def write(self, b):
+            FillsUp.written += len(b)
+            if FillsUp.written > 100_000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(b)
+    monkeypatch.setattr(checkpoint.os, "fdopen", lambda fd, mode: FillsUp(fd, "wb"))
+    with pytest.raises(ConfigError) as error:
+        train.main(tiny(data_dir, out, max_iters=12, eval_interval=2, init_from="resume"))
+    monkeypatch.undo()
+    message = str(error.value)
+    assert "No space left on device" in message and "unchanged" in message and "\n" not in message
+    assert digest(out / "ckpt.pt") == before
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_the_next_run_removes_the_temporaries_of_dead_writers_only(data_dir, trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    dead, live = dead_pid(), os.getpid()
+    stale = [f".ckpt.pt.{dead}.0123abcd.tmp", f".metrics.jsonl.{dead}.89abcdef.tmp"]
+    kept = [f".ckpt.pt.{live}.0123abcd.tmp", "notes.tmp", "ckpt.dcp.0123abcd"]  # a live writer's; not ours
+    for name in stale + kept[:2]:
+        (out / name).write_bytes(b"partial")
+    (out / "ckpt.dcp.0badf00d").mkdir()  # a sharded save killed before its symlink swap
+    (out / "ckpt.dcp.0badf00d" / ".metadata").write_bytes(b"partial")
+    (out / "ckpt.dcp.0123abcd").mkdir()  # a directory of the same name, but nothing DCP wrote
+    train.main(tiny(data_dir, out, max_iters=12, init_from="resume"))
+    left = set(os.listdir(out))
+    assert not left & set(stale + ["ckpt.dcp.0badf00d"]) and set(kept) <= left
+
+
+def test_weights_that_do_not_fit_the_checkpoints_model_args_are_one_line(data_dir, trained, tmp_path):
+    import torch
+    out = copy_run(trained, tmp_path)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    ckpt["model"]["transformer.wte.weight"] = ckpt["model"]["transformer.wte.weight"][:, :32].clone()
+    torch.save(ckpt, out / "ckpt.pt")
+    before = digest(out / "ckpt.pt")
+    r = run_cli(tiny(data_dir, out, max_iters=20, init_from="resume"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "do not fit the model its model_args describe" in line and "size mismatch for transformer.wte.weight" in line
+    assert digest(out / "ckpt.pt") == before
+
+
+def test_the_sane_model_rule_at_its_bounds():
+    """ln(256) + 1 = 6.5452 nats; b_t at least min(b_init, b_target) - 8."""
+    ok, nan = {"train": 2.0, "val": 2.0}, float("nan")
+    assert train.insanity(ok, {"min": -3.99}, 256, 4.0, trained=True) is None
+    assert train.insanity(ok, {"min": -4.01}, 256, 4.0, trained=True) == ("b_t", -4.01, -4.0)
+    assert train.insanity(ok, {"min": nan}, 256, 4.0, trained=True)[0] == "b_t"
+    assert train.insanity(ok, None, 256, 4.0, trained=True) is None  # bf16: no b_t
+    assert train.insanity({"train": 9.0, "val": 6.545}, None, 256, 4.0, trained=True) is None
+    assert train.insanity({"train": 2.0, "val": 6.546}, None, 256, 4.0, trained=True)[0] == "val_loss"
+    assert train.insanity({"train": 2.0, "val": 50.0}, None, 256, 4.0, trained=False) is None  # nothing trained yet
+    assert train.insanity({"train": nan, "val": 2.0}, None, 256, 4.0, trained=False)[0] == "eval_loss"
