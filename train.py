@@ -612,7 +612,10 @@ def _main(argv, resources):
             print("preparing the default corpus (Python's standard library) ...")
             sys.path.insert(0, data_dir)
             import prepare as default_prepare
-            default_prepare.prepare_if_missing(data_dir)  # two first runs at once: the second waits for the first
+            try:
+                default_prepare.prepare_if_missing(data_dir)  # two first runs at once: the second waits for the first
+            except DataError as e:  # a full disk, an unwritable data/default
+                fail(str(e))
         if ddp:
             torch.distributed.barrier()
     meta = read_meta(data_dir)
