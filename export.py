@@ -26,7 +26,6 @@ import os
 import struct
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 import checkpoint
 import train
 from configurator import ConfigError, configure
+from formats import BY_NAME, FORMATS, e8m0_exponents, fp_decode, fp_encode, fp_round, int_scales, pow2
 from kernels import BL
 from model import GPT, ROLES, ModelConfig
 
@@ -62,49 +62,7 @@ class ExportError(Exception):
     """Bad input or an unusable checkpoint; the message is one line that says what to do."""
 
 
-# --- element formats -------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Format:
-    """An element format: "fp" (sign, ebits exponent, mbits mantissa) or "int" (symmetric integer)."""
-    name: str
-    kind: str
-    bits: int  # bits per element code
-    ebits: int = 0
-    mbits: int = 0
-    emax: int = 0  # exponent of the largest normal value (as the OCP MX v1.0 spec lists it per format)
-    max: float = 0.0  # largest finite value: conversions saturate here
-    scaled: bool = True  # carries a per-block scale (bf16 and fp32 span every weight with their own exponent)
-
-    @property
-    def bias(self):
-        return 2 ** (self.ebits - 1) - 1
-
-    @property
-    def emin(self):
-        return 1 - self.bias  # exponent of the smallest normal; subnormals have E = 0 and this exponent
-
-    @property
-    def levels(self):
-        return 2 ** (self.bits - 1) - 1  # int: codes -levels..levels (symmetric; -2^(b-1) unused)
-
-
-def _fp(name, ebits, mbits, emax, max_value, scaled=True):
-    return Format(name, "fp", 1 + ebits + mbits, ebits, mbits, emax, max_value, scaled)
-
-
-# The file stores a block's format as its index here: append, never reorder.
-FORMATS = [
-    _fp("mxfp4", 2, 1, 2, 6.0),  # e2m1: no Inf/NaN codes
-    _fp("mxfp6_e2m3", 2, 3, 2, 7.5),  # no Inf/NaN codes
-    _fp("mxfp6_e3m2", 3, 2, 4, 28.0),  # no Inf/NaN codes
-    _fp("mxfp8_e4m3", 4, 3, 8, 448.0),  # e4m3fn: only S.1111.111 is NaN
-    _fp("mxfp8_e5m2", 5, 2, 15, 57344.0),  # IEEE-like: exponent 11111 is Inf/NaN
-    _fp("bf16", 8, 7, 127, 3.3895313892515355e38, scaled=False),
-    _fp("fp16", 5, 10, 15, 65504.0),  # scaled, so that its narrow exponent sits where the block's weights are
-    _fp("fp32", 8, 23, 127, 3.4028234663852886e38, scaled=False),
-] + [Format(f"int{b}", "int", b) for b in range(2, 17)]
-BY_NAME = {f.name: i for i, f in enumerate(FORMATS)}
+# --- which format a block takes (the formats themselves: formats.py) ---------------------------
 
 # auto's candidates, cheapest first (element bits, then scale bits): a block takes the first one
 # that Table C allows for its b_t. fp32 allows every b_t up to 25, and is the master weight itself.
@@ -137,78 +95,21 @@ def auto_int_format_ids(b_t):
     return ids
 
 
-def _pow2(k):
-    """2^k as float64, exactly, for an int64 tensor k in [-1022, 1023] (built from its bits)."""
-    return ((k + 1023) << 52).view(torch.float64)
-
-
-def _floor_log2(a):
-    """floor(log2 a) of positive float64 values, exactly (frexp: a = f * 2^e with f in [0.5, 1))."""
-    return torch.frexp(a)[1].long() - 1
-
-
-def fp_round(v, fmt):
-    """v (float64, already divided by the block scale) on fmt's grid: round to nearest, ties to even,
-    saturated at +-fmt.max. Exact in float64: v / step is a power-of-two rescaling."""
-    a = v.abs()
-    e = _floor_log2(a).clamp(min=fmt.emin)  # below the smallest normal the grid is the subnormals'
-    step = _pow2(e - fmt.mbits)
-    q = (torch.round(a / step) * step).clamp(max=fmt.max)  # torch.round: half to even
-    return torch.where(torch.signbit(v), -q, q)
-
-
-def fp_encode(q, fmt):
-    """Codes (sign | exponent E | mantissa M, int64) of values on fmt's grid (fp_round's output)."""
-    a = q.abs()
-    e = _floor_log2(a).clamp(min=fmt.emin)
-    significand = (a / _pow2(e - fmt.mbits)).long()  # 2^m + M for normals, M for subnormals (and 0)
-    normal = significand >= 2 ** fmt.mbits
-    exponent = torch.where(normal, e + fmt.bias, 0)
-    mantissa = torch.where(normal, significand - 2 ** fmt.mbits, significand)
-    return (torch.signbit(q).long() << (fmt.ebits + fmt.mbits)) | (exponent << fmt.mbits) | mantissa
-
-
-def fp_decode(codes, fmt):
-    """Values (float64) of codes: (-1)^s * 2^(E - bias) * (1 + M / 2^m), or 2^emin * M / 2^m when E = 0."""
-    mantissa = codes & (2 ** fmt.mbits - 1)
-    exponent = (codes >> fmt.mbits) & (2 ** fmt.ebits - 1)
-    magnitude = torch.where(exponent == 0, mantissa * _pow2(torch.full_like(codes, fmt.emin - fmt.mbits)),
-                            (mantissa + 2 ** fmt.mbits) * _pow2(exponent - fmt.bias - fmt.mbits))
-    return torch.where((codes >> (fmt.ebits + fmt.mbits)) & 1 == 1, -magnitude, magnitude)
-
-
-def e8m0_exponents(amax, fmt):
-    """The shared scale X = 2^k of each block, by the OCP MX v1.0 conversion: k = floor(log2 amax) - emax,
-    emax that of the element format's largest normal, clamped to E8M0's range [-127, 127]. The
-    largest weight then lands in [2^emax, 2^(emax+1)); above fmt.max it saturates. An all-zero
-    block gets the smallest scale, 2^-127 (any scale codes its zeros)."""
-    a = amax.double()
-    k = torch.where(a > 0, _floor_log2(a.clamp(min=torch.finfo(torch.float64).tiny)) - fmt.emax, -127)
-    return k.clamp(-127, 127)
-
-
-def int_scales(amax, fmt):
-    """Symmetric absmax scale s = max_bl(|w|) / (2^(b-1) - 1), held in BF16 and rounded up there, so
-    that no weight of the block lies beyond the top level (the largest reaches it)."""
-    s = amax.double() / fmt.levels
-    s16 = s.to(torch.bfloat16)
-    up = s16.double() < s
-    s16[up] = (s16[up].view(torch.int16) + 1).view(torch.bfloat16)  # the next BF16 value above
-    return s16
-
-
 def quantize_blocks(blocks, fmt):
-    """Blocks (k, BL*BL) float64 -> (codes int64 (k, BL*BL), scales (k,) or None)."""
+    """Blocks (k, BL*BL) float64 holding FP32 weights -> (codes int64 (k, BL*BL), scales (k,) or None)."""
     amax = blocks.abs().amax(dim=1)
     if fmt.kind == "int":
         scales = int_scales(amax, fmt)
-        s = scales.double()
-        q = torch.round(blocks / torch.where(s > 0, s, 1.0)[:, None]).clamp(-fmt.levels, fmt.levels)
+        s = scales.float()
+        # w / s as torchao's fake quantization (the STE's, gaussws.fake_quantize) computes it: w times
+        # the FP32 reciprocal of s, rounded half to even. The exact quotient rounds the other way where
+        # w / s is within an FP32 rounding of a half-integer, and an STE-trained model would not export as trained.
+        q = torch.round(blocks.float() * (1.0 / torch.where(s > 0, s, 1.0))[:, None]).clamp(-fmt.levels, fmt.levels)
         return q.long() & (2 ** fmt.bits - 1), scales  # two's complement in fmt.bits bits
     if not fmt.scaled:
         return fp_encode(fp_round(blocks, fmt), fmt), None
     k = e8m0_exponents(amax, fmt)
-    codes = fp_encode(fp_round(blocks / _pow2(k)[:, None], fmt), fmt)
+    codes = fp_encode(fp_round(blocks / pow2(k)[:, None], fmt), fmt)
     return codes, (k + 127).to(torch.uint8)  # E8M0 code: the biased exponent
 
 
@@ -218,7 +119,7 @@ def dequantize_blocks(codes, scales, fmt):
         q = torch.where(codes >= 2 ** (fmt.bits - 1), codes - 2 ** fmt.bits, codes)
         return q.double() * scales.double()[:, None]
     values = fp_decode(codes, fmt)
-    return values if scales is None else values * _pow2(scales.long() - 127)[:, None]
+    return values if scales is None else values * pow2(scales.long() - 127)[:, None]
 
 
 # --- 32x32 blocks and bit packing ----------------------------------------------------------------
