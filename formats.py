@@ -107,6 +107,5 @@ def int_scales(amax, fmt):
     that no weight of the block lies beyond the top level (the largest reaches it)."""
     s = amax.double() / fmt.levels
     s16 = s.to(torch.bfloat16)
-    up = s16.double() < s
-    s16[up] = (s16[up].view(torch.int16) + 1).view(torch.bfloat16)  # the next BF16 value above
-    return s16
+    above = (s16.view(torch.int16) + 1).view(torch.bfloat16)  # the next BF16 value above
+    return torch.where(s16.double() < s, above, s16)
