@@ -395,6 +395,9 @@ def _mx_elements(v, fmt):
     return v.clamp(-fmt.max, fmt.max).to(dtype).float()
 
 
+# Eager inside a compiled model too: fused, inductor keeps the BF16 scale in FP32 without rounding it
+# (its emulate_precision_casts is off), and the grid would not be export's.
+@torch.compiler.disable
 @torch.no_grad()
 def fake_quantize(w, name):
     """w (m, n) on the grid export.py stores for format `name` (FP32 values, no gradient): every 32x32
