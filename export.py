@@ -18,7 +18,9 @@ Reads <out_dir>/ckpt.pt (written by train.py) and
 
 Layers without PQT, embeddings, head, norms and biases are kept in BF16 (--other_dtype=float32
 keeps them exact). A run without PQT layers (a bf16 run) has its block Linears quantized instead,
-which is plain post-training quantization, the baseline PQT competes with.
+which is plain post-training quantization, the baseline PQT competes with; an STE run (ste[...]) has
+the layers it trained on a format's grid quantized, which give back its trained weights when the
+format is its target_format.
 """
 import json
 import math
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint
+import gaussws
 import train
 from configurator import ConfigError, configure
 from formats import BY_NAME, FORMATS, e8m0_exponents, fp_decode, fp_encode, fp_round, int_scales, pow2
@@ -44,7 +47,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULTS = dict(
     out_dir="out",  # the run directory holding ckpt.pt
     format="auto",  # an element format, auto, auto-int, or a comma list of them (each exported and evaluated)
-    layers="pqt",  # "pqt": quantize the PQT layers (every block Linear in a run without any); "all": every block Linear
+    layers="pqt",  # "pqt": the PQT (or STE) layers, every block Linear of a bf16 run; "all": every block Linear
     other_dtype="bfloat16",  # every tensor that is not quantized: "bfloat16" or "float32"
     export_dir="",  # where model-<format>.safetensors, bitwidths.json and bitwidths.png go; "" -> out_dir
     plot=True,  # draw bitwidths.png (matplotlib)
@@ -223,6 +226,18 @@ def block_linears(state_dict, arch):
         if key.startswith("transformer.h.") and key.endswith(".weight") and ".".join(parts[3:-1]) in roles:
             found[".".join(parts[:-1])] = roles[".".join(parts[3:-1])]
     return found
+
+
+def trained_layers(linears, b_t, pqt):
+    """The block Linears --layers=pqt quantizes: a PQT run's PQT layers (those with b_t), an STE run's
+    STE layers (the roles its method names: those trained on the grid), a bf16 run's every one (PTQ)."""
+    if b_t:
+        return {k: v for k, v in linears.items() if k in b_t}
+    try:
+        kind, roles = gaussws.parse_method(pqt.get("method", "bf16"), linears.values())
+    except ValueError as e:
+        raise ExportError(f"the checkpoint's method cannot be read: {e}") from None
+    return {k: v for k, v in linears.items() if k in roles} if kind == "ste" else linears
 
 
 def build_model(state_dict, arch_args):
@@ -491,7 +506,7 @@ def main(argv):
     arch = model.config.arch
     b_t = learned_bitwidths(state_dict, pqt)
     linears = block_linears(state_dict, arch)
-    quantized = linears if cfg["layers"] == "all" or not b_t else {k: v for k, v in linears.items() if k in b_t}
+    quantized = linears if cfg["layers"] == "all" else trained_layers(linears, b_t, pqt)
     shapes = {name: tuple(state_dict[name + ".weight"].shape) for name in linears}
     notes = []
     if not b_t and any(f.startswith("auto") for f in formats):

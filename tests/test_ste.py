@@ -200,3 +200,16 @@ def test_compiled_ste_layer_computes_what_the_eager_one_does(name):
         results.append((y.detach(), layer.weight.grad))
         layer.weight.grad = None
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_export_quantizes_the_layers_a_run_trained_for_it():
+    """--layers=pqt: PQT layers by their b_t, an STE run's layers by its method, a bf16 run's every one."""
+    linears = {f"transformer.h.{i}.{path}": role for i in range(2) for path, role in
+               (("attn.c_attn", "qkv"), ("attn.c_proj", "out"), ("mlp.c_fc", "up"), ("mlp.c_proj", "down"))}
+    od = {k: v for k, v in linears.items() if v in ("out", "down")}
+    assert E.trained_layers(linears, {}, {"method": "ste[od]"}) == od
+    assert E.trained_layers(linears, {}, {"method": "ste[all]"}) == linears
+    assert E.trained_layers(linears, {}, {"method": "bf16"}) == linears
+    assert E.trained_layers(linears, {k: None for k in od}, {"method": "gaussws[od]"}) == od
+    with pytest.raises(E.ExportError, match="method cannot be read"):
+        E.trained_layers(linears, {}, {"method": "qat[od]"})
