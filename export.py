@@ -237,7 +237,7 @@ def trained_layers(linears, b_t, pqt):
         kind, roles = gaussws.parse_method(pqt.get("method", "bf16"), linears.values())
     except ValueError as e:
         raise ExportError(f"the checkpoint's method cannot be read: {e}") from None
-    return {k: v for k, v in linears.items() if k in roles} if kind == "ste" else linears
+    return {k: v for k, v in linears.items() if v in roles} if kind == "ste" else linears
 
 
 def build_model(state_dict, arch_args):
