@@ -2,6 +2,7 @@
 
     python export.py --out_dir=out --format=auto
     python export.py --out_dir=out --format=auto,auto-int,mxfp8_e4m3,mxfp6_e3m2,mxfp4,int4,int3
+    python export.py --out_dir=out --format=auto-int,error-int,int3 --bits_per_weight=3.0   # mixed int2/3/4
 
 Reads <out_dir>/ckpt.pt (written by train.py) and
 1. reports the learned bitwidths b_t (one per 32x32 block, Eq. 11) per layer role and overall, as
@@ -9,8 +10,10 @@ Reads <out_dir>/ckpt.pt (written by train.py) and
    Printed, and written to bitwidths.json and bitwidths.png beside the exported files;
 2. quantizes every 32x32 block of the PQT layers to one element format with one shared scale
    (OCP Microscaling (MX) v1.0), either the same format for all blocks or, with `auto`/`auto-int`,
-   the format that the block's own b_t asks for, and writes model-<format>.safetensors: packed
-   element codes, scales, per-block format ids and what it takes to rebuild the model (no pickle);
+   the format that the block's own b_t asks for, or, with --bits_per_weight, int2/int3/int4 at that
+   mean ranked by b_t (auto-int) or by each block's own error (error-int); writes
+   model-<format>.safetensors: packed element codes, scales, per-block format ids and what it takes
+   to rebuild the model (no pickle);
 3. evaluates the val loss of each exported model on train.py's fixed evaluation batches, beside
    the loss of the checkpoint's own (unquantized) weights.
 
@@ -46,7 +49,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
     out_dir="out",  # the run directory holding ckpt.pt
-    format="auto",  # an element format, auto, auto-int, or a comma list of them (each exported and evaluated)
+    format="auto",  # an element format, auto, auto-int, error-int, or a comma list of them (each exported, evaluated)
+    bits_per_weight=0.0,  # auto-int, error-int: int2/int3/int4 at this mean element bits per weight (budget_bits)
     layers="pqt",  # "pqt": the PQT (or STE) layers, every block Linear of a bf16 run; "all": every block Linear
     other_dtype="bfloat16",  # every tensor that is not quantized: "bfloat16" or "float32"
     export_dir="",  # where model-<format>.safetensors, bitwidths.json and bitwidths.png go; "" -> out_dir
@@ -86,6 +90,54 @@ def auto_format_ids(b_t):
     for name in reversed(AUTO_ORDER):  # cheaper formats overwrite dearer ones
         ids[table_c_allows(FORMATS[BY_NAME[name]], b_t)] = BY_NAME[name]
     return ids
+
+
+BUDGET_FORMATS = ("int2", "int3", "int4")  # what a bit budget mixes, one bit apart
+
+
+def budget_bits(priority, weights, budget):
+    """Element bits of each block for a mean of `budget` bits per weight (weights: how many each block
+    holds). Every block starts at 2 bits; one-bit upgrades, priority[:, 0] for 2 -> 3 and [:, 1] for
+    3 -> 4, are made in descending priority (ties: block order) while the bits they add fit the
+    budget, skipping those that do not fit (a whole block after an edge one). A block's second upgrade
+    never ranks above its first, nor is made without it."""
+    priority = torch.stack([priority[:, 0], torch.minimum(priority[:, 0], priority[:, 1])], dim=1).flatten()
+    order = torch.argsort(priority, descending=True, stable=True).tolist()
+    size, bits = weights.double().tolist(), [2] * len(weights)
+    left = (budget - 2) * sum(size)
+    for i in order:
+        block = i // 2
+        if bits[block] == 2 + i % 2 and size[block] <= left:
+            bits[block] += 1
+            left -= size[block]
+    return torch.tensor(bits)
+
+
+def budget_format_ids(fmt_name, weights, b_t, budget):
+    """{layer: format ids} of int2/int3/int4 at a mean of `budget` element bits per weight over all the
+    layers' blocks together (weights: {layer: weight}), the blocks ranked
+      - auto-int: by their learned b_t, each upgrade by b_t - bits, the bits it lacks by its own b_t;
+      - error-int: by their own quantization error (a PTQ heuristic for any run), each upgrade by the
+        drop in the block's squared error it buys, per bit it costs."""
+    layers = list(weights)
+    counts = torch.cat([block_weights(*weights[k].shape).flatten() for k in layers])
+    if fmt_name == "auto-int":
+        if any(k not in b_t for k in layers):
+            raise ExportError("auto-int with --bits_per_weight ranks blocks by their learned b_t, and these layers "
+                              "have none (no PQT): use --format=error-int, which ranks them by their own error")
+        priority = torch.cat([b_t[k].flatten() for k in layers])[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64)
+    else:
+        errors = []
+        for k in layers:
+            blocks = to_blocks(weights[k].detach().float().cpu().double())
+            fmts = [FORMATS[BY_NAME[f]] for f in BUDGET_FORMATS]
+            errors.append(torch.stack([(dequantize_blocks(*quantize_blocks(blocks, f), f) - blocks).square().sum(1)
+                                       for f in fmts], dim=1))
+        error = torch.cat(errors)
+        priority = (error[:, :-1] - error[:, 1:]) / counts[:, None]
+    ids = torch.tensor([BY_NAME[f] for f in BUDGET_FORMATS], dtype=torch.uint8)[budget_bits(priority, counts, budget) - 2]
+    sizes = [block_weights(*weights[k].shape).shape for k in layers]
+    return {k: part.view(size) for k, part, size in zip(layers, ids.split([a * b for a, b in sizes]), sizes)}
 
 
 def auto_int_format_ids(b_t):
@@ -363,9 +415,10 @@ def format_ids_for(name, fmt_name, b_t, shape):
     return torch.full(nb, BY_NAME[fmt_name], dtype=torch.uint8)
 
 
-def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata):
+def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen=None):
     """The safetensors file (bytes) of `model` with the weights of `quantized` ({module path: role})
-    quantized per block, and its mix: share of quantized weights per format and bits per weight."""
+    quantized per block, and its mix: share of quantized weights per format and bits per weight.
+    chosen: {layer: format ids} made beforehand (a bit budget's), instead of format_ids_for's."""
     from safetensors.torch import save
     tensors, seen, shapes = {}, set(), {}
     weights_by_format, quantized_bytes = {}, 0
@@ -375,7 +428,7 @@ def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata):
         seen.add(value.data_ptr())
         layer = key[:-len(".weight")]
         if key.endswith(".weight") and layer in quantized:
-            ids = format_ids_for(layer, fmt_name, b_t.get(layer), value.shape)
+            ids = chosen[layer] if chosen else format_ids_for(layer, fmt_name, b_t.get(layer), value.shape)
             parts = quantize_weight(key, value.detach().float().cpu(), ids)
             tensors.update({f"{key}.{suffix}": t for suffix, t in parts.items()})
             quantized_bytes += sum(t.numel() * t.element_size() for t in parts.values())
@@ -469,10 +522,10 @@ def val_loss(model, batches, dtype, device):
 
 def parse_formats(spec):
     names = [s.strip() for s in str(spec).split(",") if s.strip()]
-    accepted = ["auto", "auto-int"] + [f.name for f in FORMATS]
+    accepted = ["auto", "auto-int", "error-int"] + [f.name for f in FORMATS]
     for name in names or [""]:
         if name not in accepted:
-            raise ExportError(f"unknown format {name!r}; expected one of auto, auto-int, "
+            raise ExportError(f"unknown format {name!r}; expected one of auto, auto-int, error-int, "
                               f"{', '.join(f.name for f in FORMATS[:8])}, int2..int16, or a comma list of them")
     return list(dict.fromkeys(names))
 
@@ -487,6 +540,15 @@ def main(argv):
         raise ExportError(f"--other_dtype={cfg['other_dtype']!r}: expected 'bfloat16' or 'float32'")
     if cfg["eval_iters"] < 0:
         raise ExportError(f"--eval_iters={cfg['eval_iters']}: expected >= 1 batches, or 0 for the run's own")
+    budget = cfg["bits_per_weight"]
+    if budget and not 2 <= budget <= 4:
+        raise ExportError(f"--bits_per_weight={budget:g}: expected a mean of 2 to 4 element bits per weight (int2 to "
+                          f"int4), or 0 for no budget")
+    if budget and not {"auto-int", "error-int"} & set(formats):
+        raise ExportError(f"--bits_per_weight={budget:g} is for --format=auto-int or error-int, and --format="
+                          f"{cfg['format']} has neither")
+    if "error-int" in formats and not budget:
+        raise ExportError("--format=error-int mixes int2/int3/int4 at a budget: pass --bits_per_weight (e.g. 3.0)")
     export_dir = cfg["export_dir"] or cfg["out_dir"]
     paths = {f: os.path.join(export_dir, f"model-{f}.safetensors") for f in formats}
     if cfg["save"] and not cfg["overwrite"]:
@@ -542,7 +604,11 @@ def main(argv):
     results = []
     other_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["other_dtype"]]
     for fmt_name in formats:
-        data, mix = export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata)
+        chosen = None
+        if budget and fmt_name in ("auto-int", "error-int"):
+            weights = {k: model.get_submodule(k).weight for k in quantized}
+            chosen = budget_format_ids(fmt_name, weights, b_t, budget)
+        data, mix = export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen)
         result = dict(mix, path=paths[fmt_name] if cfg["save"] else None, file_bytes=len(data))
         if cfg["save"]:
             tmp = paths[fmt_name] + ".tmp"
