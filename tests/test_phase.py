@@ -82,6 +82,7 @@ def test_phase_run_is_the_bf16_run_bit_for_bit_until_the_switch(runs, phase):
     a, b = curve(bf16_dir), curve(phase_dir)
     assert [a[i] for i in range(1, START + 1)] == [b[i] for i in range(1, START + 1)]  # losses of steps 0..START-1
     assert all(a[i] != b[i] for i in range(START + 1, STEPS + 1))  # the method from step START on
+    assert curve(bf16_dir, "lr") == curve(phase_dir, "lr")  # one schedule over the whole run
     for key in ("val/loss", "train/loss"):
         assert {i: v for i, v in curve(bf16_dir, key).items() if i <= START} == \
                {i: v for i, v in curve(phase_dir, key).items() if i <= START}
