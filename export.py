@@ -2,6 +2,7 @@
 
     python export.py --out_dir=out --format=auto
     python export.py --out_dir=out --format=auto,auto-int,mxfp8_e4m3,mxfp6_e3m2,mxfp4,int4,int3
+    python export.py --out_dir=out --format=auto-int,error-int,int3 --bits_per_weight=3.0   # mixed int2/3/4
 
 Reads <out_dir>/ckpt.pt (written by train.py) and
 1. reports the learned bitwidths b_t (one per 32x32 block, Eq. 11) per layer role and overall, as
@@ -9,9 +10,11 @@ Reads <out_dir>/ckpt.pt (written by train.py) and
    Printed, and written to bitwidths.json and bitwidths.png beside the exported files;
 2. quantizes every 32x32 block of the PQT layers to one element format with one shared scale
    (OCP Microscaling (MX) v1.0), either the same format for all blocks or, with `auto`/`auto-int`,
-   the format that the block's own b_t asks for, and writes model-<format>.safetensors: packed
-   element codes, scales, per-block format ids, what it takes to rebuild the model (no pickle) and
-   the SHA-256 of every tensor and of the metadata, which load checks before it rebuilds anything;
+   the format that the block's own b_t asks for, or, with --bits_per_weight, int2/int3/int4 at that
+   mean ranked by b_t (auto-int) or by each block's own error (error-int); writes
+   model-<format>.safetensors: packed element codes, scales, per-block format ids, what it takes
+   to rebuild the model (no pickle) and the SHA-256 of every tensor and of the metadata, which
+   load checks before it rebuilds anything;
 3. evaluates the val loss of each exported model on train.py's fixed evaluation batches, beside
    the loss of the checkpoint's own (unquantized) weights.
 
@@ -24,7 +27,9 @@ and a model that rebuilds non-finite.
 
 Layers without PQT, embeddings, head, norms and biases are kept in BF16 (--other_dtype=float32
 keeps them exact). A run without PQT layers (a bf16 run) has its block Linears quantized instead,
-which is plain post-training quantization, the baseline PQT competes with.
+which is plain post-training quantization, the baseline PQT competes with; an STE run (ste[...]) has
+the layers it trained on a format's grid quantized, which give back its trained weights when the
+format is its target_format.
 """
 import hashlib
 import io
@@ -34,16 +39,18 @@ import os
 import struct
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import checkpoint
+import gaussws
 import train
 from configurator import ConfigError, configure
 from data.common import unusable_dir, write_atomic
+from formats import BY_NAME, FORMATS, e8m0_exponents, fp_decode, fp_encode, fp_round, int_scales, pow2
 from kernels import BL
 from model import GPT, ROLES, ModelConfig
 
@@ -52,8 +59,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
     out_dir="out",  # the run directory holding ckpt.pt
-    format="auto",  # an element format, auto, auto-int, or a comma list of them (each exported and evaluated)
-    layers="pqt",  # "pqt": quantize the PQT layers (every block Linear in a run without any); "all": every block Linear
+    format="auto",  # an element format, auto, auto-int, error-int, or a comma list of them (each exported, evaluated)
+    bits_per_weight=0.0,  # auto-int, error-int: int2/int3/int4 at this mean element bits per weight (budget_bits)
+    layers="pqt",  # "pqt": the PQT (or STE) layers, every block Linear of a bf16 run; "all": every block Linear
     other_dtype="bfloat16",  # every tensor that is not quantized: "bfloat16" or "float32"
     export_dir="",  # where model-<format>.safetensors, bitwidths.json and bitwidths.png go; "" -> out_dir
     plot=True,  # draw bitwidths.png (matplotlib)
@@ -71,49 +79,7 @@ class ExportError(Exception):
     """Bad input or an unusable checkpoint; the message is one line that says what to do."""
 
 
-# --- element formats -------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Format:
-    """An element format: "fp" (sign, ebits exponent, mbits mantissa) or "int" (symmetric integer)."""
-    name: str
-    kind: str
-    bits: int  # bits per element code
-    ebits: int = 0
-    mbits: int = 0
-    emax: int = 0  # exponent of the largest normal value (as the OCP MX v1.0 spec lists it per format)
-    max: float = 0.0  # largest finite value: conversions saturate here
-    scaled: bool = True  # carries a per-block scale (bf16 and fp32 span every weight with their own exponent)
-
-    @property
-    def bias(self):
-        return 2 ** (self.ebits - 1) - 1
-
-    @property
-    def emin(self):
-        return 1 - self.bias  # exponent of the smallest normal; subnormals have E = 0 and this exponent
-
-    @property
-    def levels(self):
-        return 2 ** (self.bits - 1) - 1  # int: codes -levels..levels (symmetric; -2^(b-1) unused)
-
-
-def _fp(name, ebits, mbits, emax, max_value, scaled=True):
-    return Format(name, "fp", 1 + ebits + mbits, ebits, mbits, emax, max_value, scaled)
-
-
-# The file stores a block's format as its index here: append, never reorder.
-FORMATS = [
-    _fp("mxfp4", 2, 1, 2, 6.0),  # e2m1: no Inf/NaN codes
-    _fp("mxfp6_e2m3", 2, 3, 2, 7.5),  # no Inf/NaN codes
-    _fp("mxfp6_e3m2", 3, 2, 4, 28.0),  # no Inf/NaN codes
-    _fp("mxfp8_e4m3", 4, 3, 8, 448.0),  # e4m3fn: only S.1111.111 is NaN
-    _fp("mxfp8_e5m2", 5, 2, 15, 57344.0),  # IEEE-like: exponent 11111 is Inf/NaN
-    _fp("bf16", 8, 7, 127, 3.3895313892515355e38, scaled=False),
-    _fp("fp16", 5, 10, 15, 65504.0),  # scaled, so that its narrow exponent sits where the block's weights are
-    _fp("fp32", 8, 23, 127, 3.4028234663852886e38, scaled=False),
-] + [Format(f"int{b}", "int", b) for b in range(2, 17)]
-BY_NAME = {f.name: i for i, f in enumerate(FORMATS)}
+# --- which format a block takes (the formats themselves: formats.py) ---------------------------
 
 # auto's candidates, cheapest first (element bits, then scale bits): a block takes the first one
 # that Table C allows for its b_t. fp32 allows every b_t up to 25, and is the master weight itself.
@@ -136,6 +102,54 @@ def auto_format_ids(b_t):
     return ids
 
 
+BUDGET_FORMATS = ("int2", "int3", "int4")  # what a bit budget mixes, one bit apart
+
+
+def budget_bits(priority, weights, budget):
+    """Element bits of each block for a mean of `budget` bits per weight (weights: how many each block
+    holds). Every block starts at 2 bits; one-bit upgrades, priority[:, 0] for 2 -> 3 and [:, 1] for
+    3 -> 4, are made in descending priority (ties: block order) while the bits they add fit the
+    budget, skipping those that do not fit (a whole block after an edge one). A block's second upgrade
+    never ranks above its first, nor is made without it."""
+    priority = torch.stack([priority[:, 0], torch.minimum(priority[:, 0], priority[:, 1])], dim=1).flatten()
+    order = torch.argsort(priority, descending=True, stable=True).tolist()
+    size, bits = weights.double().tolist(), [2] * len(weights)
+    left = (budget - 2) * sum(size)
+    for i in order:
+        block = i // 2
+        if bits[block] == 2 + i % 2 and size[block] <= left:
+            bits[block] += 1
+            left -= size[block]
+    return torch.tensor(bits)
+
+
+def budget_format_ids(fmt_name, weights, b_t, budget):
+    """{layer: format ids} of int2/int3/int4 at a mean of `budget` element bits per weight over all the
+    layers' blocks together (weights: {layer: weight}), the blocks ranked
+      - auto-int: by their learned b_t, each upgrade by b_t - bits, the bits it lacks by its own b_t;
+      - error-int: by their own quantization error (a PTQ heuristic for any run), each upgrade by the
+        drop in the block's squared error it buys, per bit it costs."""
+    layers = list(weights)
+    counts = torch.cat([block_weights(*weights[k].shape).flatten() for k in layers])
+    if fmt_name == "auto-int":
+        if any(k not in b_t for k in layers):
+            raise ExportError("auto-int with --bits_per_weight ranks blocks by their learned b_t, and these layers "
+                              "have none (no PQT): use --format=error-int, which ranks them by their own error")
+        priority = torch.cat([b_t[k].flatten() for k in layers])[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64)
+    else:
+        errors = []
+        for k in layers:
+            blocks = to_blocks(weights[k].detach().float().cpu().double())
+            fmts = [FORMATS[BY_NAME[f]] for f in BUDGET_FORMATS]
+            errors.append(torch.stack([(dequantize_blocks(*quantize_blocks(blocks, f), f) - blocks).square().sum(1)
+                                       for f in fmts], dim=1))
+        error = torch.cat(errors)
+        priority = (error[:, :-1] - error[:, 1:]) / counts[:, None]
+    ids = torch.tensor([BY_NAME[f] for f in BUDGET_FORMATS], dtype=torch.uint8)[budget_bits(priority, counts, budget) - 2]
+    sizes = [block_weights(*weights[k].shape).shape for k in layers]
+    return {k: part.view(size) for k, part, size in zip(layers, ids.split([a * b for a, b in sizes]), sizes)}
+
+
 def auto_int_format_ids(b_t):
     """Per block, the symmetric integer of ceil(b_t) bits (at least 2): its step, max_bl / (2^(b-1) - 1),
     is the grid Eq. 3's noise scale max_bl * 2^(1 - b_t) stands in for. Past 16 bits: fp32."""
@@ -146,78 +160,21 @@ def auto_int_format_ids(b_t):
     return ids
 
 
-def _pow2(k):
-    """2^k as float64, exactly, for an int64 tensor k in [-1022, 1023] (built from its bits)."""
-    return ((k + 1023) << 52).view(torch.float64)
-
-
-def _floor_log2(a):
-    """floor(log2 a) of positive float64 values, exactly (frexp: a = f * 2^e with f in [0.5, 1))."""
-    return torch.frexp(a)[1].long() - 1
-
-
-def fp_round(v, fmt):
-    """v (float64, already divided by the block scale) on fmt's grid: round to nearest, ties to even,
-    saturated at +-fmt.max. Exact in float64: v / step is a power-of-two rescaling."""
-    a = v.abs()
-    e = _floor_log2(a).clamp(min=fmt.emin)  # below the smallest normal the grid is the subnormals'
-    step = _pow2(e - fmt.mbits)
-    q = (torch.round(a / step) * step).clamp(max=fmt.max)  # torch.round: half to even
-    return torch.where(torch.signbit(v), -q, q)
-
-
-def fp_encode(q, fmt):
-    """Codes (sign | exponent E | mantissa M, int64) of values on fmt's grid (fp_round's output)."""
-    a = q.abs()
-    e = _floor_log2(a).clamp(min=fmt.emin)
-    significand = (a / _pow2(e - fmt.mbits)).long()  # 2^m + M for normals, M for subnormals (and 0)
-    normal = significand >= 2 ** fmt.mbits
-    exponent = torch.where(normal, e + fmt.bias, 0)
-    mantissa = torch.where(normal, significand - 2 ** fmt.mbits, significand)
-    return (torch.signbit(q).long() << (fmt.ebits + fmt.mbits)) | (exponent << fmt.mbits) | mantissa
-
-
-def fp_decode(codes, fmt):
-    """Values (float64) of codes: (-1)^s * 2^(E - bias) * (1 + M / 2^m), or 2^emin * M / 2^m when E = 0."""
-    mantissa = codes & (2 ** fmt.mbits - 1)
-    exponent = (codes >> fmt.mbits) & (2 ** fmt.ebits - 1)
-    magnitude = torch.where(exponent == 0, mantissa * _pow2(torch.full_like(codes, fmt.emin - fmt.mbits)),
-                            (mantissa + 2 ** fmt.mbits) * _pow2(exponent - fmt.bias - fmt.mbits))
-    return torch.where((codes >> (fmt.ebits + fmt.mbits)) & 1 == 1, -magnitude, magnitude)
-
-
-def e8m0_exponents(amax, fmt):
-    """The shared scale X = 2^k of each block, by the OCP MX v1.0 conversion: k = floor(log2 amax) - emax,
-    emax that of the element format's largest normal, clamped to E8M0's range [-127, 127]. The
-    largest weight then lands in [2^emax, 2^(emax+1)); above fmt.max it saturates. An all-zero
-    block gets the smallest scale, 2^-127 (any scale codes its zeros)."""
-    a = amax.double()
-    k = torch.where(a > 0, _floor_log2(a.clamp(min=torch.finfo(torch.float64).tiny)) - fmt.emax, -127)
-    return k.clamp(-127, 127)
-
-
-def int_scales(amax, fmt):
-    """Symmetric absmax scale s = max_bl(|w|) / (2^(b-1) - 1), held in BF16 and rounded up there, so
-    that no weight of the block lies beyond the top level (the largest reaches it)."""
-    s = amax.double() / fmt.levels
-    s16 = s.to(torch.bfloat16)
-    up = s16.double() < s
-    s16[up] = (s16[up].view(torch.int16) + 1).view(torch.bfloat16)  # the next BF16 value above
-    return s16
-
-
 def quantize_blocks(blocks, fmt):
-    """Blocks (k, BL*BL) float64 -> (codes int64 (k, BL*BL), scales (k,) or None)."""
+    """Blocks (k, BL*BL) float64 holding FP32 weights -> (codes int64 (k, BL*BL), scales (k,) or None)."""
     amax = blocks.abs().amax(dim=1)
     if fmt.kind == "int":
         scales = int_scales(amax, fmt)
-        s = scales.double()
-        q = torch.round(blocks / torch.where(s > 0, s, 1.0)[:, None]).clamp(-fmt.levels, fmt.levels)
+        s = scales.float()
+        # w / s as torchao's fake quantization (the STE's, gaussws.fake_quantize) computes it: w times
+        # the FP32 reciprocal of s, rounded half to even. The exact quotient rounds the other way where
+        # w / s is within an FP32 rounding of a half-integer, and an STE-trained model would not export as trained.
+        q = torch.round(blocks.float() * (1.0 / torch.where(s > 0, s, 1.0))[:, None]).clamp(-fmt.levels, fmt.levels)
         return q.long() & (2 ** fmt.bits - 1), scales  # two's complement in fmt.bits bits
     if not fmt.scaled:
         return fp_encode(fp_round(blocks, fmt), fmt), None
     k = e8m0_exponents(amax, fmt)
-    codes = fp_encode(fp_round(blocks / _pow2(k)[:, None], fmt), fmt)
+    codes = fp_encode(fp_round(blocks / pow2(k)[:, None], fmt), fmt)
     return codes, (k + 127).to(torch.uint8)  # E8M0 code: the biased exponent
 
 
@@ -227,7 +184,7 @@ def dequantize_blocks(codes, scales, fmt):
         q = torch.where(codes >= 2 ** (fmt.bits - 1), codes - 2 ** fmt.bits, codes)
         return q.double() * scales.double()[:, None]
     values = fp_decode(codes, fmt)
-    return values if scales is None else values * _pow2(scales.long() - 127)[:, None]
+    return values if scales is None else values * pow2(scales.long() - 127)[:, None]
 
 
 # --- 32x32 blocks and bit packing ----------------------------------------------------------------
@@ -331,6 +288,18 @@ def block_linears(state_dict, arch):
         if key.startswith("transformer.h.") and key.endswith(".weight") and ".".join(parts[3:-1]) in roles:
             found[".".join(parts[:-1])] = roles[".".join(parts[3:-1])]
     return found
+
+
+def trained_layers(linears, b_t, pqt):
+    """The block Linears --layers=pqt quantizes: a PQT run's PQT layers (those with b_t), an STE run's
+    STE layers (the roles its method names: those trained on the grid), a bf16 run's every one (PTQ)."""
+    if b_t:
+        return {k: v for k, v in linears.items() if k in b_t}
+    try:
+        kind, roles = gaussws.parse_method(pqt.get("method", "bf16"), linears.values())
+    except ValueError as e:
+        raise ExportError(f"the checkpoint's method cannot be read: {e}") from None
+    return {k: v for k, v in linears.items() if v in roles} if kind == "ste" else linears
 
 
 def build_model(state_dict, arch_args):
@@ -461,9 +430,10 @@ def format_ids_for(name, fmt_name, b_t, shape):
     return torch.full(nb, BY_NAME[fmt_name], dtype=torch.uint8)
 
 
-def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata):
+def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen=None):
     """The safetensors file (bytes) of `model` with the weights of `quantized` ({module path: role})
-    quantized per block, and its mix: share of quantized weights per format and bits per weight."""
+    quantized per block, and its mix: share of quantized weights per format and bits per weight.
+    chosen: {layer: format ids} made beforehand (a bit budget's), instead of format_ids_for's."""
     from safetensors.torch import save
     tensors, seen, shapes = {}, set(), {}
     weights_by_format, quantized_bytes = {}, 0
@@ -473,7 +443,7 @@ def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata):
         seen.add(value.data_ptr())
         layer = key[:-len(".weight")]
         if key.endswith(".weight") and layer in quantized:
-            ids = format_ids_for(layer, fmt_name, b_t.get(layer), value.shape)
+            ids = chosen[layer] if chosen else format_ids_for(layer, fmt_name, b_t.get(layer), value.shape)
             parts = quantize_weight(key, value.detach().float().cpu(), ids)
             tensors.update({f"{key}.{suffix}": t for suffix, t in parts.items()})
             quantized_bytes += sum(t.numel() * t.element_size() for t in parts.values())
@@ -718,10 +688,10 @@ def val_loss(model, batches, dtype, device):
 
 def parse_formats(spec):
     names = [s.strip() for s in str(spec).split(",") if s.strip()]
-    accepted = ["auto", "auto-int"] + [f.name for f in FORMATS]
+    accepted = ["auto", "auto-int", "error-int"] + [f.name for f in FORMATS]
     for name in names or [""]:
         if name not in accepted:
-            raise ExportError(f"unknown format {name!r}; expected one of auto, auto-int, "
+            raise ExportError(f"unknown format {name!r}; expected one of auto, auto-int, error-int, "
                               f"{', '.join(f.name for f in FORMATS[:8])}, int2..int16, or a comma list of them")
     return list(dict.fromkeys(names))
 
@@ -750,6 +720,15 @@ def check_args(cfg):
     if cfg["eval_iters"] < 0:
         raise ExportError(f"--eval_iters={cfg['eval_iters']}: expected >= 1 batches, or 0 for the run's own")
     check_device(cfg["device"])
+    budget = cfg["bits_per_weight"]
+    if budget and not 2 <= budget <= 4:
+        raise ExportError(f"--bits_per_weight={budget:g}: expected a mean of 2 to 4 element bits per weight (int2 to "
+                          f"int4), or 0 for no budget")
+    if budget and not {"auto-int", "error-int"} & set(formats):
+        raise ExportError(f"--bits_per_weight={budget:g} is for --format=auto-int or error-int, and --format="
+                          f"{cfg['format']} has neither")
+    if "error-int" in formats and not budget:
+        raise ExportError("--format=error-int mixes int2/int3/int4 at a budget: pass --bits_per_weight (e.g. 3.0)")
     export_dir = cfg["export_dir"] or cfg["out_dir"]
     why = unusable_dir(export_dir)
     if why:
@@ -789,7 +768,7 @@ def main(argv):
     arch = model.config.arch
     b_t = learned_bitwidths(state_dict, pqt)
     linears = block_linears(state_dict, arch)
-    quantized = linears if cfg["layers"] == "all" or not b_t else {k: v for k, v in linears.items() if k in b_t}
+    quantized = linears if cfg["layers"] == "all" else trained_layers(linears, b_t, pqt)
     shapes = {name: tuple(state_dict[name + ".weight"].shape) for name in linears}
     notes = []
     if not b_t and any(f.startswith("auto") for f in formats):
@@ -822,7 +801,11 @@ def main(argv):
     results = []
     other_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["other_dtype"]]
     for fmt_name in formats:
-        data, mix = export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata)
+        chosen, budget = None, cfg["bits_per_weight"]
+        if budget and fmt_name in ("auto-int", "error-int"):
+            weights = {k: model.get_submodule(k).weight for k in quantized}
+            chosen = budget_format_ids(fmt_name, weights, b_t, budget)
+        data, mix = export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen)
         result = dict(mix, path=paths[fmt_name] if cfg["save"] else None, file_bytes=len(data))
         if cfg["save"]:
             write_output(paths[fmt_name], data)  # atomic: a crash leaves no half-written model file

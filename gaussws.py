@@ -16,29 +16,37 @@ kernels/; this file holds the math around them, the layer, the seeds, and how a 
             ... forwards and backwards of the micro-steps ...
         clip, optimizer.step(), zero_grad
 
+The other baseline, straight-through fake quantization (STE-QAT, "ste[...]"), trains the same Linears
+on the grid of one export format (STELinear). Either method can start late (convert's `start`): the
+layers are plain nn.Linear until that step, so a run is the bf16 run up to there, then a PQT or STE
+phase with the same optimizer state.
+
 See README.md.
 """
+import functools
 import hashlib
+import math
 import re
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from formats import BY_NAME, FORMATS, e8m0_exponents, int_scales, pow2
 from kernels import BL
 from kernels.torch_noise import Compiled
 
-METHODS = ("bf16", "gaussws", "diffq")
+METHODS = ("bf16", "gaussws", "diffq", "ste")
 GROUPS = {"all": None, "od": ("out", "down")}  # None: every role of the model
 
 
 def parse_method(spec, roles):
-    """'gaussws[od]' -> ('gaussws', frozenset({'out', 'down'})); 'bf16' -> ('bf16', frozenset()).
+    """'gaussws[od]' -> ('gaussws', frozenset({'out', 'down'})); 'bf16' -> ('bf16', frozenset()); ste[...] alike.
 
     roles: the role names a model has (e.g. model.ROLES["gpt2"].values()); [all] means all of them.
     """
     valid = tuple(dict.fromkeys(roles))
-    hint = (f"expected bf16, or gaussws[...] / diffq[...] with a comma-separated list of "
+    hint = (f"expected bf16, or gaussws[...] / diffq[...] / ste[...] with a comma-separated list of "
             f"{', '.join(valid)} or {', '.join(GROUPS)} inside the brackets, e.g. gaussws[od]")
     match = re.fullmatch(r"\s*(\w+)\s*(?:\[([^\]]*)\])?\s*", str(spec))
     if not match or match.group(1) not in METHODS:
@@ -228,11 +236,13 @@ class PQTLinear(nn.Linear):
 
     A training-mode forward runs inside a TrainStep, which selects the step's noise and chooses
     one of two ways to make w_hat (see TrainStep); nothing else sets the layer's step state.
+    Before optimizer step `start` (a PQT phase) the layer is dormant: exactly nn.Linear, and b_i
+    gets no gradient, so AdamW leaves it as it is (it skips parameters without one).
     Build one with convert(model, ...), or directly and then set_noise_seed(model, seed).
     """
 
     def __init__(self, in_features, out_features, bias=True, *, method="gaussws", b_init=6.0, b_target=4.0,
-                 backend="auto", recompute=False, layer_seed=0, device=None, dtype=None):
+                 backend="auto", recompute=False, layer_seed=0, start=0, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if method not in ("gaussws", "diffq"):
             raise ValueError(f"PQTLinear method must be 'gaussws' or 'diffq', got {method!r}")
@@ -244,6 +254,8 @@ class PQTLinear(nn.Linear):
         # value neither syncs a GPU nor makes torch.compile recompile.
         self.noise_seed = torch.tensor(_step_seed(self.layer_seed, 0), dtype=torch.int64, device="cpu")
         self.in_step = False
+        self.start = int(start)  # the first optimizer step with noise
+        self.active = self.start == 0  # whether this (or the last) step has noise: TrainStep sets it
         self.w_hat = None  # step mode: this optimizer step's w_hat, shared by its micro-steps
         self._eq4 = None  # step mode: (max_bl, stored R, w's version) until the step ends
 
@@ -278,6 +290,8 @@ class PQTLinear(nn.Linear):
         if not self.in_step:
             raise RuntimeError("PQTLinear: a training-mode forward outside a step; run the step's forwards inside "
                                "`with gaussws.TrainStep(model, step):`, or call model.eval() for noise-free use")
+        if not self.active:  # before the phase: nn.Linear's forward
+            return self._matmul(x, self.weight)
         if self.w_hat is not None:  # step mode: w_hat made once for the whole optimizer step
             if not torch.compiler.is_compiling() and self.weight._version != self._eq4[2]:
                 raise RuntimeError("PQTLinear: stale w_hat, the weight changed inside the step that made it "
@@ -298,10 +312,10 @@ class PQTLinear(nn.Linear):
     @torch.no_grad()
     def _begin(self, step):
         self.noise_seed.fill_(_step_seed(self.layer_seed, step))
-        self.in_step = True
+        self.in_step, self.active = True, step >= self.start
         # Per micro-step when w_hat is recomputed to save its memory, or under FSDP, where the
         # weight is whole only inside the forward (a DTensor shard outside it).
-        if self.recompute or hasattr(self.weight, "full_tensor"):
+        if not self.active or self.recompute or hasattr(self.weight, "full_tensor"):
             return
         k = _kernels(self.backend, self.weight.device)
         max_bl = block_absmax(self.weight)
@@ -326,7 +340,7 @@ class PQTLinear(nn.Linear):
 
     def extra_repr(self):
         return (f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"
-                + (", recompute=True" if self.recompute else ""))
+                + (", recompute=True" if self.recompute else "") + (f", start={self.start}" if self.start else ""))
 
 
 class PQTConv1D(PQTLinear):
@@ -354,6 +368,101 @@ def _is_conv1d(module):
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.dim() == 2
 
 
+# --- STE-QAT: straight-through fake quantization onto an export format's grid ------------------
+
+STE_FORMATS = tuple(f"int{b}" for b in range(2, 9)) + ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")
+
+
+def check_format(name):
+    """The name of a format the STE trains on (and a PQT phase is matched to), or a ValueError."""
+    if name not in STE_FORMATS:
+        raise ValueError(f"target format {name!r}: expected one of {', '.join(STE_FORMATS)} (export.py's formats "
+                         f"with a per-block scale, up to 8 bits)")
+    return name
+
+
+def _mx_elements(v, fmt):
+    """v (FP32, already divided by the block scale) rounded to fmt's elements, half to even, saturated at
+    +-fmt.max: torchao's MX element casts for fp4 and fp6, torch's own for fp8 (clamped first, as torchao
+    does: e5m2's cast overflows to inf; clamping to a value on the grid commutes with rounding)."""
+    if fmt.name in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2"):
+        from torchao.prototype.mx_formats import kernels as mx
+        to_codes, to_values = {"mxfp4": (mx.f32_to_f4_unpacked, mx.f4_unpacked_to_f32),
+                               "mxfp6_e2m3": (mx.f32_to_f6_e2m3_unpacked, mx.f6_e2m3_unpacked_to_f32),
+                               "mxfp6_e3m2": (mx.f32_to_f6_e3m2_unpacked, mx.f6_e3m2_unpacked_to_f32)}[fmt.name]
+        return to_values(to_codes(v))
+    dtype = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2}[fmt.name]
+    return v.clamp(-fmt.max, fmt.max).to(dtype).float()
+
+
+# Eager inside a compiled model too: fused, inductor keeps the BF16 scale in FP32 without rounding it
+# (its emulate_precision_casts is off), and the grid would not be export's.
+@torch.compiler.disable
+@torch.no_grad()
+def fake_quantize(w, name):
+    """w (m, n) on the grid export.py stores for format `name` (FP32 values, no gradient): every 32x32
+    block, partial at the edges, with the scale export gives it from max_bl(|w|), a BF16 one rounded up
+    for int-b (formats.int_scales) or an E8M0 power of two for the MX formats (formats.e8m0_exponents).
+    The values come from torchao: its affine fake quantization with a (32, 32) block for int-b, which
+    computes round(w * (1 / s)) in FP32 (export.py rounds the same way), and its MX element casts.
+    """
+    fmt = FORMATS[BY_NAME[check_format(name)]]
+    m, n = w.shape
+    nbm, nbn = -(-m // BL), -(-n // BL)
+    amax = block_absmax(w)
+    w = F.pad(w.detach().float(), (0, nbn * BL - n, 0, nbm * BL - m))  # zeros: on every grid, and no block's max
+    if fmt.kind == "int":
+        from torchao.quantization.quant_primitives import ZeroPointDomain, _fake_quantize_affine
+        s = int_scales(amax, fmt).float()
+        s = torch.where(s > 0, s, 1.0)  # an all-zero block: any scale gives its zeros (export stores 0)
+        q = _fake_quantize_affine(w, (BL, BL), s, None, torch.int32, -fmt.levels, fmt.levels, ZeroPointDomain.NONE)
+        q = q + 0.0  # -0.0 -> +0.0: export's integer codes have no negative zero
+    else:
+        x = pow2(e8m0_exponents(amax, fmt)).float().repeat_interleave(BL, 0).repeat_interleave(BL, 1)
+        q = _mx_elements(w / x, fmt) * x  # both exact: x is a power of two
+    return q[:m, :n]
+
+
+class STELinear(nn.Linear):
+    """nn.Linear trained by straight-through fake quantization (STE-QAT), the baseline PQT competes with
+    at a fixed format: a training-mode forward multiplies by fake_quantize(w, fmt), the weight export.py
+    writes for that format, and the backward passes dL/dw = dL/dw_q unchanged (the straight-through
+    estimator, also where fp4 saturates; the int scale never clips a weight). The master weight w stays
+    FP32. In eval mode, and in the steps before `start` (an STE phase), the layer is exactly nn.Linear.
+    It has no learnable bitwidth; its training-mode forwards run inside a TrainStep, as PQTLinear's.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, fmt, start=0, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fmt, self.start = check_format(fmt), int(start)
+        self.in_step, self.active = False, self.start == 0  # the step state, set by TrainStep only
+
+    @classmethod
+    def from_linear(cls, linear, **kwargs):
+        """An STELinear holding `linear`'s own weight and bias Parameters; draws nothing from torch's RNG."""
+        with torch.device("meta"):
+            layer = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
+        layer.weight, layer.bias = linear.weight, linear.bias
+        return layer.train(linear.training)
+
+    def forward(self, x):
+        if self.training and not self.in_step:
+            raise RuntimeError("STELinear: a training-mode forward outside a step; run the step's forwards inside "
+                               "`with gaussws.TrainStep(model, step):`, or call model.eval() for the master weights")
+        if not self.training or not self.active:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, _ToWeight.apply(self.weight, fake_quantize(self.weight, self.fmt)), self.bias)
+
+    def _begin(self, step):
+        self.in_step, self.active = True, step >= self.start
+
+    def _end(self, apply_eq4=True):
+        self.in_step = False
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, fmt={self.fmt}" + (f", start={self.start}" if self.start else "")
+
+
 class TrainStep:
     """One optimizer step of PQT: the noise of `step` for every PQT layer of `model`, and Eq. 4.
 
@@ -371,12 +480,13 @@ class TrainStep:
         micro-steps' dL/dw_hat.
       - per micro-step, for layers converted with recompute=True (no w_hat kept for the backward) and
         for sharded (FSDP) weights: every forward makes w_hat, every backward applies Eq. 4.
+    Layers whose phase starts after `step` are plain nn.Linear in it; STE layers take part only so.
     Leaving the block by an exception releases the step without touching any gradient. Opening a
     step while one is open, or a training-mode forward outside a step, raises.
     """
 
     def __init__(self, model, step):
-        self.layers, self.step = pqt_layers(model), int(step)
+        self.layers, self.step = method_layers(model), int(step)
 
     def begin(self):
         if any(layer.in_step for layer in self.layers):
@@ -397,11 +507,14 @@ class TrainStep:
         self.end(apply_eq4=exc_type is None)
 
 
-def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="auto", recompute=False):
+def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="auto", recompute=False, start=0,
+            fmt=""):
     """Swap the nn.Linear modules of `model` that `method` chooses for PQTLinear (a Hugging Face GPT-2's
-    Conv1D for PQTConv1D), in place; return model.
+    Conv1D for PQTConv1D), or STELinear for ste[...], in place; return model.
 
-    method: "bf16" (nothing changes), or "gaussws[...]" / "diffq[...]" naming roles (parse_method).
+    method: "bf16" (nothing changes), or "gaussws[...]" / "diffq[...]" / "ste[...]" naming roles (parse_method).
+    start: the first optimizer step with the method; the layers are plain nn.Linear before it.
+    fmt: the format STELinear trains on (STE_FORMATS); PQT layers take their b_t from b_init, b_target.
     roles: {module-path suffix: role}, e.g. model.ROLES["gpt2"] = {"attn.c_attn": "qkv", ...}; a
     module plays the role of the longest suffix its path ends with (".attn.c_attn" or the whole path).
     Call it after the model is built and initialised and before it is wrapped (DDP, FSDP, compile).
@@ -413,26 +526,99 @@ def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="
     kind, chosen = parse_method(method, roles.values())
     if kind == "bf16":
         return model
-    if pqt_layers(model):
-        raise ValueError("the model has PQT layers already; convert a model of plain nn.Linear")
+    if method_layers(model):
+        raise ValueError("the model has PQT layers already (PQTLinear or STELinear); convert one of plain nn.Linear")
+    if kind == "ste":
+        check_format(fmt)
     found = set()
     for name, module in list(model.named_modules()):
         keys = [k for k in roles if name == k or name.endswith("." + k)]
         role = roles[max(keys, key=len)] if keys else None
         if role not in chosen:
             continue
-        if type(module) is not nn.Linear and not _is_conv1d(module):
-            raise ValueError(f"{name} plays role {role!r} but is a {type(module).__name__}, not an nn.Linear "
-                             f"(or a transformers Conv1D)")
-        make = PQTConv1D.from_conv1d if _is_conv1d(module) else PQTLinear.from_linear
+        if type(module) is not nn.Linear and (kind == "ste" or not _is_conv1d(module)):
+            raise ValueError(f"{name} plays role {role!r} but is a {type(module).__name__}, not an nn.Linear"
+                             + ("" if kind == "ste" else " (or a transformers Conv1D)"))
+        if kind == "ste":
+            layer = STELinear.from_linear(module, fmt=fmt, start=start)
+        else:
+            make = PQTConv1D.from_conv1d if _is_conv1d(module) else PQTLinear.from_linear
+            layer = make(module, method=kind, b_init=b_init, b_target=b_target, backend=backend, recompute=recompute,
+                         start=start)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child,
-                make(module, method=kind, b_init=b_init, b_target=b_target, backend=backend, recompute=recompute))
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
         found.add(role)
     if chosen - found:
         raise ValueError(f"method {method!r}: no nn.Linear of the model plays role(s) {', '.join(sorted(chosen - found))} "
                          f"(roles: {dict(roles)})")
     return set_noise_seed(model, seed)
+
+
+# --- a phase at the end of training, and the b_t that matches a format ----------------------
+
+# E[R^2] of the noise: gaussws from Eq. 10's probabilities, Pr(+-2) and Pr(+-1) per sign; diffq's U(-1/2, 1/2).
+_P2 = 0.75 * 2.0 ** -9
+_P1 = 0.75 ** 2 * 2.0 ** -2 * (1 - 2 * _P2)
+R_SECOND_MOMENT = {"gaussws": 2 * (_P1 + 4 * _P2), "diffq": 1 / 12}
+
+
+@functools.lru_cache(maxsize=None)
+def matched_b_t(method, name):
+    """The b_t at which Eq. 3's PQN has the variance of format `name`'s rounding error, both relative to
+    max_bl(|w|)^2:  E[R^2] * 4^(1 - b_t) = r,  so  b_t = 1 + log2(E[R^2] / r) / 2.
+
+    r is measured, with the STE's own grid (fake_quantize), on a block holding the quantiles of N(0, 1)
+    (weights as initialised; no draw, so the level is a constant, rounded to 0.01). For int-b the
+    rounding error is close to uniform on one step max_bl / L (L = 2^(b-1) - 1) whatever the weights,
+    r = 1 / (12 L^2), which gives b_t = log2(L) + log2(48 E[R^2]) / 2: for gaussws int3 3.49, int4
+    4.71 (diffq 2.58, 3.81); int2, whose step is the whole block max, is where the two part most. For
+    the MX formats r depends on how the weights fill each binade, hence the measurement.
+    """
+    if method not in R_SECOND_MOMENT:
+        raise ValueError(f"matched_b_t: method {method!r} has no noise; expected gaussws or diffq")
+    i = torch.arange(BL * BL, dtype=torch.float64)
+    w = torch.special.ndtri((i + 0.5) / (BL * BL)).float().view(BL, BL)
+    r = (fake_quantize(w, name).double() - w.double()).square().mean() / w.abs().max().double() ** 2
+    return round(1 + 0.5 * math.log2(R_SECOND_MOMENT[method] / r.item()), 2)
+
+
+def phase_settings(kind, config, explicit=()):
+    """train.py's keys of the method, resolved and checked: {"pqt_start", "b_init", "b_target"} (floats).
+
+    kind: the method without its layers (parse_method). config holds pqt_start, max_iters,
+    target_format, b_init and b_target; explicit, the keys the user set. Raises ValueError (one line).
+    pqt_start: 0 trains with the method from the first step; a fraction in (0, 1) of max_iters
+    (rounded) or a whole step >= 1 is the step at which the Linears switch from plain, the bf16 run
+    until then, to the method (convert's `start`). Returned as that step.
+    target_format: the format the run trains toward. ste needs one: its grid. For gaussws and diffq
+    it sets b_target to matched_b_t(kind, format), the level whose noise is the format's rounding
+    error, and in a phase b_init too (unless b_init is set), so that b_t is at that level from the
+    first noisy step to the last: a phase is too short for decay or Eq. 12 to bring b_t down from
+    b_init. Decay shrinks b_i by a factor 1 - lr * bitwidth_weight_decay per step (2e-4 of it at the
+    defaults); Eq. 12 through AdamW moves b_i by about lr per step, 0.06 over 30 steps at lr 2e-3.
+    """
+    value, fmt, max_iters = config["pqt_start"], config["target_format"], config["max_iters"]
+    if not (value == 0 or 0 < value < 1 or math.isfinite(value) and value >= 1 and value == int(value)):
+        raise ValueError(f"pqt_start={value:g}: expected 0 (the method from the first step), a fraction in (0, 1) "
+                         f"of max_iters, or a whole step >= 1")
+    start = round(value * max_iters) if value < 1 else int(value)
+    if kind == "bf16" and (value or fmt):
+        key = f"pqt_start={value:g}" if value else f"target_format={fmt!r}"
+        raise ValueError(f"{key} is for a method that trains toward a format, but method is bf16: choose "
+                         f"gaussws[...], diffq[...] or ste[...]")
+    if kind == "ste" and not fmt:
+        raise ValueError(f"method ste[...] needs --target_format, the grid it trains on: one of {', '.join(STE_FORMATS)}")
+    if fmt:
+        check_format(fmt)
+    b_init, b_target = float(config["b_init"]), float(config["b_target"])
+    if kind in R_SECOND_MOMENT and fmt:
+        if "b_target" in explicit:
+            raise ValueError(f"b_target={b_target:g} and target_format={fmt!r} both set the level b_t is pulled to; "
+                             f"drop one")
+        b_target = matched_b_t(kind, fmt)
+        if start > 0 and "b_init" not in explicit:
+            b_init = b_target
+    return {"pqt_start": float(start), "b_init": b_init, "b_target": b_target}
 
 
 # --- optimizers ------------------------------------------------------------------------------
@@ -514,6 +700,11 @@ def pqt_layers(model):
     return [m for m in model.modules() if isinstance(m, PQTLinear)]
 
 
+def method_layers(model):
+    """The layers convert made: PQTLinear and STELinear."""
+    return [m for m in model.modules() if isinstance(m, (PQTLinear, STELinear))]
+
+
 def set_noise_seed(model, seed):
     """Give every PQTLinear of `model` its own layer seed, from `seed` and its module path; returns model."""
     seed = _check_seed(seed)
@@ -526,8 +717,9 @@ def set_noise_seed(model, seed):
 # --- the bitwidths -----------------------------------------------------------------------------
 
 def bitwidth_loss(model):
-    """Eq. 12 without lambda: sum over PQT layers of the mean |b_t - b_target| of their blocks."""
-    terms = [(layer.full_b_t() - layer.b_target).abs().mean() for layer in pqt_layers(model)]
+    """Eq. 12 without lambda: sum over PQT layers of the mean |b_t - b_target| of their blocks (the
+    layers of this step: none before a PQT phase, whose b_i get no gradient until it starts)."""
+    terms = [(layer.full_b_t() - layer.b_target).abs().mean() for layer in pqt_layers(model) if layer.active]
     return torch.stack(terms).sum() if terms else torch.zeros(())
 
 

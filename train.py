@@ -74,6 +74,8 @@ method = "gaussws[all]"  # PQT method and layers: bf16, gaussws[all], gaussws[od
 b_init = 6.0  # b_t at initialisation (Eq. 11)
 b_target = 4.0  # b_t that weight decay on b_i pulls toward (Eq. 11)
 recompute_w_hat = False  # keep no w_hat for the backward, make it again there: less memory, more time
+pqt_start = 0.0  # first step of the method (a fraction of max_iters if < 1); plain Linears before it; 0: every step
+target_format = ""  # format trained toward: ste's grid, or b_t's level for gaussws/diffq (gaussws.phase_settings)
 # optimizer
 optimizer = "adamw"  # "adamw" or "adam_mini"
 learning_rate = 2e-3  # peak learning rate
@@ -101,7 +103,7 @@ parallel = "ddp"  # how torchrun processes share the work: "ddp" (replicated) or
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 MODEL_KEYS = [f.name for f in fields(ModelConfig)]
-PQT_KEYS = ("method", "b_init", "b_target")  # the checkpoint's "pqt" entry
+PQT_KEYS = ("method", "b_init", "b_target", "pqt_start", "target_format")  # the checkpoint's "pqt" entry
 
 
 def fail(msg):
@@ -285,7 +287,8 @@ def checkpoint_args(checkpoint):
     if unknown:
         fail(f"the checkpoint's model_args hold {', '.join(map(repr, unknown))}, which this code's model does not "
              f"have (expected fields of model.ModelConfig: {', '.join(MODEL_KEYS)})")
-    pqt = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, **pqt, **checkpoint.get("pqt", {})}
+    pqt = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, "pqt_start": 0.0, "target_format": "", **pqt,
+           **checkpoint.get("pqt", {})}
     return model_args, pqt
 
 
@@ -554,13 +557,14 @@ def _main(argv, resources):
     explicit = configure(c, argv)
     validate(c, explicit)
     model_args = config_model_args(c, explicit)
-    pqt = {k: c[k] for k in PQT_KEYS}
     roles = ROLES.get(model_args.get("arch", "gpt2"), {})
     try:  # a bad method or shape fails now, before data or checkpoints are touched
-        gaussws.parse_method(c["method"], roles.values())
+        kind, _ = gaussws.parse_method(c["method"], roles.values())
+        c.update(gaussws.phase_settings(kind, c, explicit))  # pqt_start as a step; b_t's level for target_format
         ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
     except (ValueError, TypeError) as e:
         fail(str(e))
+    pqt = {k: c[k] for k in PQT_KEYS}
 
     # distributed set-up
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -590,7 +594,8 @@ def _main(argv, resources):
             model_args["vocab_size"] = 50304 if model_args.get("arch", "gpt2") == "gpt2" else 32000
         with torch.device("meta"):
             m = gaussws.convert(GPT(ModelConfig(**model_args)), c["method"], ROLES[model_args.get("arch", "gpt2")],
-                                b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"])
+                                b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"], start=int(c["pqt_start"]),
+                                fmt=c["target_format"])
         print(json.dumps({**c, "model_args": asdict(m.config)}, indent=1))
         print(f"parameters: {m.get_num_params(non_embedding=False):,} ({m.get_num_params(non_embedding=False) / 1e6:.1f}M)"
               f" + {m.get_num_bitwidth_params():,} b_i")
@@ -635,7 +640,8 @@ def _main(argv, resources):
     mconf = ModelConfig(**model_args)
     roles = ROLES[mconf.arch]
     raw_model = gaussws.convert(GPT(mconf), c["method"], roles, b_init=c["b_init"], b_target=c["b_target"],
-                                seed=c["seed"], recompute=c["recompute_w_hat"])
+                                seed=c["seed"], recompute=c["recompute_w_hat"], start=int(c["pqt_start"]),
+                                fmt=c["target_format"])
     if init_state is not None:
         load_weights(raw_model, init_state)
         init_state = None
@@ -704,7 +710,8 @@ def _main(argv, resources):
             fail(str(e))
     if master:
         print(f"{raw_model.get_num_params(non_embedding=False) / 1e6:.2f}M parameters "
-              f"({mconf.arch}, {c['method']}, {len(gaussws.pqt_layers(raw_model))} PQT layers), "
+              f"({mconf.arch}, {c['method']}, {len(gaussws.method_layers(raw_model))} converted Linears"
+              + (f" from step {c['pqt_start']:.0f}" if c["pqt_start"] else "") + "), "
               f"{tokens_per_iter:,} tokens per step, {world_size} process(es) on {dev}")
         if "unigram_entropy_nats" in meta:
             print(f"unigram entropy of the corpus: {meta['unigram_entropy_nats']:.4f} nats/token "

@@ -1,0 +1,230 @@
+"""A PQT or STE phase through train.py (--pqt_start): the bf16 run bit for bit until the switch, then
+the method on those weights with the same optimizer state; exact resume across and after the switch;
+b_t's level for a target format; an STE run exports as it was trained."""
+import copy
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import export as E
+import gaussws
+import train
+from configurator import ConfigError
+from model import GPT, ROLES, ModelConfig
+
+START, STEPS = 10, 20
+PHASES = {"gaussws": dict(method="gaussws[all]", target_format="int3"),
+          "ste": dict(method="ste[all]", target_format="int3")}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A small corpus with structure to learn: repeated lines of Python-like text, byte tokens."""
+    d = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    words = [b"def ", b"return ", b"self", b"(x)", b": ", b"\n", b"    ", b"import os", b" = ", b"1"]
+    ids = np.frombuffer(b"".join(words[i] for i in rng.integers(0, len(words), 40000)), dtype=np.uint8)
+    ids = ids.astype(np.uint16)
+    ids[: len(ids) * 9 // 10].tofile(d / "train.bin")
+    ids[len(ids) * 9 // 10:].tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}))
+    return str(d)
+
+
+def tiny(data_dir, out_dir, **kw):
+    """A 2-layer GPT2 of 20 steps in FP32 (the same arithmetic on any CPU), evaluated and saved every 5."""
+    args = dict(dataset=data_dir, out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=64, block_size=32,
+                batch_size=8, max_iters=STEPS, eval_interval=5, log_interval=1, eval_iters=2, warmup_iters=5,
+                lr_decay_iters=STEPS, learning_rate=3e-3, device="cpu", dtype="float32", seed=7)
+    args.update(kw)
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+def records(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def curve(out_dir, key="loss"):
+    return {r["iter"]: r[key] for r in records(out_dir) if key in r}
+
+
+def train_recording(argv):
+    """train.main(argv) and {step: (model state, optimizer states)} of every checkpoint it wrote."""
+    saved, save = {}, train.save_checkpoint
+
+    def recording(state, path, model=None, optimizers=None):
+        saved[state["iter_num"]] = copy.deepcopy((state["model"], state["optimizer"]))
+        return save(state, path, model, optimizers)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train, "save_checkpoint", recording)
+        train.main(argv)
+    return saved
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir, tmp_path_factory):
+    """The bf16 run and, from the same seed, each phase run switching at step START; {name: (dir, saved)}."""
+    out = {}
+    for name, kw in [("bf16", dict(method="bf16"))] + [(k, dict(v, pqt_start=START)) for k, v in PHASES.items()]:
+        d = tmp_path_factory.mktemp(name)
+        out[name] = (d, train_recording(tiny(data_dir, d, **kw)))
+    return out
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_phase_run_is_the_bf16_run_bit_for_bit_until_the_switch(runs, phase):
+    (bf16_dir, bf16), (phase_dir, run) = runs["bf16"], runs[phase]
+    a, b = curve(bf16_dir), curve(phase_dir)
+    assert [a[i] for i in range(1, START + 1)] == [b[i] for i in range(1, START + 1)]  # losses of steps 0..START-1
+    assert all(a[i] != b[i] for i in range(START + 1, STEPS + 1))  # the method from step START on
+    assert curve(bf16_dir, "lr") == curve(phase_dir, "lr")  # one schedule over the whole run
+    for key in ("val/loss", "train/loss"):
+        assert {i: v for i, v in curve(bf16_dir, key).items() if i <= START} == \
+               {i: v for i, v in curve(phase_dir, key).items() if i <= START}
+    for step in (5, START):
+        (w_bf16, opt_bf16), (w, opt) = bf16[step], run[step]
+        assert all(torch.equal(w[k], v) for k, v in w_bf16.items())  # the same weights, bit for bit
+        assert all(torch.equal(v, torch.ones_like(v)) for k, v in w.items() if k.endswith(".b_i"))  # untouched
+        assert set(w) - set(w_bf16) == {k for k in w if k.endswith(".b_i")}
+        # the same AdamW state for the same parameters, in the same groups and order; none for b_i yet
+        (state_bf16, groups_bf16), (state, groups) = [(o[0]["state"], o[0]["param_groups"]) for o in (opt_bf16, opt)]
+        assert groups[:2] == groups_bf16 and len(groups) == (3 if phase == "gaussws" else 2)
+        assert state.keys() == state_bf16.keys()
+        assert all(torch.equal(state[i][k], v) for i, s in state_bf16.items() for k, v in s.items())
+
+
+def test_phase_b_t_starts_at_the_level_matched_to_the_target_format_and_stays(runs):
+    phase_dir, run = runs["gaussws"]
+    level = gaussws.matched_b_t("gaussws", "int3")
+    with open(os.path.join(phase_dir, "config.json")) as f:
+        config = json.load(f)
+    assert config["pqt_start"] == START and config["b_init"] == config["b_target"] == level == 3.49
+    b_t = curve(phase_dir, "b_t/mean")
+    assert all(v == pytest.approx(level, abs=1e-6) for v in b_t.values())
+    trained = run[STEPS][0]
+    assert any(not torch.equal(v, torch.ones_like(v)) for k, v in trained.items() if k.endswith(".b_i"))
+
+
+def first_step_loss(model, data_dir, step):
+    """The loss of the training batch of `step` (train.py's micro-batch 0) through `model` in training mode."""
+    meta = train.read_meta(data_dir)
+    data = train.open_split(data_dir, "train", meta, 32)
+    x, y = train.get_batch(data, (7, "train", step, 0), batch_size=8, block_size=32, device="cpu")
+    with torch.no_grad(), gaussws.TrainStep(model.train(), step):
+        return model(x, y)[1].item()
+
+
+def test_the_first_noisy_step_is_eq3_of_a_freshly_converted_model_on_the_bf16_weights(runs, data_dir):
+    (_, bf16), (phase_dir, _) = runs["bf16"], runs["gaussws"]
+    config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
+    level = gaussws.matched_b_t("gaussws", "int3")
+    model = gaussws.convert(GPT(config), "gaussws[all]", ROLES["gpt2"], b_init=level, b_target=level, seed=7)
+    train.load_weights(model, bf16[START][0])  # b_i as the converter makes them: 1
+    assert first_step_loss(model, data_dir, START) == curve(phase_dir)[START + 1]
+
+
+def test_the_first_ste_step_is_the_bf16_weights_on_exports_grid(runs, data_dir):
+    """By independent means: a plain model holding the bf16 weights as export.py writes them in int3."""
+    (_, bf16), (phase_dir, _) = runs["bf16"], runs["ste"]
+    state = dict(bf16[START][0])
+    for key, value in state.items():
+        if key.startswith("transformer.h.") and key.endswith(".weight") and value.dim() == 2:
+            ids = torch.full((-(-value.shape[0] // 32), -(-value.shape[1] // 32)), E.BY_NAME["int3"], dtype=torch.uint8)
+            state[key] = E.dequantize_weight(E.quantize_weight(key, value, ids), *value.shape)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256))
+    model.load_state_dict(state)
+    assert first_step_loss(model, data_dir, START) == curve(phase_dir)[START + 1]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("stop", [START, 15])  # at the switch (its checkpoint has had no noisy step), after it
+def test_a_phase_run_stopped_and_resumed_repeats_the_uninterrupted_losses(runs, data_dir, tmp_path, phase, stop):
+    kw = dict(PHASES[phase], pqt_start=START)
+    train.main(tiny(data_dir, tmp_path, max_iters=stop, **kw))
+    train.main(tiny(data_dir, tmp_path, init_from="resume", **kw))
+    whole = runs[phase][0]
+    assert curve(tmp_path) == curve(whole) and curve(tmp_path, "val/loss") == curve(whole, "val/loss")
+    assert len(curve(tmp_path)) == STEPS
+
+
+def test_pqt_start_as_a_fraction_is_a_step_of_max_iters_and_resume_holds_it(runs, data_dir, tmp_path):
+    kw = PHASES["ste"]
+    train.main(tiny(data_dir, tmp_path, pqt_start=START / STEPS, **kw))
+    assert curve(tmp_path) == curve(runs["ste"][0])
+    before = os.path.getmtime(tmp_path / "ckpt.pt")
+    with pytest.raises(ConfigError, match=r"pqt_start: checkpoint 10\.0, config 15\.0"):
+        train.main(tiny(data_dir, tmp_path, pqt_start=START / STEPS, max_iters=30, init_from="resume", **kw))
+    assert os.path.getmtime(tmp_path / "ckpt.pt") == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(method="bf16", pqt_start=0.5), r"pqt_start=0\.5 is for a method .* but method is bf16"),
+    (dict(method="bf16", target_format="int3"), r"target_format='int3' is for a method .* but method is bf16"),
+    (dict(method="ste[all]"), r"ste\[\.\.\.\] needs --target_format"),
+    (dict(method="ste[all]", target_format="int9"), r"target format 'int9': expected one of int2, .*mxfp4"),
+    (dict(method="gaussws[all]", target_format="fp16"), r"target format 'fp16'"),
+    (dict(pqt_start=1.5), r"pqt_start=1\.5: expected 0 .* a fraction in \(0, 1\) of max_iters, or a whole step"),
+    (dict(pqt_start=-0.5), r"pqt_start=-0\.5: expected"),
+    (dict(target_format="int3", b_target=3.0), r"b_target=3 and target_format='int3' both set"),
+])
+def test_a_bad_phase_is_one_line_before_anything_is_written(data_dir, tmp_path, args, message):
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=message):
+        train.main(tiny(data_dir, out, **args))
+    assert not out.exists()
+
+
+def test_phase_settings_resolve_the_start_and_b_t():
+    c = dict(pqt_start=0.85, max_iters=200, target_format="int3", b_init=6.0, b_target=4.0)
+    assert gaussws.phase_settings("gaussws", c) == dict(pqt_start=170.0, b_init=3.49, b_target=3.49)
+    assert gaussws.phase_settings("gaussws", c, explicit={"b_init"}) == dict(pqt_start=170.0, b_init=6.0, b_target=3.49)
+    scratch = dict(c, pqt_start=0.0)  # the paper's way: b_t from b_init pulled to the level
+    assert gaussws.phase_settings("diffq", scratch) == dict(pqt_start=0.0, b_init=6.0, b_target=2.58)
+    assert gaussws.phase_settings("gaussws", dict(c, pqt_start=170, target_format="")) == \
+        dict(pqt_start=170.0, b_init=6.0, b_target=4.0)
+    assert gaussws.phase_settings("ste", dict(c, pqt_start=0.5)) == dict(pqt_start=100.0, b_init=6.0, b_target=4.0)
+
+
+def test_matched_b_t_gives_pqn_the_variance_of_the_int_grids_rounding_error():
+    """For int-b, rounding error ~ U(-step/2, step/2) with step = max_bl / L: PQN variance E[R^2] max_bl^2
+    4^(1 - b_t) = max_bl^2 / (12 L^2) at b_t = log2(L) + log2(48 E[R^2]) / 2; E[R^2] of the kernels' R."""
+    for method in ("gaussws", "diffq"):
+        r = gaussws.sample_r((1024, 512), seed=3, method=method, backend="torch").double()
+        second_moment = r.square().mean().item()
+        assert second_moment == pytest.approx(gaussws.R_SECOND_MOMENT[method], rel=0.01)
+        for bits in (3, 4, 8):
+            levels = 2 ** (bits - 1) - 1
+            closed = math.log2(levels) + 0.5 * math.log2(48 * second_moment)
+            assert gaussws.matched_b_t(method, f"int{bits}") == pytest.approx(closed, abs=0.02)
+    assert gaussws.R_SECOND_MOMENT["gaussws"] == 2 * (0.75 * 2 ** -9 * 4 + 9 / 64 * (1 - 0.75 * 2 ** -8))
+
+
+def test_an_ste_run_exports_as_it_was_trained(runs, data_dir, capsys):
+    """export.py's int3 file holds the STE's trained weights, and its model computes what the trained
+    model computed in its last training step (no noise, no dropout: the same logits, bit for bit)."""
+    phase_dir, run = runs["ste"]
+    assert E.cli([f"--out_dir={phase_dir}", "--format=int3", "--other_dtype=float32", "--evaluate=False"]) == 0
+    exported, _ = E.load(str(phase_dir / "model-int3.safetensors"))
+    master = run[STEPS][0]
+    config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
+    trained = gaussws.convert(GPT(config), "ste[all]", ROLES["gpt2"], fmt="int3")
+    trained.load_state_dict(master)
+    for name, layer in trained.named_modules():
+        if isinstance(layer, gaussws.STELinear):
+            assert torch.equal(exported.get_submodule(name).weight, gaussws.fake_quantize(layer.weight, "int3"))
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), gaussws.TrainStep(trained.train(), STEPS):
+        logits = trained(x, x)[0]  # with targets: the logits of every position
+    assert torch.equal(exported(x, x)[0], logits)
+    assert not torch.equal(trained.eval()(x, x)[0], logits)  # eval mode: the FP32 master weights
+
+
+def test_ste_from_the_first_step_learns(data_dir, tmp_path):
+    train.main(tiny(data_dir, tmp_path, method="ste[all]", target_format="int4", max_iters=30, lr_decay_iters=30))
+    losses = curve(tmp_path)
+    assert np.mean([losses[i] for i in (28, 29, 30)]) < np.mean([losses[i] for i in (1, 2, 3)]) - 1.0
