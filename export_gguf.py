@@ -9,17 +9,20 @@ with one scale, so each of its 32 rows becomes a GGUF block carrying the block's
 changes where the GGUF type can hold the element format:
   mxfp4          -> MXFP4: the same E8M0 scale and E2M1 codes, copied;
   int2..int4     -> Q4_0 (d * (q - 8)) and int5..int8 -> Q8_0 (d * q), d the block's scale. Our scale
-                    is a BF16 value, FP16 has three more mantissa bits, so d is exact from 2^-16 (FP16's
-                    subnormals keep 8 bits that far) to 65504; a block whose scale lies outside is
-                    rounded by gguf's own quantizer, and the report says how many weights moved;
-  mxfp6_e2m3     -> Q8_0, exact (its values are integers up to 60 times 2^(k-3));
+                    is a BF16 value, FP16 has three more mantissa bits: d is exact from 2^-17 (FP16's
+                    subnormals keep a BF16 value's 8 bits that far) to 65280, that is for blocks whose
+                    largest weight is above 127 * 2^-17 = 9.7e-4 (int8) or 7 * 2^-17 = 5.3e-5 (int4);
+                    a block whose scale lies outside is rounded by gguf's own quantizer, and the
+                    report says how many weights moved;
+  mxfp6_e2m3     -> Q8_0: its values are integers up to 60 times 2^(k-3), exact while that is an FP16
+                    value (a block's largest weight above 2^-19);
   bf16, fp32     -> BF16, F32.
 GGUF has no FP6/FP8 element types: mxfp6_e3m2 and mxfp8 go to Q8_0, fp16 and int9..int16 to F16 or
 BF16 (the smaller error), exact where the values fit and rounded by gguf's quantizer elsewhere. Per
 tensor the type is the cheapest that holds its widest element format (auto and auto-int mix
 formats per block: one type per tensor); every tensor is read back with gguf's dequantizer, and
 the loss is printed: which tensors changed, their relative RMS and largest change, the bits per
-weight, and the logits of the model llama.cpp computes against ours. Embeddings and head keep the
+weight, and the logits and val loss of the file's model (llama.cpp's GELU, in our code) against ours. Embeddings and head keep the
 export's BF16/F32; norms and biases are F32, as llama.cpp's converter writes them.
 
 Architectures: gpt2 and llama of llama.cpp. Our Llama2 already orders each head's query and key
@@ -56,7 +59,7 @@ Q = gguf.GGMLQuantizationType
 # The GGUF types for a tensor whose widest element format has up to `bits` bits, cheapest first.
 LADDER = [(4, (Q.MXFP4, Q.Q4_0)), (8, (Q.Q8_0,)), (16, (Q.BF16, Q.F16)), (32, (Q.F32,))]
 BLOCK_TYPES = (Q.MXFP4, Q.Q4_0, Q.Q8_0)
-MEASURE_TOKENS = 64  # tokens (seeded) on which the logits llama.cpp computes are compared with ours
+MEASURE_TOKENS = 64  # tokens (seeded) on which the file's model's logits are compared with ours
 T = gguf.MODEL_TENSOR
 NAMES = {  # our module path (inside transformer.h.<i> for blocks) -> llama.cpp's tensor
     "gpt2": ({"transformer.wte": T.TOKEN_EMBD, "transformer.wpe": T.POS_EMBD, "transformer.ln_f": T.OUTPUT_NORM},
@@ -87,7 +90,7 @@ class Plan:
     """What every GGUF file of one export shares: where each goes, and the data's vocabulary."""
     paths: dict  # format -> path of model-<format>.gguf
     vocab: dict  # the GGUF tokenizer fields (vocabulary())
-    notes: list  # what llama.cpp will read otherwise than the data did, said once
+    notes: list  # what llama.cpp reads or computes otherwise than the data and our model do
 
 
 # --- the vocabulary --------------------------------------------------------------------------------
@@ -274,30 +277,39 @@ def _mxfp4_blocks(w, e8m0):
     return np.concatenate([np.where(usable, e8m0, 0).astype(np.uint8)[..., None], payload], axis=-1), exact
 
 
-def encode(qtype, w, layout):
-    """(GGUF data of w (m, n) float64 in qtype, w as gguf's dequantizer reads it back): our own scales
-    where they hold the values exactly, gguf's quantizer (llama.cpp's reference rounding) elsewhere."""
+def own_blocks(qtype, w, layout):
+    """(blocks, exact per block) of w in a block type with our own scales; None for F32/F16/BF16."""
+    if qtype not in BLOCK_TYPES:
+        return None
+    _, e8m0, step = layout
+    return _mxfp4_blocks(w, e8m0) if qtype == Q.MXFP4 else _scaled_blocks(qtype, w, step)
+
+
+def encode(qtype, w, own=None):
+    """(GGUF data of w (m, n) float64 in qtype, w as gguf's dequantizer reads it back): own_blocks where
+    they hold the values exactly, gguf's quantizer (llama.cpp's reference rounding) elsewhere."""
     w32 = w.astype(np.float32)
-    if qtype in BLOCK_TYPES:
-        bits, e8m0, step = layout
-        ours, exact = _mxfp4_blocks(w, e8m0) if qtype == Q.MXFP4 else _scaled_blocks(qtype, w, step)
-        if not exact.all():
-            reference = gguf.quants.quantize(w32, qtype).reshape(ours.shape)
-            ours = np.where(exact[..., None], ours, reference)
-        data = ours.reshape(w.shape[0], -1)
-    else:
+    if own is None:
         data = gguf.quants.quantize(w32, qtype)
+    else:
+        blocks, exact = own
+        if not exact.all():
+            blocks = np.where(exact[..., None], blocks, gguf.quants.quantize(w32, qtype).reshape(blocks.shape))
+        data = blocks.reshape(w.shape[0], -1)
     return data, gguf.quants.dequantize(data, qtype).reshape(w.shape)
 
 
 def choose(w, layout):
     """(type, data, read back) of a quantized weight: in the cheapest class of LADDER that holds its widest
-    element format, the first type that is exact, else the one with the smallest squared error."""
+    element format, a type our scales fill exactly, else the first that reads back exact, else the one
+    with the smallest squared error."""
     widest = int(layout[0].max())
     types = next(t for bits, t in LADDER if bits >= widest)
+    own = {qtype: own_blocks(qtype, w, layout) for qtype in types}
+    types = sorted(types, key=lambda qtype: own[qtype] is None or not own[qtype][1].all())  # exact ones first
     w32, best = w.astype(np.float32), None
     for qtype in types:
-        data, back = encode(qtype, w, layout)
+        data, back = encode(qtype, w, own[qtype])
         if np.array_equal(back, w32):
             return qtype, data, back
         err = float(((back.astype(np.float64) - w) ** 2).sum())
@@ -336,10 +348,10 @@ def tensors_of(data):
             qtype, blob, back = Q.F32, w.astype(np.float32), w.astype(np.float32)
         else:  # embeddings, head, Linears left unquantized: the export's own dtype, exactly
             qtype = Q.BF16 if raw[key].dtype == torch.bfloat16 else Q.F32
-            blob, back = encode(qtype, w, None)
+            blob, back = encode(qtype, w)
         out.append(Tensor(names[key], qtype, blob, back, w, quantized))
     if config.arch == "gpt2" and not config.bias:  # llama.cpp's GPT-2 requires biases: zeros change nothing
-        for key in [k for k in names if k.endswith(".bias") and k[:-len("bias")] + "weight" in own]:
+        for key in [k for k in names if k.endswith(".bias") and k.startswith(("transformer.h.", "transformer.ln_f."))]:
             zeros = np.zeros(own[key[:-len("bias")] + "weight"].shape[0])
             out.append(Tensor(names[key], Q.F32, zeros.astype(np.float32), zeros.astype(np.float32), zeros, False))
     return model, info, out
