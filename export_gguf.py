@@ -439,7 +439,7 @@ def max_logit_difference(a, b, vocab_size, block_size):
 def write(plan, fmt_name, data, evaluate=None, log=print):
     """Write model-<fmt_name>.gguf of an exported file's bytes; return (and log, unless log is None)
     what changed: types, exactness, bits per weight, and the logits and val loss (evaluate(model) ->
-    loss) of the model llama.cpp computes against ours."""
+    loss) of the file's model (model_from_gguf) against the exported model's."""
     model, info, tensors = tensors_of(data)
     bad = [t.name for t in tensors if not np.isfinite(t.back).all()]
     if bad:

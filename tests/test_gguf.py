@@ -374,7 +374,8 @@ def test_llama_cpp_runs_the_file_with_our_tokens_and_logits(exported, monkeypatc
     ids = tok.encode(text)
     for fmt in FORMATS:
         llm = llama_cpp_model(run / f"model-{fmt}.gguf", 64, monkeypatch)
-        assert llm.tokenize(text.encode("utf-8"), add_bos=False, special=False) == ids, fmt
+        for probe in PROBES + [text]:
+            assert llm.tokenize(probe.encode("utf-8"), add_bos=False, special=False) == tok.encode(probe), (fmt, probe)
         llm.eval(ids)
         theirs = torch.tensor(np.array(llm.scores[:len(ids)]), dtype=torch.float32)
         model, _ = E.load(str(run / f"model-{fmt}.safetensors"))
