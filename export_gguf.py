@@ -3,6 +3,7 @@ written with llama.cpp's own Python writer, the gguf package.
 
     python export.py --out_dir=out --format=mxfp4 --gguf=True    # also writes out/model-mxfp4.gguf
     llama-cli -m out/model-mxfp4.gguf -p "def "
+    python export_gguf.py --gguf=out/model-mxfp4.gguf   # llama.cpp (llama-cpp-python) against export.load
 
 Weights. A GGUF block is 32 consecutive weights of one row with one scale; ours is a 32x32 block
 with one scale, so each of its 32 rows becomes a GGUF block carrying the block's scale, and no value
@@ -41,7 +42,10 @@ alone: llama.cpp needs a merge, transformers its merged token in the vocabulary)
 end-of-sequence token is eos; the bytes have none, and the file names NUL (byte 0), which text
 never holds, where llama.cpp would otherwise stop at byte 2. No BOS is added: the data has none.
 """
+import importlib.util
 import os
+import sys
+import time
 from dataclasses import dataclass
 
 import gguf
@@ -50,7 +54,7 @@ import torch
 
 import export
 import tokenizer
-from configurator import ConfigError
+from configurator import ConfigError, configure
 from model import GPT, ModelConfig
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -498,3 +502,82 @@ def describe(report):
         lines.append(f"its val loss {report['val_loss']:.4f}, the exported model's {report['val_loss_exported']:.4f} "
                      f"({100 * (report['val_loss'] / report['val_loss_exported'] - 1):+.3f}%)")
     return lines
+
+
+# --- llama.cpp itself (optional: llama-cpp-python) ----------------------------------------------------
+
+CHECK_DEFAULTS = dict(
+    gguf="out/model-mxfp4.gguf",  # a file of export.py --gguf=True; its .safetensors beside it is the reference
+    eval_iters=0,  # batches of train.py's evaluation; 0 -> the run's own eval_iters
+    plain_cpu=False,  # llama.cpp without its extra CPU kernels (AMX, repacked): AMX faults in some virtual machines
+)
+
+
+def llama_cpp_model(path, n_ctx, plain_cpu=False):
+    """llama-cpp-python's Llama of a GGUF file, logits at every position; plain_cpu: without llama.cpp's
+    extra buffer types (the AMX tile kernels for Q4_0/Q8_0 die at ldtilecfg in some virtual machines),
+    which llama-cpp-python's Llama does not pass on, so its default model parameters are wrapped."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as api
+    defaults = api.llama_model_default_params
+
+    def plain():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    api.llama_model_default_params = plain if plain_cpu else defaults
+    try:
+        return llama_cpp.Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False)
+    finally:
+        api.llama_model_default_params = defaults
+
+
+@torch.no_grad()
+def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
+    """llama.cpp's logits for train.py's evaluation batches against export.load's model of the file's
+    .safetensors (FP32): both val losses, the largest logit difference, the share of positions with
+    the same most likely next token."""
+    import torch.nn.functional as F
+    model, info = export.load(os.path.splitext(path)[0] + ".safetensors")
+    config = info["config"]
+    batches = export.eval_batches(config, model.config.block_size, eval_iters or config["eval_iters"])
+    llm = llama_cpp_model(path, model.config.block_size, plain_cpu)
+    ours_nll = theirs_nll = worst = top = same = n = 0.0
+    for x, y in batches:
+        logits, _ = model(x, y)
+        for ids, ours, target in zip(x.tolist(), logits.float(), y):
+            llm.reset()
+            llm.eval(ids)
+            theirs = torch.tensor(np.array(llm.scores[:len(ids)]), dtype=torch.float32)
+            ours_nll += F.cross_entropy(ours, target, reduction="sum").item()
+            theirs_nll += F.cross_entropy(theirs, target, reduction="sum").item()
+            worst, top = max(worst, (theirs - ours).abs().max().item()), max(top, ours.abs().max().item())
+            same += (theirs.argmax(-1) == ours.argmax(-1)).sum().item()
+            n += len(ids)
+    return dict(batches=len(batches), tokens=int(n), val_loss=ours_nll / n, val_loss_llama_cpp=theirs_nll / n,
+                max_logit_difference=worst, max_logit=top, same_next_token=same / n)
+
+
+def main(argv):
+    cfg = dict(CHECK_DEFAULTS)
+    configure(cfg, argv)
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise ConfigError("llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp "
+                          "from source, minutes)")
+    if not os.path.isfile(cfg["gguf"]):
+        raise ConfigError(f"no file {cfg['gguf']}: write it with python export.py --format=... --gguf=True")
+    start = time.time()
+    r = check_llama_cpp(cfg["gguf"], cfg["eval_iters"], cfg["plain_cpu"])
+    print(f"{cfg['gguf']}: {r['batches']} batches of train.py's evaluation, {r['tokens']:,} tokens; val loss: ours "
+          f"(FP32) {r['val_loss']:.4f}, llama.cpp {r['val_loss_llama_cpp']:.4f} "
+          f"({100 * (r['val_loss_llama_cpp'] / r['val_loss'] - 1):+.3f}%); max |logit difference| "
+          f"{r['max_logit_difference']:.3f} (logits up to {r['max_logit']:.2f}); the same next token at "
+          f"{100 * r['same_next_token']:.2f}% of positions ({time.time() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, export.ExportError) as e:
+        print(f"export_gguf.py: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -4,6 +4,7 @@ transformers (model and tokenizer) and, where llama-cpp-python is installed, by 
 The models are tiny (2 layers, n_embd 64) and their tokenizers are built here: a tiktoken BPE with
 GPT-2's split pattern trained on this repository's model.py, a SentencePiece BPE model trained on
 the same text, and the default corpus's bytes."""
+import importlib.util
 import io
 import json
 import os
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import export as E
+import export_gguf
 import tokenizer
 
 gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")
@@ -348,32 +350,21 @@ def test_transformers_tokenizer_encodes_as_the_data_did(exported):
 # --- llama.cpp ---------------------------------------------------------------------------------------
 
 LLAMA_CPP_TOLERANCE = 0.02  # of 1 + max |logit|: llama.cpp rounds activations (Q8 for block types, BF16, FP16 KV cache)
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp from source); "
+           "the check runs where it is")
 
 
-def llama_cpp_model(path, n_ctx, monkeypatch):
-    """llama-cpp-python's Llama of the file, with llama.cpp's plain CPU kernels: its extra buffer types
-    (AMX tiles for Q4_0/Q8_0 on CPUs that report AMX) die at ldtilecfg on some virtual machines."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
-                                    "llama-cpp-python builds llama.cpp from source); the check runs where it is")
-    import llama_cpp.llama_cpp as api
-    defaults = api.llama_model_default_params
-
-    def plain_cpu():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-    monkeypatch.setattr(api, "llama_model_default_params", plain_cpu)
-    return llama_cpp.Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=2)
-
-
-def test_llama_cpp_runs_the_file_with_our_tokens_and_logits(exported, monkeypatch):
+@needs_llama_cpp
+def test_llama_cpp_runs_the_file_with_our_tokens_and_logits(exported):
     """llama.cpp loads every file, tokenizes a text as the data did, and its logits at every position of
     it (the next-token logits) are ours within LLAMA_CPP_TOLERANCE, with the same next token."""
     case, run, tok, _ = exported
     text = PROBES[0] + " " + PROBES[3]
     ids = tok.encode(text)
     for fmt in FORMATS:
-        llm = llama_cpp_model(run / f"model-{fmt}.gguf", 64, monkeypatch)
+        llm = export_gguf.llama_cpp_model(run / f"model-{fmt}.gguf", 64, plain_cpu=True)  # AMX: see there
         for probe in PROBES + [text]:
             assert llm.tokenize(probe.encode("utf-8"), add_bos=False, special=False) == tok.encode(probe), (fmt, probe)
         llm.eval(ids)
@@ -452,3 +443,17 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line_and_nothing_written(what, 
     err = capsys.readouterr().err
     assert rc == 1 and err.strip().count("\n") == 0 and message in err, err
     assert os.listdir(tmp_path / "run") == ["ckpt.pt"]
+
+
+@needs_llama_cpp
+def test_the_llama_cpp_check_reports_our_val_loss_and_llama_cpps(exported):
+    """python export_gguf.py --gguf=...: our val loss is export.py's in FP32 on train.py's evaluation
+    batches; llama.cpp's and its logits are within LLAMA_CPP_TOLERANCE."""
+    case, run, _, _ = exported
+    r = export_gguf.check_llama_cpp(str(run / "model-mxfp4.gguf"), eval_iters=1, plain_cpu=True)
+    model, info = E.load(str(run / "model-mxfp4.safetensors"))
+    batches = E.eval_batches(info["config"], 64, 1)
+    assert r["val_loss"] == pytest.approx(E.val_loss(model, batches, "float32", "cpu"), rel=1e-6)
+    assert r["tokens"] == 4 * 64 and r["max_logit_difference"] <= LLAMA_CPP_TOLERANCE * (1 + r["max_logit"])
+    assert abs(r["val_loss_llama_cpp"] - r["val_loss"]) <= LLAMA_CPP_TOLERANCE * (1 + r["max_logit"])
+    assert r["same_next_token"] > 0.9
