@@ -4,6 +4,7 @@ written with llama.cpp's own Python writer, the gguf package.
     python export.py --out_dir=out --format=mxfp4 --gguf=True    # also writes out/model-mxfp4.gguf
     llama-cli -m out/model-mxfp4.gguf -p "def "
     python export_gguf.py --gguf=out/model-mxfp4.gguf   # llama.cpp (llama-cpp-python) against export.load
+                                                        # (--plain_cpu=True where its AMX kernels fault)
 
 Weights. A GGUF block is 32 consecutive weights of one row with one scale; ours is a 32x32 block
 with one scale, so each of its 32 rows becomes a GGUF block carrying the block's scale, and no value
