@@ -70,6 +70,7 @@ DEFAULTS = dict(
     evaluate=True,  # val loss of each exported model beside the unquantized one
     eval_iters=0,  # batches of the val loss; 0 -> the run's own eval_iters (the batches of train.py's evaluation)
     json=False,  # print one JSON object instead of tables
+    gguf=False,  # also write model-<format>.gguf beside each file, for llama.cpp (export_gguf.py)
     device="cuda" if torch.cuda.is_available() else "cpu",  # where the evaluation runs
 )
 # -----------------------------------------------------------------------------------------------
@@ -786,6 +787,9 @@ def main(argv):
     except ConfigError:
         if cfg["evaluate"]:
             raise
+    if cfg["gguf"]:
+        import export_gguf  # needs the gguf package, and only here
+        gguf_plan = export_gguf.plan(model, quantized, meta, config, formats, export_dir, cfg)
     batches = None
     if cfg["evaluate"]:
         batches = eval_batches(config, model.config.block_size, cfg["eval_iters"] or config["eval_iters"])
@@ -813,6 +817,9 @@ def main(argv):
             exported, _ = rebuild(data, cfg["device"])
             loss = val_loss(exported, batches, config["dtype"], cfg["device"])
             result.update(val_loss=loss, val_loss_unquantized=reference, increase_pct=100 * (loss / reference - 1))
+        if cfg["gguf"]:
+            result["gguf"] = export_gguf.write(gguf_plan, fmt_name, data, log=None if cfg["json"] else print, evaluate=(
+                (lambda m: val_loss(m, batches, config["dtype"], cfg["device"])) if cfg["evaluate"] else None))
         results.append(result)
 
     if cfg["json"]:

@@ -1,0 +1,459 @@
+"""export_gguf.py: GGUF files of export.py's models, read by gguf's own reader and dequantizer, by
+transformers (model and tokenizer) and, where llama-cpp-python is installed, by llama.cpp itself.
+
+The models are tiny (2 layers, n_embd 64) and their tokenizers are built here: a tiktoken BPE with
+GPT-2's split pattern trained on this repository's model.py, a SentencePiece BPE model trained on
+the same text, and the default corpus's bytes."""
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import export as E
+import export_gguf
+import tokenizer
+
+gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT = open(os.path.join(ROOT, "model.py"), encoding="utf-8").read()
+PROBES = ["def forward(self, x):\n        return x", "Hello world", "two  spaces and\ttabs", "héllo 数据 🙂",
+          "x = 12345 + 0.5", "line\n\nbreak "]
+EXACT = {"mxfp4": "MXFP4", "int4": "Q4_0", "int8": "Q8_0"}  # the GGUF type of each, by hand from the issue's table
+FORMATS = ["mxfp4", "int4", "int8", "mxfp8_e4m3", "auto"]
+# llama.cpp's tensor names for our keys, written out (the module maps them with gguf.TENSOR_NAMES)
+GGUF_NAMES = {"gpt2": {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
+                       "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"},
+              "llama2": {"ln_1": "attn_norm", "attn.q": "attn_q", "attn.k": "attn_k", "attn.v": "attn_v",
+                         "attn.out": "attn_output", "ln_2": "ffn_norm", "mlp.gate": "ffn_gate", "mlp.up": "ffn_up",
+                         "mlp.down": "ffn_down"}}
+TOP_NAMES = {"transformer.wte.weight": "token_embd.weight", "transformer.wpe.weight": "position_embd.weight",
+             "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
+             "lm_head.weight": "output.weight"}
+
+
+def our_key(name, arch):
+    """Our state-dict key of a GGUF tensor name."""
+    inverse = {v: k for k, v in TOP_NAMES.items()}
+    if name in inverse:
+        return inverse[name]
+    _, i, part, suffix = name.split(".")
+    return f"transformer.h.{i}.{ {v: k for k, v in GGUF_NAMES[arch].items()}[part] }.{suffix}"
+
+
+# --- tokenizers and data built here -------------------------------------------------------------
+
+def tiny_tiktoken(n_merges=60):
+    """A tiktoken Encoding with GPT-2's split pattern: byte-pair merges learned on TEXT, as GPT-2's were."""
+    import regex
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+    ranks = {bytes([b]): b for b in range(256)}
+    words = [[bytes([c]) for c in w.encode()] for w in regex.findall(r50k_pat_str, TEXT)]
+    for _ in range(n_merges):
+        counts = {}
+        for w in words:
+            for pair in zip(w, w[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        a, b = max(counts, key=counts.get)
+        ranks[a + b] = len(ranks)
+        merged = []
+        for w in words:
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == (a, b):
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged.append(out)
+        words = merged
+    return tiktoken.Encoding(name="tinygpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": len(ranks)})
+
+
+def tiny_sentencepiece():
+    """A SentencePiece BPE model as Llama 2's (byte fallback, no normalization, spaces kept), trained on TEXT."""
+    import sentencepiece as spm
+    f = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT.splitlines()), model_writer=f, vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, character_coverage=1.0, unk_id=0, bos_id=1,
+                                   eos_id=2, pad_id=-1, minloglevel=2)
+    return f.getvalue()
+
+
+def write_data(d, tok):
+    """train.bin/val.bin (TEXT's documents, the end-of-sequence token after each) and meta.json."""
+    os.makedirs(d, exist_ok=True)
+    docs = TEXT.split("\n\n\n")
+    ids = []
+    for doc in docs:
+        ids += tok.encode(doc) + ([tok.eot] if tok.eot is not None else [])
+    ids = np.array(ids, dtype=np.uint16)
+    ids[: len(ids) * 9 // 10].tofile(os.path.join(d, "train.bin"))
+    ids[len(ids) * 9 // 10:].tofile(os.path.join(d, "val.bin"))
+    tok.save(d)
+    meta = {**tok.meta(), "vocab_size": tok.vocab_size, "dtype": "uint16"}
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return meta
+
+
+def make_checkpoint(out_dir, data_dir, **arch_args):
+    """A tiny model with b_i on every block Linear: b_t 0.5 (auto: mxfp4) on the attention, b_t in
+    [3.5, 5] (auto: mxfp6_e3m2 and mxfp8_e4m3) on the MLP."""
+    from model import GPT, ModelConfig
+    torch.manual_seed(0)
+    args = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64, **arch_args}
+    sd = GPT(ModelConfig(**args)).state_dict()
+    gen = torch.Generator().manual_seed(0)
+    for key in [k for k in sd if k.startswith("transformer.h.") and k.endswith(".weight") and sd[k].dim() == 2]:
+        shape = (-(-sd[key].shape[0] // 32), -(-sd[key].shape[1] // 32))
+        b_t = torch.full(shape, 0.5) if ".attn." in key else 3.5 + 1.5 * torch.rand(shape, generator=gen)
+        sd[key[:-7] + ".b_i"] = (b_t - 4.0) / 2.0  # Eq. 11 with b_init 6, b_target 4
+    ckpt = dict(model=sd, optimizer=[], model_args=args, iter_num=7, pqt=dict(method="gaussws[all]", b_init=6.0,
+                b_target=4.0), config=dict(dataset=data_dir, seed=1337, batch_size=4, block_size=64, eval_iters=2,
+                                           dtype="float32"))
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save(ckpt, os.path.join(out_dir, "ckpt.pt"))
+
+
+CASES = {  # the issue's two models: a tanh-GELU GPT2 with tiktoken's BPE, a Llama2 with GQA and SentencePiece
+    "gpt2": dict(arch="gpt2", gelu="tanh", vocab_size=320),  # 317 tokens, padded as train.py may pad
+    "llama2": dict(arch="llama2", n_kv_head=2, vocab_size=400),
+    "bytes": dict(arch="gpt2", vocab_size=256, bias=False),  # the default corpus: bytes, nanoGPT's exact GELU
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def exported(request, tmp_path_factory):
+    """(case, run directory, the data's Tokenizer, export.py's JSON report per format) of one export of
+    FORMATS with --gguf=True."""
+    import contextlib
+    import tiktoken
+    case = request.param
+    d = tmp_path_factory.mktemp(case)
+    if case == "gpt2":
+        enc = tiny_tiktoken()
+        tiktoken.registry.ENCODINGS[enc.name] = enc  # what tiktoken.get_encoding(name) returns from now on
+        tok = tokenizer.load(enc)
+    elif case == "llama2":
+        tok = tokenizer.Tokenizer("sentencepiece", "tokenizer.model", {"tokenizer.model": tiny_sentencepiece()})
+    else:
+        tok = tokenizer.Tokenizer("bytes", "bytes")
+    write_data(str(d / "data"), tok)
+    make_checkpoint(str(d / "run"), str(d / "data"), **CASES[case])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = E.cli([f"--out_dir={d / 'run'}", f"--format={','.join(FORMATS)}", "--gguf=True", "--json=True",
+                    "--plot=False", "--eval_iters=1"])
+    assert rc == 0
+    return case, d / "run", tok, {r["format"]: r for r in json.loads(out.getvalue())["exports"]}
+
+
+def gguf_weights(path):
+    """{GGUF name: (type name, float32 array)} by gguf's own reader and dequantizer."""
+    return {t.name: (t.tensor_type.name, gguf.quants.dequantize(t.data, t.tensor_type))
+            for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def seeded_tokens(n_vocab):
+    """The tokens export_gguf measures logits on: 64 drawn from a generator seeded 0."""
+    return torch.randint(0, n_vocab, (1, 64), generator=torch.Generator().manual_seed(0))
+
+
+# --- gguf's own reader -------------------------------------------------------------------------------
+
+def test_gguf_reader_gives_back_the_exported_weights_exactly(exported):
+    """mxfp4 -> MXFP4, int4 -> Q4_0, int8 -> Q8_0: gguf.GGUFReader and gguf.quants.dequantize return
+    export.load's dequantized weights, every one; embeddings and head in the export's BF16, norms and
+    biases in F32, GPT2's head left to its embedding."""
+    case, run, _, reports = exported
+    for fmt, qtype in EXACT.items():
+        model, info = E.load(str(run / f"model-{fmt}.safetensors"))
+        ours = model.state_dict()
+        got = gguf_weights(run / f"model-{fmt}.gguf")
+        arch = model.config.arch
+        assert ("output.weight" in got) == (arch == "llama2")
+        for name, (kind, w) in got.items():
+            key = our_key(name, arch)
+            if key not in ours:
+                continue
+            want = ours[key].numpy()
+            assert np.array_equal(w.reshape(want.shape), want), (fmt, name)
+            expected = qtype if key in info["quantized"] else "F32" if want.ndim == 1 else "BF16"
+            assert kind == expected, (fmt, name)
+        zero_biases = [name for name in got if our_key(name, arch) not in ours]  # llama.cpp's GPT-2 needs them
+        assert all(name.endswith(".bias") and not got[name][1].any() for name in zero_biases)
+        assert len(zero_biases) == (6 * 2 + 1 if case == "bytes" else 0)  # 2 norms, 4 Linears a block; ln_f
+        assert len(got) - len(zero_biases) == len(ours) - (arch == "gpt2")  # all but GPT2's tied head
+        assert reports[fmt]["gguf"]["exact"] and reports[fmt]["gguf"]["changed"] == []
+
+
+def test_the_file_states_the_model_and_the_data_tokenizer(exported):
+    """The hyper-parameters under llama.cpp's keys (GQA as head_count_kv, Llama's rotary base and width),
+    the tokenizer llama.cpp should build, the data's end-of-sequence token, no BOS."""
+    case, run, tok, _ = exported
+    field = {k: f.contents() for k, f in gguf.GGUFReader(str(run / "model-int8.gguf")).fields.items()}
+    arch = "llama" if case == "llama2" else "gpt2"
+    want = {"general.architecture": arch, f"{arch}.context_length": 64, f"{arch}.embedding_length": 64,
+            f"{arch}.block_count": 2, f"{arch}.attention.head_count": 4,
+            f"{arch}.feed_forward_length": 256 if arch == "gpt2" else 256 * -(-8 * 64 // 3 // 256),
+            "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False}
+    if arch == "llama":
+        want.update({"llama.attention.head_count_kv": 2, "llama.rope.dimension_count": 16,
+                     "llama.rope.freq_base": 10000.0, "tokenizer.ggml.model": "llama", "tokenizer.ggml.eos_token_id": 2})
+        assert field["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    else:
+        assert field["gpt2.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+    if case == "gpt2":
+        want.update({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+                     "tokenizer.ggml.eos_token_id": tok.eot, "tokenizer.ggml.bos_token_id": tok.eot})
+        assert len(field["tokenizer.ggml.merges"]) >= 60  # every merge the 60 learned ones imply
+    if case == "bytes":  # no end-of-sequence token in the data: NUL, which text never holds
+        want.update({"tokenizer.ggml.model": "llama", "tokenizer.ggml.eos_token_id": 0,
+                     "tokenizer.ggml.add_space_prefix": False})
+    assert {k: field[k] for k in want} == want
+    assert len(field["tokenizer.ggml.tokens"]) == CASES[case]["vocab_size"]
+
+
+def test_fp8_goes_to_q8_0_each_weight_within_gguf_rounding(exported):
+    """mxfp8_e4m3 -> Q8_0 (GGUF has no FP8): gguf's rounding, ggml's (q = round(x / d) with d = amax / 127
+    in FP32, d stored in FP16), moves a weight by at most half a step plus 127 times d's FP16 rounding
+    (2^-11 of d); the report's figures are those of the file."""
+    case, run, _, reports = exported
+    model, _ = E.load(str(run / "model-mxfp8_e4m3.safetensors"))
+    ours = model.state_dict()
+    report = reports["mxfp8_e4m3"]["gguf"]
+    changed = {c["tensor"]: c for c in report["changed"]}
+    assert changed and not report["exact"]
+    for t in gguf.GGUFReader(str(run / "model-mxfp8_e4m3.gguf")).tensors:
+        if t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+            continue
+        w = ours[our_key(t.name, model.config.arch)].double().numpy()
+        back = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+        d = t.data.reshape(w.shape[0], -1, 34)[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+        diff = (back - w).reshape(w.shape[0], -1, 32)
+        assert (np.abs(diff) <= d[..., None] * (0.5 + 128 * 2 ** -11)).all(), t.name
+        c = changed[t.name]
+        assert c["max_abs"] == pytest.approx(np.abs(diff).max(), rel=1e-12)
+        assert c["rel_rms"] == pytest.approx(np.sqrt((diff ** 2).sum() / (w ** 2).sum()), rel=1e-9)
+        assert c["weights_changed"] == int((diff != 0).sum())
+
+
+def test_auto_takes_one_type_per_tensor_and_reports_its_bits(exported):
+    """auto mixes formats per block; GGUF holds one type per tensor: the all-mxfp4 attention stays MXFP4
+    (exactly), the MLP of mxfp6_e3m2 and mxfp8_e4m3 blocks goes to Q8_0; bits per weight by hand."""
+    case, run, _, reports = exported
+    report = reports["auto"]["gguf"]
+    types = report["quantized_types"]
+    assert {n: t for n, t in types.items() if "attn" in n} == {n: "MXFP4" for n in types if "attn" in n}
+    assert {n: t for n, t in types.items() if "ffn" in n} == {n: "Q8_0" for n in types if "ffn" in n}
+    model, info = E.load(str(run / "model-auto.safetensors"))
+    got = gguf_weights(run / "model-auto.gguf")
+    weights = {n: model.state_dict()[our_key(n, model.config.arch)].numel() for n in types}
+    bits = {"MXFP4": 8 * 17 / 32, "Q8_0": 8 * 34 / 32}  # bytes per 32-weight block: scale + codes
+    assert report["bits_per_weight"] == pytest.approx(
+        sum(bits[types[n]] * weights[n] for n in types) / sum(weights.values()), rel=1e-12)
+    for n in types:
+        if types[n] == "MXFP4":
+            want = model.state_dict()[our_key(n, model.config.arch)].numpy()
+            assert np.array_equal(got[n][1].reshape(want.shape), want), n
+    assert report["bits_per_weight_safetensors"] == info["mix"]["bits_per_weight"]
+
+
+# --- transformers ----------------------------------------------------------------------------------
+
+def transformers_from_gguf(run, fmt, config):
+    """transformers' model of the GGUF file. Its GGUF reader takes GPT-2's context (n_ctx) but sizes the
+    position table by n_positions, which it leaves at 1024: given here, as a user of a shorter model must."""
+    from transformers import AutoModelForCausalLM
+    extra = {"n_positions": config.block_size} if config.arch == "gpt2" else {}
+    return AutoModelForCausalLM.from_pretrained(str(run), gguf_file=f"model-{fmt}.gguf", dtype=torch.float32,
+                                                **extra).eval()
+
+
+def transformers_from_export(path, out_dir, tanh):
+    """transformers' model of export.load's dequantized weights, written by hf.py (the independent route)."""
+    import hf
+    from transformers import AutoModelForCausalLM
+    model, info = E.load(str(path))
+    hf.save_pretrained(info["model_args"], model.state_dict(), str(out_dir))
+    extra = {"activation_function": "gelu_new"} if tanh else {}  # llama.cpp's GELU, for an exact-GELU GPT2
+    return AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32, **extra).eval()
+
+
+def test_transformers_reads_the_file_and_computes_the_exported_model_bit_for_bit(exported, tmp_path):
+    """mxfp4, int4, int8: transformers' model from the GGUF file gives, bit for bit in FP32, the logits
+    of transformers' model of export.load's weights (hf.py), and within FP32 rounding ours; the
+    exact-GELU GPT2 differs by the GELU only (bit for bit against the tanh GELU)."""
+    pytest.importorskip("accelerate", reason="transformers reads GGUF files only with accelerate installed")
+    case, run, tok, reports = exported
+    for fmt in EXACT:
+        ours, _ = E.load(str(run / f"model-{fmt}.safetensors"))
+        theirs = transformers_from_gguf(run, fmt, ours.config)
+        twin = transformers_from_export(run / f"model-{fmt}.safetensors", tmp_path / fmt, tanh=case == "bytes")
+        x = seeded_tokens(tok.vocab_size)
+        with torch.no_grad():
+            a, b, c = theirs(x).logits, twin(x).logits, ours(x, torch.zeros_like(x))[0]
+        assert torch.equal(a, b), fmt
+        measured = reports[fmt]["gguf"]["max_logit_difference"]
+        if case == "bytes":  # the GELU, measured at export time: transformers' tanh GELU shows the same
+            assert (a - c).abs().max().item() == pytest.approx(measured, abs=1e-5 * (1 + c.abs().max().item()))
+            assert any("exact GELU" in note for note in reports[fmt]["gguf"]["notes"])
+        else:
+            assert (a - c).abs().max().item() <= 1e-5 * (1 + c.abs().max().item()), fmt
+            assert measured == 0.0 and reports[fmt]["gguf"]["notes"] == []
+
+
+def test_transformers_logits_of_the_rounded_formats_are_the_measured_ones(exported):
+    """mxfp8_e4m3 and auto (Q8_0 rounding) and the exact-GELU GPT2: the difference to the exported model
+    export_gguf reports is the one transformers' model of the file shows, on the same tokens."""
+    pytest.importorskip("accelerate", reason="transformers reads GGUF files only with accelerate installed")
+    case, run, tok, reports = exported
+    for fmt in ("mxfp8_e4m3", "auto"):
+        ours, _ = E.load(str(run / f"model-{fmt}.safetensors"))
+        theirs = transformers_from_gguf(run, fmt, ours.config)
+        x = seeded_tokens(tok.vocab_size)
+        with torch.no_grad():
+            a, c = theirs(x).logits, ours(x, torch.zeros_like(x))[0]
+        report = reports[fmt]["gguf"]
+        assert report["max_logit_difference"] > 0
+        assert (a - c).abs().max().item() == pytest.approx(report["max_logit_difference"],
+                                                           abs=1e-5 * (1 + c.abs().max().item()))
+        assert report["val_loss_exported"] == reports[fmt]["val_loss"]  # export.py's own evaluation of the file
+        assert report["val_loss"] != report["val_loss_exported"]
+
+
+def test_transformers_tokenizer_encodes_as_the_data_did(exported):
+    """transformers' tokenizer from the file encodes as the data's (tiktoken, SentencePiece). For the
+    bytes it prepends a space ("▁"): its GGUF SentencePiece reader ignores tokenizer.ggml.add_space_prefix
+    = false (llama.cpp honours it, see the llama.cpp test); a text that starts with a space reads the same."""
+    from transformers import AutoTokenizer
+    case, run, tok, _ = exported
+    theirs = AutoTokenizer.from_pretrained(str(run), gguf_file="model-int8.gguf")
+    for text in PROBES:
+        got = theirs.encode(text, add_special_tokens=False)
+        assert got == ([0x20] if case == "bytes" else []) + tok.encode(text), text
+        if case == "bytes":
+            assert theirs.encode(" " + text, add_special_tokens=False) == tok.encode(" " + text)
+
+
+# --- llama.cpp ---------------------------------------------------------------------------------------
+
+LLAMA_CPP_TOLERANCE = 0.02  # of 1 + max |logit|: llama.cpp rounds activations (Q8 for block types, BF16, FP16 KV cache)
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp from source); "
+           "the check runs where it is")
+
+
+@needs_llama_cpp
+def test_llama_cpp_runs_the_file_with_our_tokens_and_logits(exported):
+    """llama.cpp loads every file, tokenizes a text as the data did, and its logits at every position of
+    it (the next-token logits) are ours within LLAMA_CPP_TOLERANCE, with the same next token."""
+    case, run, tok, _ = exported
+    text = PROBES[0] + " " + PROBES[3]
+    ids = tok.encode(text)
+    for fmt in FORMATS:
+        llm = export_gguf.llama_cpp_model(run / f"model-{fmt}.gguf", 64, plain_cpu=True)  # AMX: see there
+        for probe in PROBES + [text]:
+            assert llm.tokenize(probe.encode("utf-8"), add_bos=False, special=False) == tok.encode(probe), (fmt, probe)
+        llm.eval(ids)
+        theirs = torch.tensor(np.array(llm.scores[:len(ids)]), dtype=torch.float32)
+        model, _ = E.load(str(run / f"model-{fmt}.safetensors"))
+        with torch.no_grad():
+            ours = model(torch.tensor([ids]), torch.zeros(1, len(ids), dtype=torch.long))[0][0]
+        worst = (theirs - ours).abs().max().item()
+        print(f"llama.cpp {case} {fmt}: max |logit difference| {worst:.2e}, max |logit| {ours.abs().max():.2f}")
+        assert worst <= LLAMA_CPP_TOLERANCE * (1 + ours.abs().max().item()), fmt
+        assert theirs[-1].argmax() == ours[-1].argmax(), fmt
+        del llm
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+
+def test_an_existing_gguf_file_stops_the_export_before_anything_is_written(tmp_path):
+    """python export.py --gguf=True with model-<format>.gguf there: one line, exit 1, no traceback, the
+    file kept, no other file written (the safetensors of the formats before it neither)."""
+    write_data(str(tmp_path / "data"), tokenizer.Tokenizer("bytes", "bytes"))
+    make_checkpoint(str(tmp_path / "run"), str(tmp_path / "data"), arch="gpt2", vocab_size=256)
+    (tmp_path / "run" / "model-mxfp4.gguf").write_bytes(b"keep")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), f"--out_dir={tmp_path / 'run'}",
+                        "--format=int8,mxfp4", "--gguf=True", "--plot=False"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr
+    assert "model-mxfp4.gguf exists; pass --overwrite=True" in p.stderr
+    assert sorted(os.listdir(tmp_path / "run")) == ["ckpt.pt", "model-mxfp4.gguf"]
+    assert (tmp_path / "run" / "model-mxfp4.gguf").read_bytes() == b"keep"
+
+
+def _hf_tokenizer_data(d):
+    """Data whose tokenizer is a Hugging Face tokenizer.json (a word-level one, with </s>)."""
+    from tokenizers import Tokenizer, models
+    os.makedirs(d)
+    (d / "tokenizer.json").write_text(Tokenizer(models.WordLevel({"a": 0, "</s>": 1}, unk_token="a")).to_str())
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    np.zeros(200, dtype=np.uint16).tofile(d / "train.bin")
+    np.zeros(200, dtype=np.uint16).tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"tokenizer": "tokenizers:tokenizer.json", "eot_token": 1,
+                                             "vocab_size": 2}))
+
+
+def _other_pattern_data(d):
+    """Data of a tiktoken encoding that splits text otherwise than GPT-2 (here: on spaces only)."""
+    import tiktoken
+    enc = tiny_tiktoken(2)
+    tiktoken.registry.ENCODINGS["spaces"] = tiktoken.Encoding(
+        name="spaces", pat_str=r"\S+|\s+", mergeable_ranks=enc._mergeable_ranks, special_tokens={"<|endoftext|>": 258})
+    write_data(str(d), tokenizer.load(tiktoken.get_encoding("spaces")))
+
+
+@pytest.mark.parametrize("what, arch_args, argv, message", [
+    ("rows of 48", dict(n_embd=48, n_head=2), ["--format=bf16,mxfp4"], "--format=mxfp4 cannot go to GGUF"),
+    ("--save=False", {}, ["--format=int8", "--save=False"], "drop --save=False"),
+    ("tokenizer.json", {}, ["--format=int8"], "GGUF export writes tiktoken, SentencePiece and byte vocabularies"),
+    ("tiktoken pattern", {}, ["--format=int8"], "splits text with a pattern other than GPT-2's"),
+    ("non-finite", {}, ["--format=int8"], "non-finite values"),
+])
+def test_what_gguf_cannot_hold_is_refused_in_one_line_and_nothing_written(what, arch_args, argv, message, tmp_path,
+                                                                           capsys):
+    data = tmp_path / "data"
+    if what == "tokenizer.json":
+        _hf_tokenizer_data(data)
+    elif what == "tiktoken pattern":
+        _other_pattern_data(data)
+    else:
+        write_data(str(data), tokenizer.Tokenizer("bytes", "bytes"))
+    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    make_checkpoint(str(tmp_path / "run"), str(data), **{"arch": "gpt2", "vocab_size": vocab, **arch_args})
+    if what == "non-finite":
+        ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+        ckpt["model"]["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("inf")
+        torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
+    rc = E.cli([f"--out_dir={tmp_path / 'run'}", "--gguf=True", "--plot=False", "--evaluate=False", *argv])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.strip().count("\n") == 0 and message in err, err
+    assert os.listdir(tmp_path / "run") == ["ckpt.pt"]
+
+
+@needs_llama_cpp
+def test_the_llama_cpp_check_reports_our_val_loss_and_llama_cpps(exported):
+    """python export_gguf.py --gguf=...: our val loss is export.py's in FP32 on train.py's evaluation
+    batches; llama.cpp's and its logits are within LLAMA_CPP_TOLERANCE."""
+    case, run, _, _ = exported
+    r = export_gguf.check_llama_cpp(str(run / "model-mxfp4.gguf"), eval_iters=1, plain_cpu=True)
+    model, info = E.load(str(run / "model-mxfp4.safetensors"))
+    batches = E.eval_batches(info["config"], 64, 1)
+    assert r["val_loss"] == pytest.approx(E.val_loss(model, batches, "float32", "cpu"), rel=1e-6)
+    assert r["tokens"] == 4 * 64 and r["max_logit_difference"] <= LLAMA_CPP_TOLERANCE * (1 + r["max_logit"])
+    assert abs(r["val_loss_llama_cpp"] - r["val_loss"]) <= LLAMA_CPP_TOLERANCE * (1 + r["max_logit"])
+    assert r["same_next_token"] > 0.9
