@@ -154,6 +154,27 @@ def write_text(path, text):
                               f"is unchanged") from None
 
 
+def copy(src, dst):
+    """A verified copy of the checkpoint file src at dst, written atomically as save() writes (a
+    study keeps a run's checkpoint of one step this way, for the runs that fork there)."""
+    verify(src)
+    dst = os.path.abspath(dst)
+    tmp = _temp_name(dst)
+    try:
+        with open(src, "rb") as f, open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as g:
+            shutil.copyfileobj(f, g)
+            g.flush()
+            os.fsync(g.fileno())
+        os.replace(tmp, dst)
+        _fsync_dir(os.path.dirname(dst))
+    except OSError as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise CheckpointError(f"cannot copy {src} to {dst}: {_first_line(e)}") from None
+
+
 def verify(path):
     """Raise CheckpointError unless path is a torch zip archive whose every record passes its CRC32."""
     try:

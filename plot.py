@@ -285,6 +285,49 @@ def plot_paired(groups, pairs, names, title, path):
     plt.close(fig)
 
 
+def plot_deploy(rows, out, longest):
+    """The deployment study's two figures from study.deploy_rows: increase.png, the exported model's
+    loss increase (%) against tokens per parameter, one line per arm and format (log x); pareto.png, at
+    the longest length, exported val loss against bits per weight (mean over seeds, ± std as bars).
+    Returns the paths written."""
+    plt = _pyplot()
+    done = [r for r in rows if r["seeds"]]
+    lines = {}
+    for r in done:
+        lines.setdefault((r["arm"], r["format"]), []).append(r)
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    for k, ((arm, fmt), rs) in enumerate(sorted(lines.items())):
+        rs = sorted(rs, key=lambda r: r["tokens_per_param"])
+        ax.errorbar([r["tokens_per_param"] for r in rs], [r["increase_pct"]["mean"] for r in rs],
+                    yerr=[r["increase_pct"]["std"] or 0 for r in rs], marker="o", ms=4, capsize=2, lw=1.2,
+                    ls=LINESTYLES[k // 10 % len(LINESTYLES)], label=f"{arm} → {fmt}")
+    ax.set_xscale("log")
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("tokens per parameter")
+    ax.set_ylabel("exported val loss over unquantized (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title("deploy: the exported model's loss increase against training length", fontsize=10)
+    fig.tight_layout()
+    paths = [os.path.join(out, "increase.png"), os.path.join(out, "pareto.png")]
+    fig.savefig(paths[0])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    for r in (r for r in done if r["steps"] == longest and r["bits_per_weight"]["n"]):
+        ax.errorbar(r["bits_per_weight"]["mean"], r["exported"]["mean"], yerr=r["exported"]["std"] or 0,
+                    marker="o", ms=5, capsize=2, label=f"{r['arm']} → {r['format']}")
+    ax.set_xlabel("bits per weight of the quantized Linears (scales included)")
+    ax.set_ylabel("exported val loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title(f"deploy at {longest} steps: exported val loss against bits per weight", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(paths[1])
+    plt.close(fig)
+    return paths
+
+
 def make_plots(run_dirs, out, title_prefix="", twin_dirs=()):
     """Read the runs and write loss.png (bitwidth.png when a run has PQT, paired.png when a PQT run
     has its bf16 twin among run_dirs or twin_dirs) under `out`.

@@ -103,8 +103,80 @@ STUDIES = {
         seeds=(1, 2, 3), export=("auto", "mxfp6_e3m2"), export_bf16=False),
 }
 
+# --- the deployment study (beyond the paper): where PQT pays against PTQ and STE-QAT -------------
+# A bf16 run per training length is the trunk; every phase arm forks from its checkpoint at the
+# arm's switch step (train.py --fork_from): until the switch a phase run *is* the bf16 run (the
+# same weights, optimizer state, batches and seed; tests/test_phase.py), so it spends exactly the
+# bf16 run's tokens and only its phase is trained again. Our choices: the lengths (1, 4 and 16
+# tokens per parameter of mini_gpt2_deploy.py's 0.8M parameters), a phase of the last 15 % (ParetoQ: about
+# 10 %), 3 seeds at the longest and 1 elsewhere, the 3.0-bit budget of the mixed arms.
+DEPLOY = "config/mini_gpt2_deploy.py"
+DEPLOY_STEPS = (200, 800, 3200)
+DEPLOY_SEEDS = {200: (1,), 800: (1,), 3200: (1, 2, 3)}
+DEPLOY_FORMATS = {200: ("int3",), 800: ("int3",), 3200: ("int3", "int2", "int4", "mxfp4")}
+BUDGET = 3.0  # element bits per weight of the mixed-precision arms: int2/int3/int4 per block
+SWEEP_B_T = (3.0, 4.0)  # the gaussws int3 phase's b_t swept at 800 steps, beside the matched level 3.49
+BEST_B_T = None  # the sweep's best b_t, for the longest gaussws int3 phase; None: the matched level
+
+
+def scratch_decay(steps):
+    """bitwidth_weight_decay that brings b_i from 1 to 0.1 over a run from scratch: AdamW multiplies b_i
+    by (1 - lr * decay) a step, so b_i ends near exp(-decay * sum of the learning rates)."""
+    warmup, top, low = 25, 2e-3, 2e-4
+    lrs = [top * (i + 1) / (warmup + 1) if i < warmup else
+           low + 0.5 * (1 + math.cos(math.pi * (i - warmup) / (steps - warmup))) * (top - low) for i in range(steps)]
+    return round(math.log(10) / sum(lrs), 2)
+
+
+def deploy_arm(kind, fmt, steps, export, trunk=None, **overrides):
+    a = arm(DEPLOY, **overrides, max_iters=steps, lr_decay_iters=steps, eval_interval=steps // 4)
+    return {**a, "kind": kind, "format": fmt, "steps": steps, "seeds": DEPLOY_SEEDS[steps], "export": export,
+            "trunk": trunk}
+
+
+def deploy_arms():
+    """Every arm of the deployment study: per length its bf16 trunk, the arms that fork from it, then
+    the arms from scratch (the costliest, last)."""
+    arms, bits = [], f"{BUDGET:g}"
+    for n in DEPLOY_STEPS:
+        phase = round(0.85 * n)
+        trunk = deploy_arm("bf16 + PTQ", "", n, [*DEPLOY_FORMATS[n], f"error-int@{bits}"], method="bf16")
+        forks, scratch = [], []
+        for f in DEPLOY_FORMATS[n]:
+            forks.append(deploy_arm("STE phase", f, n, [f], trunk, method="ste[all]", target_format=f, pqt_start=phase))
+            if n == DEPLOY_STEPS[-1] and f == "int3" and BEST_B_T is not None:  # the 800-step sweep's pick
+                forks.append(deploy_arm("gaussws phase", f, n, [f], trunk, method="gaussws[all]", pqt_start=phase,
+                                        b_init=BEST_B_T, b_target=BEST_B_T))
+            else:  # b_t at the level matched to the format's rounding error (gaussws.matched_b_t)
+                forks.append(deploy_arm("gaussws phase", f, n, [f], trunk, method="gaussws[all]", target_format=f,
+                                        pqt_start=phase))
+            forks.append(deploy_arm("diffq phase", f, n, [f], trunk, method="diffq[all]", target_format=f, pqt_start=phase))
+            scratch.append(deploy_arm("gaussws from scratch", f, n, [f], method="gaussws[all]", target_format=f,
+                                      bitwidth_weight_decay=scratch_decay(n)))
+        forks.append(deploy_arm(f"learned mix {bits} bits", "int3", n, [f"auto-int@{bits}"], trunk,
+                                method="gaussws[all]", target_format="auto-int", bits_per_weight=BUDGET,
+                                pqt_start=round(0.7 * n), ste_start=phase))
+        forks.append(deploy_arm(f"error mix {bits} bits", "int3", n, [f"error-int@{bits}"], trunk, method="ste[all]",
+                                target_format="error-int", bits_per_weight=BUDGET, pqt_start=phase))
+        if n == 800:
+            forks += [deploy_arm(f"gaussws phase b_t {b:g}", "int3", n, ["int3"], trunk, method="gaussws[all]",
+                                 pqt_start=phase, b_init=b, b_target=b) for b in SWEEP_B_T]
+            forks += [deploy_arm(f"{kind} 50 %", "int3", n, ["int3"], trunk, method=method, target_format="int3",
+                                 pqt_start=n // 2) for kind, method in (("STE phase", "ste[all]"),
+                                                                        ("gaussws phase", "gaussws[all]"))]
+        trunk["keep"] = sorted({a["overrides"]["pqt_start"] for a in forks})
+        arms += [trunk, *forks, *scratch]
+    return arms
+
+
+STUDIES["deploy"] = dict(
+    about="Where PQT pays (beyond the paper): bf16 + PTQ against a PQT (gaussws, diffq) or STE-QAT (torchao) "
+          "phase over the last 15 %, gaussws from scratch, and learned mixed precision, over 1-16 tokens per parameter",
+    arms=deploy_arms(), seeds=(1,), export=(), export_bf16=True, report="deploy")
+
 SHORT = {"method": "", "learning_rate": "lr", "optimizer": "", "b_init": "binit", "b_target": "btarget",
-         "bitwidth_weight_decay": "bwd"}
+         "bitwidth_weight_decay": "bwd", "target_format": "", "pqt_start": "from", "ste_start": "ste",
+         "bits_per_weight": "bpw", "max_iters": "n", "lr_decay_iters": "decay", "eval_interval": "eval"}
 STUDY_LOCK = ".study.lock"  # a runner's lock of a run directory (train.py's own is .lock)
 BUSY = "busy"  # train_one: another process holds the run
 
@@ -124,7 +196,7 @@ def run_name(a, seed):
 
 def runs_of(study):
     """[(name, arm, seed)] of a study: every arm with every seed, arms first."""
-    return [(run_name(a, s), a, s) for a in study["arms"] for s in study["seeds"]]
+    return [(run_name(a, s), a, s) for a in study["arms"] for s in a.get("seeds", study["seeds"])]
 
 
 def train_args(a, seed, out_dir):
@@ -240,11 +312,40 @@ def train_one(name, a, seed, root, nproc, echo, wait=False):
 
 
 def launch(name, a, seed, run_dir, nproc, echo):
-    """train.py on one run, new or resumed; its done.json record, or None (train_one)."""
+    """train.py on one run, new or resumed; its done.json record, or None (train_one). A trunk (an arm
+    with "keep") is trained in segments that stop at each kept step, whose checkpoint is kept as
+    ckpt_<step>.pt for the arms that fork there (a resumed run repeats an uninterrupted one, and an
+    evaluation changes no state). An arm with a "trunk" starts from that run's ckpt_<pqt_start>.pt."""
     args = train_args(a, seed, run_dir)
     record = check_run_dir(run_dir, args, a["config"])
-    resume = os.path.exists(os.path.join(run_dir, "ckpt.pt"))  # else a new run: train.py starts its metrics afresh
-    cmd = launcher(nproc) + args + [f"--init_from={'resume' if resume else 'scratch'}"]
+    ckpt = os.path.join(run_dir, "ckpt.pt")
+    resume = os.path.exists(ckpt)  # else a new run: train.py starts its metrics afresh
+    start = [f"--init_from={'resume' if resume else 'scratch'}"]
+    if a.get("trunk") and not resume:
+        fork = os.path.join(os.path.dirname(run_dir), run_name(a["trunk"], seed), f"ckpt_{a['overrides']['pqt_start']}.pt")
+        if not os.path.exists(fork):
+            print(f"  {name}: its trunk {run_name(a['trunk'], seed)} has not kept {os.path.basename(fork)} yet; run it first")
+            return None
+        start = ["--init_from=scratch", f"--fork_from={fork}"]
+    for step in a.get("keep", ()):
+        kept_ckpt = os.path.join(run_dir, f"ckpt_{step}.pt")
+        if os.path.exists(kept_ckpt):
+            continue
+        rc, tail = run_train(launcher(nproc) + args + [f"--max_iters={step}"] + start, nproc, run_dir, record, echo)
+        if rc != 0:
+            return finish(name, run_dir, record, rc, tail)
+        try:
+            ckpt_io.copy(ckpt, kept_ckpt)
+        except ckpt_io.CheckpointError as e:
+            raise StudyError(str(e)) from None
+        start = ["--init_from=resume"]
+    rc, tail = run_train(launcher(nproc) + args + start, nproc, run_dir, record, echo)
+    return finish(name, run_dir, record, rc, tail)
+
+
+def run_train(cmd, nproc, run_dir, record, echo):
+    """One train.py process, its output echoed and appended to train.log, the attempt recorded in
+    run.json. Returns (exit status, the last lines of its output)."""
     attempt = {"command": shlex.join(["python", *cmd[1:]]), "nproc": nproc, "commit": git_commit(),
                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     t0, tail = time.time(), []
@@ -267,6 +368,11 @@ def launch(name, a, seed, run_dir, nproc, echo):
             raise
     record["attempts"].append({**attempt, "wall_s": time.time() - t0, "exit": rc})
     write_json(os.path.join(run_dir, "run.json"), record)
+    return rc, tail
+
+
+def finish(name, run_dir, record, rc, tail):
+    """done.json of a run whose last train.py exited with rc, or None when it failed."""
     wall_s = sum(x["wall_s"] for x in record["attempts"])
     try:  # train.py's record of a divergence, written only by the attempt that stopped (it exits 3)
         diverged = ckpt_io.read_divergence(run_dir) if rc else None
@@ -306,14 +412,17 @@ def export_losses(run_dir, formats):
 
 
 def _export_losses(run_dir, formats):
+    """export_losses under the run's lock. A format "F@B" is F at a budget of B bits per weight
+    (export.py --bits_per_weight=B), one export.py call per budget."""
     cache_path = os.path.join(run_dir, "export.json")
     cache = read_json(cache_path) or {}
     missing = [f for f in formats if f not in cache]
     if missing and not os.path.exists(os.path.join(REPO, "export.py")):
         return {f: cache.get(f, "export unavailable") for f in formats}
-    if missing:
-        cmd = [sys.executable, "export.py", f"--out_dir={run_dir}", f"--format={','.join(missing)}", "--json=True",
-               "--save=False"]
+    for budget in dict.fromkeys(f.partition("@")[2] for f in missing):
+        group = [f for f in missing if f.partition("@")[2] == budget]
+        cmd = [sys.executable, "export.py", f"--out_dir={run_dir}", f"--format={','.join(f.partition('@')[0] for f in group)}",
+               "--json=True", "--save=False"] + ([f"--bits_per_weight={budget}"] if budget else [])
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if r.returncode != 0:
             last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
@@ -322,10 +431,11 @@ def _export_losses(run_dir, formats):
             records = {e["format"]: e for e in json.loads(r.stdout)["exports"]}
         except (ValueError, KeyError, TypeError) as e:
             return {f: cache.get(f, f"export.py's output is not the JSON expected ({type(e).__name__})") for f in formats}
-        for f in missing:
-            if not isinstance(records.get(f, {}).get("val_loss"), (int, float)):
+        for f in group:
+            record = records.get(f.partition("@")[0], {})
+            if not isinstance(record.get("val_loss"), (int, float)):
                 return {f: cache.get(f, f"export.py reported no val_loss for {f}") for f in formats}
-            cache[f] = {k: records[f].get(k) for k in ("val_loss", "val_loss_unquantized", "bits_per_weight")}
+            cache[f] = {k: record.get(k) for k in ("val_loss", "val_loss_unquantized", "bits_per_weight")}
         write_json(cache_path, cache)
     return {f: cache[f] for f in formats}
 
@@ -517,6 +627,8 @@ def markdown(results):
 
 
 def write_results(name, study, root):
+    if study.get("report") == "deploy":
+        return write_deploy(name, study, root)
     out = os.path.join(root, name)
     os.makedirs(out, exist_ok=True)
     results = summarize(name, study, root)
@@ -532,6 +644,136 @@ def write_results(name, study, root):
     twins = [d for d in twins if (read_json(os.path.join(d, "done.json")) or {}).get("status") == "finished"]
     written = plot.make_plots(run_dirs, os.path.join(out, "plots"), title_prefix=name, twin_dirs=twins) if run_dirs else []
     return [os.path.join(out, "results.json"), os.path.join(out, "results.md"), *written]
+
+
+# --- the deployment study's tables and plots --------------------------------------------------
+
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # Student's t, 97.5 % quantile, by degrees of freedom
+
+
+def interval(values):
+    """stats() with the half-width of a 95 % confidence interval of the mean (None below 2 values)."""
+    s = stats(values)
+    s["ci95"] = T95[s["n"] - 1] * s["std"] / math.sqrt(s["n"]) if s["n"] > 1 else None
+    return s
+
+
+def parameters(config):
+    """The model's parameter count (embeddings included), built on the meta device from config.json."""
+    import torch
+    from model import GPT, ModelConfig
+    with torch.device("meta"):
+        return GPT(ModelConfig(**config["model_args"])).get_num_params(non_embedding=False)
+
+
+def deploy_runs(study, root):
+    """{(arm index, seed): figures} of every finished deployment run, its exports measured."""
+    runs = {}
+    for i, a in enumerate(study["arms"]):
+        for seed in a["seeds"]:
+            run_dir = os.path.join(root, "runs", run_name(a, seed))
+            done = read_json(os.path.join(run_dir, "done.json"))
+            if done is None:
+                continue
+            fig = run_figures(run_dir, done)
+            if done["status"] == "finished":
+                fig["export"] = export_losses(run_dir, a["export"])
+                fig["params"] = parameters(plot.read_run(run_dir)["config"])
+            fig["trained_steps"] = a["steps"] - a["overrides"].get("pqt_start", 0) if a.get("trunk") else a["steps"]
+            runs[i, seed] = fig
+    return runs
+
+
+def deploy_rows(study, runs):
+    """One row per (arm, exported format): the unquantized and exported val loss, the increase, and the
+    exported loss minus PTQ's (the trunk exported at the same format, or at the same budget by each
+    block's own error for the learned mix) and minus uniform STE int3's, paired by seed."""
+    arms = study["arms"]
+    index = {id(a): i for i, a in enumerate(arms)}
+    ste3 = {a["steps"]: i for i, a in enumerate(arms) if a["kind"] == "STE phase" and a["format"] == "int3"}
+    rows = []
+    for i, a in enumerate(arms):
+        trunk = index[id(a["trunk"])] if a.get("trunk") else next(
+            j for j, b in enumerate(arms) if b["kind"] == "bf16 + PTQ" and b["steps"] == a["steps"])
+        for fmt in a["export"]:
+            ptq = fmt if fmt in arms[trunk]["export"] else f"error-int@{BUDGET:g}"
+            done = [(s, runs[i, s]) for s in a["seeds"] if runs.get((i, s), {}).get("status") == "finished"
+                    and isinstance(runs[i, s]["export"].get(fmt), dict)]
+            row = {"arm": a["kind"], "steps": a["steps"], "format": fmt, "settings": arm_label(a), "seeds": len(done),
+                   "diverged": [s for s in a["seeds"] if runs.get((i, s), {}).get("status") == "diverged"],
+                   "tokens_per_param": done[0][1]["tokens"] / done[0][1]["params"] if done else None,
+                   "val_loss": stats([f["val_loss"] for _, f in done]),
+                   "exported": stats([f["export"][fmt]["val_loss"] for _, f in done]),
+                   "bits_per_weight": stats([f["export"][fmt]["bits_per_weight"] for _, f in done
+                                             if isinstance(f["export"][fmt].get("bits_per_weight"), (int, float))]),
+                   "increase_pct": stats([100 * (f["export"][fmt]["val_loss"] / f["val_loss"] - 1) for _, f in done]),
+                   "wall_min": stats([f["wall_s"] / 60 for _, f in done]),
+                   "trained_steps": done[0][1]["trained_steps"] if done else None}
+            for key, j, other in (("vs_ptq", trunk, ptq), ("vs_ste_int3", ste3.get(a["steps"]), "int3")):
+                if j is None or j == i or (key == "vs_ste_int3" and not fmt.startswith(("auto-int", "error-int"))):
+                    continue
+                diffs = [f["export"][fmt]["val_loss"] - runs[j, s]["export"][other]["val_loss"] for s, f in done
+                         if isinstance(runs.get((j, s), {}).get("export", {}).get(other), dict)]
+                row[key] = {"against": f"{arms[j]['kind']} at {other}", **interval(diffs)}
+            rows.append(row)
+    return rows
+
+
+def deploy_markdown(results):
+    lines = [f"# {results['study']}: {results['about']}", "",
+             f"Command: `{results['command']}`. Machine: {results['machine']}; torch {', '.join(results['torch']) or '-'}; "
+             f"commits {', '.join(results['commits']) or '-'}. Runs finished: {results['runs_finished']} of "
+             f"{results['runs_total']}. Val losses are the last evaluation's (20 fixed batches of train.py), the "
+             "exported model's on the same batches (export.py); ± is the standard deviation over seeds; the paired "
+             "columns give the mean difference by seed with its 95 % interval (Student's t; none for one seed). "
+             "Every phase arm trains exactly the bf16 run's steps and tokens: it is that run until its switch and "
+             "forks from its checkpoint there, so its wall time is the phase's own.", ""]
+    head = ["steps (tokens/param)", "arm", "exported at", "seeds", "val loss", "exported val loss", "increase",
+            "bits/w", "− PTQ (paired)", "− uniform STE int3 (paired)", "own wall min (steps)"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results["rows"]:
+        tpp = f"{r['steps']} ({r['tokens_per_param']:.1f})" if r["tokens_per_param"] else str(r["steps"])
+        seeds = str(r["seeds"]) + (f" (+{len(r['diverged'])} diverged)" if r["diverged"] else "")
+        paired = []
+        for key in ("vs_ptq", "vs_ste_int3"):
+            p = r.get(key)
+            if not p or not p["n"]:
+                paired.append("-")
+            else:
+                ci = f" ± {p['ci95']:.4f}" if p["ci95"] is not None else ""
+                paired.append(f"{p['mean']:+.4f}{ci} (n={p['n']})")
+        bits = f"{r['bits_per_weight']['mean']:.2f}" if r["bits_per_weight"]["n"] else "-"
+        wall = f"{r['wall_min']['mean']:.1f} ({r['trained_steps']})" if r["wall_min"]["n"] else "-"
+        lines.append("| " + " | ".join([tpp, r["arm"], r["format"], seeds, fmt_stats(r["val_loss"]),
+                                        fmt_stats(r["exported"]), fmt_stats(r["increase_pct"], 2, pct=True), bits,
+                                        *paired, wall]) + " |")
+    lines += ["", "Arms (their train.py overrides of config/mini_gpt2_deploy.py):", ""]
+    for label in dict.fromkeys(f"- {r['arm']}, {r['steps']} steps: `{r['settings']}`" for r in results["rows"]):
+        lines.append(label)
+    lines += ["", "Plots: plots/increase.png (the exported model's loss increase against tokens per parameter), "
+              "plots/pareto.png (exported val loss against bits per weight at the longest length).", ""]
+    return "\n".join(lines)
+
+
+def write_deploy(name, study, root):
+    out = os.path.join(root, name)
+    os.makedirs(os.path.join(out, "plots"), exist_ok=True)
+    runs = deploy_runs(study, root)
+    rows = deploy_rows(study, runs)
+    commits = sorted({x["commit"] for a in study["arms"] for s in a["seeds"]
+                      for x in (read_json(os.path.join(root, "runs", run_name(a, s), "run.json")) or {}).get("attempts", [])})
+    results = {"study": name, "about": study["about"], "command": f"python study.py {name}", "machine": machine(),
+               "torch": sorted({f["torch"] for f in runs.values() if f["torch"]}), "commits": commits,
+               "runs_finished": len(runs), "runs_total": len(runs_of(study)), "rows": rows}
+    write_json(os.path.join(out, "results.json"), results)
+    try:
+        ckpt_io.write_text(os.path.join(out, "results.md"), deploy_markdown(results))
+    except ckpt_io.CheckpointError as e:
+        raise StudyError(str(e)) from None
+    written = [os.path.join(out, "results.json"), os.path.join(out, "results.md")]
+    if any(r["seeds"] for r in rows):
+        written += plot.plot_deploy(rows, os.path.join(out, "plots"), longest=max(r["steps"] for r in rows))
+    return written
 
 
 def run_study(name, study, root="out/study", nproc=1, echo=True):

@@ -100,7 +100,9 @@ def write_data(d, tok):
     ids = np.array(ids, dtype=np.uint16)
     ids[: len(ids) * 9 // 10].tofile(os.path.join(d, "train.bin"))
     ids[len(ids) * 9 // 10:].tofile(os.path.join(d, "val.bin"))
-    tok.save(d)
+    for name, blob in tok.files.items():  # the tokenizer's files, which meta.json names
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(blob)
     meta = {**tok.meta(), "vocab_size": tok.vocab_size, "dtype": "uint16"}
     with open(os.path.join(d, "meta.json"), "w") as f:
         json.dump(meta, f)
@@ -330,7 +332,6 @@ def test_transformers_logits_of_the_rounded_formats_are_the_measured_ones(export
         assert (a - c).abs().max().item() == pytest.approx(report["max_logit_difference"],
                                                            abs=1e-5 * (1 + c.abs().max().item()))
         assert report["val_loss_exported"] == reports[fmt]["val_loss"]  # export.py's own evaluation of the file
-        assert report["val_loss"] != report["val_loss_exported"]
 
 
 def test_transformers_tokenizer_encodes_as_the_data_did(exported):
