@@ -75,6 +75,7 @@ b_init = 6.0  # b_t at initialisation (Eq. 11)
 b_target = 4.0  # b_t that weight decay on b_i pulls toward (Eq. 11)
 recompute_w_hat = False  # keep no w_hat for the backward, make it again there: less memory, more time
 pqt_start = 0.0  # first step of the method (a fraction of max_iters if < 1); plain Linears before it; 0: every step
+fork_from = ""  # a bf16 run's ckpt.pt at a step <= pqt_start, same settings but the method: this phase run continues it
 target_format = ""  # format trained toward: ste's grid, or b_t's level for gaussws/diffq (gaussws.phase_settings)
 # optimizer
 optimizer = "adamw"  # "adamw" or "adam_mini"
@@ -393,13 +394,14 @@ def kept(saved_step, ckpt_path):
     return f"the last good checkpoint is {ckpt_path}, step {saved_step}"
 
 
-def open_metrics(path, resumed_step):
+def open_metrics(path, resumed_step, source=None):
     """metrics.jsonl for appending, holding this run's records only: a new run starts it afresh; a
-    resumed one keeps the records up to its checkpoint's step (what came later is redone). The kept
-    lines are written to a temporary file renamed over the old one: a crash keeps one or the other."""
-    keep = []
-    if resumed_step is not None and os.path.exists(path):
-        with open(path) as f:
+    resumed one keeps the records up to its checkpoint's step (what came later is redone), and a forked
+    one those of the run it forks from (source). The kept lines are written to a temporary file renamed
+    over the old one: a crash keeps one or the other."""
+    keep, source = [], source or path
+    if resumed_step is not None and os.path.exists(source):
+        with open(source) as f:
             for line in f:
                 try:
                     if json.loads(line)["iter"] <= resumed_step:
@@ -483,6 +485,55 @@ def validate(c, explicit):
             fail(f"out_dir={c['out_dir']!r}: {parent} is not a writable directory; choose another --out_dir")
 
 
+# What a phase run may set otherwise than the bf16 run it forks from: the method and its settings,
+# which change nothing before the switch (the layers are plain Linears, b_i get no gradient), and
+# what is not training (the run's length beyond the fork step, evaluation, logging, files).
+FORK_FREE = {"method", "b_init", "b_target", "pqt_start", "target_format", "ste_start", "bits_per_weight",
+             "bitwidth_weight_decay", "bitwidth_lambda", "recompute_w_hat", "max_iters", "eval_interval",
+             "log_interval", "eval_iters", "always_save_checkpoint", "save_checkpoints", "out_dir", "init_from",
+             "fork_from", "overwrite", "dry_run", "eval_only", "wandb_log", "wandb_project", "wandb_run_name",
+             "wandb_mode"}
+
+
+def fork_checkpoint(c):
+    """The checkpoint a phase run forks from (fork_from): a bf16 run's, at a step <= this run's
+    pqt_start, trained with this run's settings but FORK_FREE's. Until its switch a phase run is that
+    run bit for bit, so continuing it gives the losses the whole phase run would have had, without
+    training the shared steps again (study.py's deploy study)."""
+    path = c["fork_from"]
+    if c["init_from"] != "scratch":
+        fail(f"fork_from starts a new run from {path}: it goes with --init_from=scratch, not {c['init_from']!r}")
+    if not os.path.isfile(path):
+        fail(f"fork_from={path!r}: expected the ckpt.pt file of a bf16 run (not a directory or a sharded checkpoint)")
+    checkpoint = load_checkpoint(path)
+    theirs, step = dict(checkpoint.get("config") or {}), checkpoint.get("iter_num")
+    if checkpoint_args(checkpoint)[1]["method"] != "bf16":
+        fail(f"fork_from={path!r} is a {checkpoint_args(checkpoint)[1]['method']} run; a phase run forks from a bf16 run")
+    if not isinstance(step, int) or not 0 < step <= c["pqt_start"]:
+        fail(f"fork_from={path!r} is at step {step}, pqt_start={c['pqt_start']:g}: a phase run forks from the bf16 "
+             f"run at a step from 1 to its switch")
+    diff = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in c.items() if k not in FORK_FREE and theirs.get(k) != v]
+    if diff:
+        fail(f"fork_from={path!r} was trained with other settings ({'; '.join(diff[:3])}): a phase run forks only from "
+             f"the bf16 run it equals until its switch")
+    return {**checkpoint, "forked": path}
+
+
+def fork_state(model, optimizers, checkpoint):
+    """The bf16 run's state in this phase run: its weights (b_i keep their fresh init, b_t = b_init)
+    and each optimizer's state; the groups this run has beyond the bf16 run's (b_i's) start empty, as
+    in the whole phase run, where they get no gradient before the switch."""
+    load_weights(model, checkpoint["model"])
+    if len(checkpoint["optimizer"]) > len(optimizers):
+        fail(f"{checkpoint['forked']} has {len(checkpoint['optimizer'])} optimizers, this run {len(optimizers)}")
+    for o, state in zip(optimizers, checkpoint["optimizer"]):
+        own = o.state_dict()["param_groups"]
+        try:
+            o.load_state_dict({"state": state["state"], "param_groups": state["param_groups"] + own[len(state["param_groups"]):]})
+        except (ValueError, KeyError, TypeError) as e:
+            fail(f"the optimizer state of {checkpoint['forked']} does not fit this run's: {e}")
+
+
 def starting_point(c, explicit, model_args, pqt, meta):
     """(model_args, checkpoint, init_state) for init_from: the checkpoint to resume (init_from=resume),
     or the state dict a new run starts from (a path), with the architecture each implies."""
@@ -515,6 +566,9 @@ def starting_point(c, explicit, model_args, pqt, meta):
         if ckpt_path is not None and not c["overwrite"]:
             fail(f"{ckpt_path} holds another run; resume it with --init_from=resume, choose another --out_dir, "
                  f"or pass --overwrite=True to replace it")
+        if c["fork_from"]:
+            checkpoint = fork_checkpoint(c)
+            return checkpoint_args(checkpoint)[0], checkpoint, None
         if c["init_from"] != "scratch":
             requested = {k: v for k, v in model_args.items() if k in explicit}
             source_args, init_state = resolve_init(c["init_from"], c["out_dir"], requested)
@@ -666,6 +720,10 @@ def _main(argv, resources):
                 ckpt_io.load_sharded(checkpoint["sharded"], raw_model, optimizers)
             except ckpt_io.CheckpointError as e:
                 fail(str(e))
+        elif "forked" in checkpoint:
+            if fsdp:
+                fail("fork_from is for one process or DDP; an FSDP phase run starts from scratch")
+            fork_state(raw_model, optimizers, checkpoint)
         else:
             load_state(raw_model, optimizers, checkpoint, fsdp)
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
@@ -673,7 +731,7 @@ def _main(argv, resources):
         torch.set_rng_state(checkpoint["rng_state"])
         if device_type == "cuda" and "cuda_rng_state" in checkpoint:
             torch.cuda.set_rng_state(checkpoint["cuda_rng_state"], dev)
-    checkpoint = None
+    forked, checkpoint = (checkpoint or {}).get("forked"), None
     if saved_step is not None and saved_step >= c["max_iters"] and not c["eval_only"]:
         if master:
             print(f"{ckpt_path} is at step {saved_step}, max_iters={c['max_iters']}: the run is complete, nothing "
@@ -698,12 +756,13 @@ def _main(argv, resources):
     run_info = {**c, "model_args": asdict(mconf), "world_size": world_size, "versions": versions}
     metrics_file = None
     if master and not c["eval_only"]:  # an evaluation leaves the run's record (config, metrics) as it is
-        if saved_step is None:  # a new run: the checkpoint it replaces (--overwrite) goes first, so
+        if c["init_from"] != "resume":  # a new run: the checkpoint it replaces (--overwrite) goes first, so
             for path in checkpoint_paths(c["out_dir"]):  # that a kill before its first save cannot
                 ckpt_io.remove(path)  # leave that checkpoint to be resumed as this run's
         if os.path.exists(os.path.join(c["out_dir"], ckpt_io.DIVERGED)):
             os.remove(os.path.join(c["out_dir"], ckpt_io.DIVERGED))
-        metrics_file = open_metrics(os.path.join(c["out_dir"], "metrics.jsonl"), saved_step)
+        metrics_file = open_metrics(os.path.join(c["out_dir"], "metrics.jsonl"), saved_step,
+                                    source=forked and os.path.join(os.path.dirname(forked), "metrics.jsonl"))
         try:
             ckpt_io.write_text(os.path.join(c["out_dir"], "config.json"), json.dumps(run_info, indent=1))
         except ckpt_io.CheckpointError as e:

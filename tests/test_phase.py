@@ -228,3 +228,48 @@ def test_ste_from_the_first_step_learns(data_dir, tmp_path):
     train.main(tiny(data_dir, tmp_path, method="ste[all]", target_format="int4", max_iters=30, lr_decay_iters=30))
     losses = curve(tmp_path)
     assert np.mean([losses[i] for i in (28, 29, 30)]) < np.mean([losses[i] for i in (1, 2, 3)]) - 1.0
+
+
+@pytest.fixture(scope="module")
+def trunk(data_dir, tmp_path_factory):
+    """The bf16 run stopped at the switch step (its schedule still that of STEPS): its ckpt.pt is the
+    one a phase run forks from (--fork_from)."""
+    d = tmp_path_factory.mktemp("trunk")
+    train.main(tiny(data_dir, d, method="bf16", max_iters=START))
+    return d
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_phase_run_forked_from_the_bf16_run_at_its_switch_is_the_whole_phase_run(runs, trunk, data_dir, tmp_path, phase):
+    """Until its switch a phase run is the bf16 run, so one that continues the bf16 run's checkpoint of
+    that step (weights, AdamW state, step, RNG) has every loss and the final weights of the whole run."""
+    whole_dir, whole = runs[phase]
+    forked = train_recording(tiny(data_dir, tmp_path, **PHASES[phase], pqt_start=START,
+                                  fork_from=os.path.join(trunk, "ckpt.pt")))
+    for key in ("loss", "train/loss", "val/loss"):
+        assert curve(tmp_path, key) == {k: v for k, v in curve(whole_dir, key).items()}, key
+    model, optimizer = forked[STEPS]
+    for k, v in whole[STEPS][0].items():
+        assert torch.equal(model[k], v), k
+    assert str(optimizer) == str(whole[STEPS][1])  # the AdamW state, b_i's group included
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(learning_rate=1e-3), "other settings"),  # a run that is not this one's bf16 run
+    (dict(pqt_start=START - 1), "at step 10"),  # the bf16 run past the switch
+    (dict(init_from="TRUNK"), "goes with --init_from=scratch"),  # a fork is a new run, not init_from's weights
+])
+def test_a_fork_from_another_run_or_past_the_switch_is_one_line(trunk, data_dir, tmp_path, kw, message):
+    kw = {k: os.path.join(trunk, "ckpt.pt") if v == "TRUNK" else v for k, v in kw.items()}
+    args = tiny(data_dir, tmp_path, **{**PHASES["gaussws"], "pqt_start": START,
+                                       "fork_from": os.path.join(trunk, "ckpt.pt"), **kw})
+    with pytest.raises(ConfigError, match=message):
+        train.main(args)
+    assert not os.path.exists(tmp_path / "ckpt.pt") and not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_a_fork_from_a_phase_run_is_one_line(runs, data_dir, tmp_path):
+    d, _ = runs["ste"]
+    with pytest.raises(ConfigError, match="forks from a bf16 run"):
+        train.main(tiny(data_dir, tmp_path, **PHASES["gaussws"], pqt_start=STEPS, max_iters=STEPS + 5,
+                        fork_from=os.path.join(d, "ckpt.pt")))
