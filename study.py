@@ -3,6 +3,7 @@
     python study.py fig1b               # run (or continue) the study, then write its tables and plots
     python study.py fig1b --dry_run     # list its runs and the command of each
     python study.py fig1b --nproc=2     # each run on 2 processes (torchrun --standalone); same losses
+    python study.py fig1b --report      # its tables and plots from the runs done so far; trains nothing
     python study.py                     # list the studies
 
 A study is a list of arms (a config file and --key=value overrides) times seeds. Each run is one
@@ -813,23 +814,23 @@ def run_study(name, study, root="out/study", nproc=1, echo=True):
 
 
 def parse(argv):
-    names, opts = [], {"nproc": 1, "dry_run": False, "root": "out/study"}
+    names, opts = [], {"nproc": 1, "dry_run": False, "report": False, "root": "out/study"}
     for arg in argv:
         if not arg.startswith("--"):
             names.append(arg)
             continue
         key, sep, value = arg[2:].partition("=")
-        if key == "dry_run" and value in ("", "True", "False"):
-            opts["dry_run"] = value != "False"
+        if key in ("dry_run", "report") and value in ("", "True", "False"):
+            opts[key] = value != "False"
         elif key == "nproc" and sep and value.isdigit() and int(value) >= 1:
             opts["nproc"] = int(value)
         elif key == "root" and sep and value:
             opts["root"] = value
         else:
-            raise StudyError(f"bad option {arg!r}; accepted: --nproc=N (N >= 1), --dry_run, --root=DIR")
+            raise StudyError(f"bad option {arg!r}; accepted: --nproc=N (N >= 1), --dry_run, --report, --root=DIR")
     if len(names) > 1 or names and names[0] not in STUDIES:
         raise StudyError(f"{' '.join(names)!r} is not a study; usage: python study.py STUDY [--nproc=N] [--dry_run] "
-                         f"[--root=DIR]; studies: {', '.join(STUDIES)}")
+                         f"[--report] [--root=DIR]; studies: {', '.join(STUDIES)}")
     return (names or [None])[0], opts
 
 
@@ -853,7 +854,7 @@ def check_root(root, made):
 def main(argv):
     name, opts = parse(argv)
     if name is None:
-        print("usage: python study.py STUDY [--nproc=N] [--dry_run] [--root=DIR]; the studies:")
+        print("usage: python study.py STUDY [--nproc=N] [--dry_run] [--report] [--root=DIR]; the studies:")
         for n, study in STUDIES.items():
             print(f"  {n:6s} {len(runs_of(study)):3d} runs  {study['about']}")
         return 0
@@ -871,6 +872,10 @@ def main(argv):
             done = read_json(os.path.join(run_dir, "done.json"))
             state = done["status"] if done else "resume" if os.path.exists(os.path.join(run_dir, "ckpt.pt")) else "to run"
             print(f"{k:3d}. [{state}] {shlex.join(['python', *launcher(opts['nproc'])[1:], *train_args(a, seed, run_dir)])}")
+        return 0
+    if opts["report"]:  # the tables and plots of the runs done so far, training nothing
+        for path in write_results(name, study, opts["root"]):
+            print(f"[{name}] wrote {path}")
         return 0
     return 1 if run_study(name, study, opts["root"], opts["nproc"]) else 0
 
