@@ -328,6 +328,7 @@ def plot_bitwidths(report):
 EXPORT_VERSION = "2"  # the file's "pqt_export"; "1": an older export.py, which recorded no checksums
 INFO_KEYS = ("model_args", "pqt", "formats", "quantized", "mix", "config", "meta", "iter_num")  # JSON in the metadata
 
+
 def trained_formats(state_dict, pqt, quantized, fmt_name, budget):
     """{layer: format ids} a run trained on (STE at a bit budget: the format_ids saved beside each
     weight, chosen at its switch), when they are what --format at --bits_per_weight asks for: the run's

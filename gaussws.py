@@ -758,7 +758,9 @@ def phase_settings(kind, config, explicit=()):
     int2/int3/int4 per block (ste: error-int only, chosen at pqt_start). For gaussws and diffq b_t is
     then free per block: b_target is the budget's level (budget_level; int3's for 3.0), the pull of
     b_i's decay toward the average, and in a phase b_init is one bit above it (unless set), since
-    b_init = b_target would fix b_t (Eq. 11 then ignores b_i).
+    b_init = b_target would fix b_t (Eq. 11 then ignores b_i). AdamW moves b_i by about lr a step, so
+    a phase spreads b_t by at most the sum of its lr times (b_init - b_target), and auto-int, which
+    ranks an upgrade by b_t - bits, mixes formats at a whole budget (3.0) only where b_t spread > 1 bit.
     ste_start (gaussws, diffq with a budget; same forms as pqt_start, 0: none): from that step, after
     pqt_start, STE on the per-block formats the budget chooses then (convert's `ste_start`).
     """
