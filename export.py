@@ -29,7 +29,9 @@ Layers without PQT, embeddings, head, norms and biases are kept in BF16 (--other
 keeps them exact). A run without PQT layers (a bf16 run) has its block Linears quantized instead,
 which is plain post-training quantization, the baseline PQT competes with; an STE run (ste[...]) has
 the layers it trained on a format's grid quantized, which give back its trained weights when the
-format is its target_format.
+format is its target_format. A run that trained by STE on a bit budget's per-block formats (target
+auto-int or error-int) keeps them: exported at its own target_format and --bits_per_weight, each
+block takes the format it trained on, and the file holds the trained weights.
 """
 import hashlib
 import io
@@ -43,14 +45,14 @@ from dataclasses import fields
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import checkpoint
 import gaussws
 import train
 from configurator import ConfigError, configure
 from data.common import unusable_dir, write_atomic
-from formats import BY_NAME, FORMATS, e8m0_exponents, fp_decode, fp_encode, fp_round, int_scales, pow2
+from formats import (BY_NAME, FORMATS, block_weights, budget_format_ids, dequantize_blocks, from_blocks,
+                     quantize_blocks, to_blocks)
 from kernels import BL
 from model import GPT, ROLES, ModelConfig
 
@@ -103,54 +105,6 @@ def auto_format_ids(b_t):
     return ids
 
 
-BUDGET_FORMATS = ("int2", "int3", "int4")  # what a bit budget mixes, one bit apart
-
-
-def budget_bits(priority, weights, budget):
-    """Element bits of each block for a mean of `budget` bits per weight (weights: how many each block
-    holds). Every block starts at 2 bits; one-bit upgrades, priority[:, 0] for 2 -> 3 and [:, 1] for
-    3 -> 4, are made in descending priority (ties: block order) while the bits they add fit the
-    budget, skipping those that do not fit (a whole block after an edge one). A block's second upgrade
-    never ranks above its first, nor is made without it."""
-    priority = torch.stack([priority[:, 0], torch.minimum(priority[:, 0], priority[:, 1])], dim=1).flatten()
-    order = torch.argsort(priority, descending=True, stable=True).tolist()
-    size, bits = weights.double().tolist(), [2] * len(weights)
-    left = (budget - 2) * sum(size)
-    for i in order:
-        block = i // 2
-        if bits[block] == 2 + i % 2 and size[block] <= left:
-            bits[block] += 1
-            left -= size[block]
-    return torch.tensor(bits)
-
-
-def budget_format_ids(fmt_name, weights, b_t, budget):
-    """{layer: format ids} of int2/int3/int4 at a mean of `budget` element bits per weight over all the
-    layers' blocks together (weights: {layer: weight}), the blocks ranked
-      - auto-int: by their learned b_t, each upgrade by b_t - bits, the bits it lacks by its own b_t;
-      - error-int: by their own quantization error (a PTQ heuristic for any run), each upgrade by the
-        drop in the block's squared error it buys, per bit it costs."""
-    layers = list(weights)
-    counts = torch.cat([block_weights(*weights[k].shape).flatten() for k in layers])
-    if fmt_name == "auto-int":
-        if any(k not in b_t for k in layers):
-            raise ExportError("auto-int with --bits_per_weight ranks blocks by their learned b_t, and these layers "
-                              "have none (no PQT): use --format=error-int, which ranks them by their own error")
-        priority = torch.cat([b_t[k].flatten() for k in layers])[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64)
-    else:
-        errors = []
-        for k in layers:
-            blocks = to_blocks(weights[k].detach().float().cpu().double())
-            fmts = [FORMATS[BY_NAME[f]] for f in BUDGET_FORMATS]
-            errors.append(torch.stack([(dequantize_blocks(*quantize_blocks(blocks, f), f) - blocks).square().sum(1)
-                                       for f in fmts], dim=1))
-        error = torch.cat(errors)
-        priority = (error[:, :-1] - error[:, 1:]) / counts[:, None]
-    ids = torch.tensor([BY_NAME[f] for f in BUDGET_FORMATS], dtype=torch.uint8)[budget_bits(priority, counts, budget) - 2]
-    sizes = [block_weights(*weights[k].shape).shape for k in layers]
-    return {k: part.view(size) for k, part, size in zip(layers, ids.split([a * b for a, b in sizes]), sizes)}
-
-
 def auto_int_format_ids(b_t):
     """Per block, the symmetric integer of ceil(b_t) bits (at least 2): its step, max_bl / (2^(b-1) - 1),
     is the grid Eq. 3's noise scale max_bl * 2^(1 - b_t) stands in for. Past 16 bits: fp32."""
@@ -161,47 +115,7 @@ def auto_int_format_ids(b_t):
     return ids
 
 
-def quantize_blocks(blocks, fmt):
-    """Blocks (k, BL*BL) float64 holding FP32 weights -> (codes int64 (k, BL*BL), scales (k,) or None)."""
-    amax = blocks.abs().amax(dim=1)
-    if fmt.kind == "int":
-        scales = int_scales(amax, fmt)
-        s = scales.float()
-        # w / s as torchao's fake quantization (the STE's, gaussws.fake_quantize) computes it: w times
-        # the FP32 reciprocal of s, rounded half to even. The exact quotient rounds the other way where
-        # w / s is within an FP32 rounding of a half-integer, and an STE-trained model would not export as trained.
-        q = torch.round(blocks.float() * (1.0 / torch.where(s > 0, s, 1.0))[:, None]).clamp(-fmt.levels, fmt.levels)
-        return q.long() & (2 ** fmt.bits - 1), scales  # two's complement in fmt.bits bits
-    if not fmt.scaled:
-        return fp_encode(fp_round(blocks, fmt), fmt), None
-    k = e8m0_exponents(amax, fmt)
-    codes = fp_encode(fp_round(blocks / pow2(k)[:, None], fmt), fmt)
-    return codes, (k + 127).to(torch.uint8)  # E8M0 code: the biased exponent
-
-
-def dequantize_blocks(codes, scales, fmt):
-    """Inverse of quantize_blocks: float64 values, exact in float32 for every format here."""
-    if fmt.kind == "int":
-        q = torch.where(codes >= 2 ** (fmt.bits - 1), codes - 2 ** fmt.bits, codes)
-        return q.double() * scales.double()[:, None]
-    values = fp_decode(codes, fmt)
-    return values if scales is None else values * pow2(scales.long() - 127)[:, None]
-
-
 # --- 32x32 blocks and bit packing ----------------------------------------------------------------
-
-def to_blocks(w):
-    """(m, n) -> (ceil(m/BL) * ceil(n/BL), BL*BL), blocks in row-major order, zero-padded at the edges."""
-    m, n = w.shape
-    nbm, nbn = -(-m // BL), -(-n // BL)
-    p = F.pad(w, (0, nbn * BL - n, 0, nbm * BL - m))
-    return p.view(nbm, BL, nbn, BL).permute(0, 2, 1, 3).reshape(nbm * nbn, BL * BL)
-
-
-def from_blocks(blocks, m, n):
-    nbm, nbn = -(-m // BL), -(-n // BL)
-    return blocks.view(nbm, nbn, BL, BL).permute(0, 2, 1, 3).reshape(nbm * BL, nbn * BL)[:m, :n]
-
 
 def pack(codes, bits):
     """Codes (int64, each < 2^bits) as a little-endian bit stream: code i in bits [i*bits, (i+1)*bits)."""
@@ -304,14 +218,15 @@ def trained_layers(linears, b_t, pqt):
 
 
 def build_model(state_dict, arch_args):
-    """The model with the checkpoint's weights, b_i aside: an eval-mode PQT layer is a plain Linear."""
+    """The model with the checkpoint's weights, b_i and format_ids aside: an eval-mode PQT or STE layer
+    is a plain Linear."""
     try:
         model = GPT(ModelConfig(**arch_args))
         result = model.load_state_dict(state_dict, strict=False)
     except (TypeError, ValueError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"the checkpoint does not fit this project's model: {first}")
-    unexpected = [k for k in result.unexpected_keys if not k.endswith(".b_i")]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", ".format_ids"))]
     if result.missing_keys or unexpected:
         raise ExportError(f"the checkpoint does not fit this project's model: missing {result.missing_keys[:3]}, "
                           f"unexpected {unexpected[:3]}")
@@ -326,18 +241,11 @@ def learned_bitwidths(state_dict, pqt):
     b_i = {k[:-len(".b_i")]: v for k, v in state_dict.items() if k.endswith(".b_i")}
     if b_i and not {"b_init", "b_target"} <= set(pqt):
         raise ExportError("the checkpoint has b_i but no b_init/b_target, so its bitwidths b_t are unknown")
-    b_t = {name: pqt["b_target"] + v.double() * (pqt["b_init"] - pqt["b_target"]) for name, v in b_i.items()}
+    b_t = {name: gaussws.eq11_float64(v, pqt["b_init"], pqt["b_target"]) for name, v in b_i.items()}
     for name, v in b_t.items():
         if not torch.isfinite(v).all():
             raise ExportError(f"{name}.b_i holds non-finite values; a non-finite model cannot be exported")
     return b_t
-
-
-def block_weights(m, n):
-    """Number of weights of each 32x32 block of an (m, n) weight: edge blocks hold fewer."""
-    rows = torch.tensor([min(BL, m - i) for i in range(0, m, BL)], dtype=torch.float64)
-    cols = torch.tensor([min(BL, n - j) for j in range(0, n, BL)], dtype=torch.float64)
-    return torch.outer(rows, cols)
 
 
 # --- the bitwidth report (the paper's Fig. 5) -------------------------------------------------------
@@ -420,6 +328,20 @@ def plot_bitwidths(report):
 
 EXPORT_VERSION = "2"  # the file's "pqt_export"; "1": an older export.py, which recorded no checksums
 INFO_KEYS = ("model_args", "pqt", "formats", "quantized", "mix", "config", "meta", "iter_num")  # JSON in the metadata
+
+
+def trained_formats(state_dict, pqt, quantized, fmt_name, budget):
+    """{layer: format ids} a run trained on (STE at a bit budget: the format_ids saved beside each
+    weight, chosen at its switch), when they are what --format at --bits_per_weight asks for: the run's
+    own target_format and bits_per_weight, every quantized layer holding its chosen ids. Else None: the
+    budget is allocated afresh (budget_format_ids) from the checkpoint's weights and b_t."""
+    ids = {k[:-len(".format_ids")]: v for k, v in state_dict.items() if k.endswith(".format_ids")}
+    if (fmt_name, budget) != (pqt.get("target_format"), pqt.get("bits_per_weight")) or set(ids) != set(quantized):
+        return None
+    if any((v == gaussws.UNCHOSEN).any() for v in ids.values()):
+        return None  # saved before the switch: the run has not chosen them yet
+    return {k: ids[k].to(torch.uint8) for k in quantized}
+
 
 def format_ids_for(name, fmt_name, b_t, shape):
     """The format id of each block of layer `name` under --format (auto/auto-int need the layer's b_t)."""
@@ -807,8 +729,16 @@ def main(argv):
     for fmt_name in formats:
         chosen, budget = None, cfg["bits_per_weight"]
         if budget and fmt_name in ("auto-int", "error-int"):
-            weights = {k: model.get_submodule(k).weight for k in quantized}
-            chosen = budget_format_ids(fmt_name, weights, b_t, budget)
+            chosen = trained_formats(state_dict, pqt, quantized, fmt_name, budget)
+            if chosen is not None:
+                notes.append(f"{fmt_name} at {budget:g} bits per weight: the per-block formats the run trained on, "
+                             f"chosen at its step {pqt.get('ste_start') or pqt.get('pqt_start'):.0f}")
+            elif fmt_name == "auto-int" and any(k not in b_t for k in quantized):
+                raise ExportError("auto-int with --bits_per_weight ranks blocks by their learned b_t, and these layers "
+                                  "have none (no PQT): use --format=error-int, which ranks them by their own error")
+            else:
+                weights = {k: model.get_submodule(k).weight for k in quantized}
+                chosen = budget_format_ids(fmt_name, weights, b_t, budget)
         data, mix = export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen)
         result = dict(mix, path=paths[fmt_name] if cfg["save"] else None, file_bytes=len(data))
         if cfg["save"]:

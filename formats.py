@@ -1,12 +1,17 @@
-"""The element formats a 32x32 block is stored in: their grids, codes and shared scales.
+"""The element formats a 32x32 block is stored in: their grids, codes and shared scales, and which
+of int2/int3/int4 each block takes at a bit budget.
 
 export.py writes weights in them; gaussws.py's STE trains on the same grids, with the same scales
-(gaussws.fake_quantize), so a model trained with it exports as it was trained. Both import this file
-and neither imports the other. The grids and codes are exact in float64.
+(gaussws.fake_quantize), so a model trained with it exports as it was trained, and a run that trains
+on a budget's per-block formats chooses them with the function export.py uses (budget_format_ids).
+Both import this file and neither imports the other. The grids and codes are exact in float64.
 """
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from kernels import BL
 
 
 @dataclass(frozen=True)
@@ -109,3 +114,104 @@ def int_scales(amax, fmt):
     s16 = s.to(torch.bfloat16)
     above = (s16.view(torch.int16) + 1).view(torch.bfloat16)  # the next BF16 value above
     return torch.where(s16.double() < s, above, s16)
+
+
+# --- 32x32 blocks ---------------------------------------------------------------------------------
+
+def to_blocks(w):
+    """(m, n) -> (ceil(m/BL) * ceil(n/BL), BL*BL), blocks in row-major order, zero-padded at the edges."""
+    m, n = w.shape
+    nbm, nbn = -(-m // BL), -(-n // BL)
+    p = F.pad(w, (0, nbn * BL - n, 0, nbm * BL - m))
+    return p.view(nbm, BL, nbn, BL).permute(0, 2, 1, 3).reshape(nbm * nbn, BL * BL)
+
+
+def from_blocks(blocks, m, n):
+    nbm, nbn = -(-m // BL), -(-n // BL)
+    return blocks.view(nbm, nbn, BL, BL).permute(0, 2, 1, 3).reshape(nbm * BL, nbn * BL)[:m, :n]
+
+
+def block_weights(m, n):
+    """Number of weights of each 32x32 block of an (m, n) weight: edge blocks hold fewer."""
+    rows = torch.tensor([min(BL, m - i) for i in range(0, m, BL)], dtype=torch.float64)
+    cols = torch.tensor([min(BL, n - j) for j in range(0, n, BL)], dtype=torch.float64)
+    return torch.outer(rows, cols)
+
+
+# --- a block's codes and values ---------------------------------------------------------------------
+
+def quantize_blocks(blocks, fmt):
+    """Blocks (k, BL*BL) float64 holding FP32 weights -> (codes int64 (k, BL*BL), scales (k,) or None)."""
+    amax = blocks.abs().amax(dim=1)
+    if fmt.kind == "int":
+        scales = int_scales(amax, fmt)
+        s = scales.float()
+        # w / s as torchao's fake quantization (the STE's, gaussws.fake_quantize) computes it: w times
+        # the FP32 reciprocal of s, rounded half to even. The exact quotient rounds the other way where
+        # w / s is within an FP32 rounding of a half-integer, and an STE-trained model would not export as trained.
+        q = torch.round(blocks.float() * (1.0 / torch.where(s > 0, s, 1.0))[:, None]).clamp(-fmt.levels, fmt.levels)
+        return q.long() & (2 ** fmt.bits - 1), scales  # two's complement in fmt.bits bits
+    if not fmt.scaled:
+        return fp_encode(fp_round(blocks, fmt), fmt), None
+    k = e8m0_exponents(amax, fmt)
+    codes = fp_encode(fp_round(blocks / pow2(k)[:, None], fmt), fmt)
+    return codes, (k + 127).to(torch.uint8)  # E8M0 code: the biased exponent
+
+
+def dequantize_blocks(codes, scales, fmt):
+    """Inverse of quantize_blocks: float64 values, exact in float32 for every format here."""
+    if fmt.kind == "int":
+        q = torch.where(codes >= 2 ** (fmt.bits - 1), codes - 2 ** fmt.bits, codes)
+        return q.double() * scales.double()[:, None]
+    values = fp_decode(codes, fmt)
+    return values if scales is None else values * pow2(scales.long() - 127)[:, None]
+
+
+# --- which of int2/int3/int4 a block takes at a bit budget ---------------------------------------
+
+BUDGET_FORMATS = ("int2", "int3", "int4")  # what a bit budget mixes, one bit apart
+
+
+def budget_bits(priority, weights, budget):
+    """Element bits of each block for a mean of `budget` bits per weight (weights: how many each block
+    holds). Every block starts at 2 bits; one-bit upgrades, priority[:, 0] for 2 -> 3 and [:, 1] for
+    3 -> 4, are made in descending priority (ties: block order) while the bits they add fit the
+    budget, skipping those that do not fit (a whole block after an edge one). A block's second upgrade
+    never ranks above its first, nor is made without it."""
+    priority = torch.stack([priority[:, 0], torch.minimum(priority[:, 0], priority[:, 1])], dim=1).flatten()
+    order = torch.argsort(priority, descending=True, stable=True).tolist()
+    size, bits = weights.double().tolist(), [2] * len(weights)
+    left = (budget - 2) * sum(size)
+    for i in order:
+        block = i // 2
+        if bits[block] == 2 + i % 2 and size[block] <= left:
+            bits[block] += 1
+            left -= size[block]
+    return torch.tensor(bits)
+
+
+def budget_format_ids(fmt_name, weights, b_t, budget):
+    """{layer: format ids} of int2/int3/int4 at a mean of `budget` element bits per weight over all the
+    layers' blocks together (weights: {layer: weight}), the blocks ranked
+      - auto-int: by their learned b_t, each upgrade by b_t - bits, the bits it lacks by its own b_t;
+      - error-int: by their own quantization error (a PTQ heuristic for any run), each upgrade by the
+        drop in the block's squared error it buys, per bit it costs."""
+    layers = list(weights)
+    counts = torch.cat([block_weights(*weights[k].shape).flatten() for k in layers])
+    if fmt_name == "auto-int":
+        if any(k not in b_t for k in layers):
+            raise ValueError("auto-int at a bit budget ranks blocks by their learned b_t, and these layers have "
+                             "none (no PQT): use error-int, which ranks them by their own error")
+        priority = torch.cat([b_t[k].flatten() for k in layers])[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64)
+    else:
+        errors = []
+        for k in layers:
+            blocks = to_blocks(weights[k].detach().float().cpu().double())
+            fmts = [FORMATS[BY_NAME[f]] for f in BUDGET_FORMATS]
+            errors.append(torch.stack([(dequantize_blocks(*quantize_blocks(blocks, f), f) - blocks).square().sum(1)
+                                       for f in fmts], dim=1))
+        error = torch.cat(errors)
+        priority = (error[:, :-1] - error[:, 1:]) / counts[:, None]
+    ids = torch.tensor([BY_NAME[f] for f in BUDGET_FORMATS], dtype=torch.uint8)[budget_bits(priority, counts, budget) - 2]
+    sizes = [block_weights(*weights[k].shape).shape for k in layers]
+    return {k: part.view(size) for k, part, size in zip(layers, ids.split([a * b for a, b in sizes]), sizes)}

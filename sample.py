@@ -68,7 +68,9 @@ def load_checkpoint(out_dir, device):
     try:
         model_args, pqt = checkpoint_args(ckpt)
         model = GPT(ModelConfig(**model_args))
-        gaussws.convert(model, pqt["method"], ROLES[model.config.arch], b_init=pqt["b_init"], b_target=pqt["b_target"])
+        gaussws.convert(model, pqt["method"], ROLES[model.config.arch], b_init=pqt["b_init"], b_target=pqt["b_target"],
+                        fmt=pqt["target_format"], ste_start=int(pqt["ste_start"]),
+                        bits_per_weight=pqt["bits_per_weight"])
         model.load_state_dict(ckpt["model"])
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -77,6 +77,8 @@ recompute_w_hat = False  # keep no w_hat for the backward, make it again there: 
 pqt_start = 0.0  # first step of the method (a fraction of max_iters if < 1); plain Linears before it; 0: every step
 fork_from = ""  # a bf16 run's ckpt.pt at a step <= pqt_start, same settings but the method: this phase run continues it
 target_format = ""  # format trained toward: ste's grid, or b_t's level for gaussws/diffq (gaussws.phase_settings)
+bits_per_weight = 0.0  # with target_format auto-int / error-int: int2/int3/int4 per block at this mean; 0: no budget
+ste_start = 0.0  # gaussws/diffq at a budget: first step of STE on the formats chosen then (as pqt_start); 0: none
 # optimizer
 optimizer = "adamw"  # "adamw" or "adam_mini"
 learning_rate = 2e-3  # peak learning rate
@@ -104,7 +106,7 @@ parallel = "ddp"  # how torchrun processes share the work: "ddp" (replicated) or
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 MODEL_KEYS = [f.name for f in fields(ModelConfig)]
-PQT_KEYS = ("method", "b_init", "b_target", "pqt_start", "target_format")  # the checkpoint's "pqt" entry
+PQT_KEYS = ("method", "b_init", "b_target", "pqt_start", "target_format", "ste_start", "bits_per_weight")  # ckpt's "pqt"
 
 
 def fail(msg):
@@ -288,7 +290,8 @@ def checkpoint_args(checkpoint):
     if unknown:
         fail(f"the checkpoint's model_args hold {', '.join(map(repr, unknown))}, which this code's model does not "
              f"have (expected fields of model.ModelConfig: {', '.join(MODEL_KEYS)})")
-    pqt = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, "pqt_start": 0.0, "target_format": "", **pqt,
+    pqt = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, "pqt_start": 0.0, "target_format": "", "ste_start": 0.0,
+           "bits_per_weight": 0.0, **pqt,
            **checkpoint.get("pqt", {})}
     return model_args, pqt
 
@@ -335,16 +338,18 @@ def pretrained(name_or_dir, requested):
 
 def load_weights(model, state_dict):
     """Load a state dict into a converted model: b_i the source lacks keep their fresh init (b_t =
-    b_init); b_i of layers the new method leaves plain are dropped. Anything else must match."""
+    b_init); b_i of layers the new method leaves plain are dropped; a budget's format_ids are never
+    taken (the new run chooses its own at its switch). Anything else must match."""
     own = model.state_dict()
-    state_dict = {k: v for k, v in state_dict.items() if k in own or not k.endswith(".b_i")}
+    state_dict = {k: v for k, v in state_dict.items() if (k in own or not k.endswith(".b_i"))
+                  and not k.endswith(".format_ids")}
     try:
         result = model.load_state_dict(state_dict, strict=False)
     except RuntimeError as e:  # a shape that differs is an error even when not strict
         if isinstance(e, torch.OutOfMemoryError):
             raise
         fail(f"the init_from checkpoint does not fit the model: {load_error(e)}")
-    missing = [k for k in result.missing_keys if not k.endswith(".b_i")]
+    missing = [k for k in result.missing_keys if not k.endswith((".b_i", ".format_ids"))]
     if missing or result.unexpected_keys:
         fail(f"the init_from checkpoint does not fit the model: missing {missing[:3]}, unexpected "
              f"{result.unexpected_keys[:3]}")
@@ -649,7 +654,8 @@ def _main(argv, resources):
         with torch.device("meta"):
             m = gaussws.convert(GPT(ModelConfig(**model_args)), c["method"], ROLES[model_args.get("arch", "gpt2")],
                                 b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"], start=int(c["pqt_start"]),
-                                fmt=c["target_format"])
+                                fmt=c["target_format"], ste_start=int(c["ste_start"]),
+                                bits_per_weight=c["bits_per_weight"])
         print(json.dumps({**c, "model_args": asdict(m.config)}, indent=1))
         print(f"parameters: {m.get_num_params(non_embedding=False):,} ({m.get_num_params(non_embedding=False) / 1e6:.1f}M)"
               f" + {m.get_num_bitwidth_params():,} b_i")
@@ -695,7 +701,8 @@ def _main(argv, resources):
     roles = ROLES[mconf.arch]
     raw_model = gaussws.convert(GPT(mconf), c["method"], roles, b_init=c["b_init"], b_target=c["b_target"],
                                 seed=c["seed"], recompute=c["recompute_w_hat"], start=int(c["pqt_start"]),
-                                fmt=c["target_format"])
+                                fmt=c["target_format"], ste_start=int(c["ste_start"]),
+                                bits_per_weight=c["bits_per_weight"])
     if init_state is not None:
         load_weights(raw_model, init_state)
         init_state = None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import export as E
+import formats
 from model import GPT, ModelConfig
 
 ARGS = dict(arch="gpt2", n_layer=1, n_head=2, n_embd=64, vocab_size=256, block_size=32, bias=True)
@@ -29,19 +30,19 @@ def test_budget_bits_takes_the_best_upgrades_that_fit():
         b_t = 2 + 3 * torch.rand(6, generator=gen, dtype=torch.float64)
         priority = b_t[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64)
         for budget in (2.0, 2.5, 3.0, 3.25, 4.0):
-            bits = E.budget_bits(priority, weights, budget)
+            bits = formats.budget_bits(priority, weights, budget)
             assert (bits * weights).sum() <= budget * weights.sum() and bits.min() >= 2 and bits.max() <= 4
             assert bits.sum() == min(24, 12 + int((budget - 2) * 6))
             best = max(greedy_total(priority, c) for c in itertools.product((2, 3, 4), repeat=6)
                        if sum(c) == bits.sum())
             assert greedy_total(priority, bits.tolist()) == pytest.approx(best)
     by_hand = torch.tensor([[3.0, 2.0], [0.1, -0.9], [1.6, 0.6], [0.9, -0.1]], dtype=torch.float64)
-    assert E.budget_bits(by_hand, torch.full((4,), 1024.0), 3.0).tolist() == [4, 2, 3, 3]
-    assert E.budget_bits(by_hand, torch.full((4,), 1024.0), 2.5).tolist() == [4, 2, 2, 2]
+    assert formats.budget_bits(by_hand, torch.full((4,), 1024.0), 3.0).tolist() == [4, 2, 3, 3]
+    assert formats.budget_bits(by_hand, torch.full((4,), 1024.0), 2.5).tolist() == [4, 2, 2, 2]
     # edge blocks hold fewer weights: an upgrade that does not fit is passed over for smaller ones that do
     b_t = torch.tensor([2.5, 4.5, 3.2, 4.9, 2.1], dtype=torch.float64)
     sizes = torch.tensor([1024.0, 1024, 512, 1024, 256])  # budget (3 - 2) * 3840 = 3840 bits of upgrades:
-    bits = E.budget_bits(b_t[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64), sizes, 3.0)
+    bits = formats.budget_bits(b_t[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64), sizes, 3.0)
     assert bits.tolist() == [2, 3, 3, 4, 3]  # 4.9 twice, 4.5, 3.2, 2.1: 2048 + 1024 + 512 + 256 = 3840
 
 

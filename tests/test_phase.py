@@ -181,13 +181,15 @@ def test_a_bad_phase_is_one_line_before_anything_is_written(data_dir, tmp_path, 
 
 def test_phase_settings_resolve_the_start_and_b_t():
     c = dict(pqt_start=0.85, max_iters=200, target_format="int3", b_init=6.0, b_target=4.0)
-    assert gaussws.phase_settings("gaussws", c) == dict(pqt_start=170.0, b_init=3.49, b_target=3.49)
-    assert gaussws.phase_settings("gaussws", c, explicit={"b_init"}) == dict(pqt_start=170.0, b_init=6.0, b_target=3.49)
+    assert gaussws.phase_settings("gaussws", c) == dict(pqt_start=170.0, ste_start=0.0, b_init=3.49, b_target=3.49)
+    assert gaussws.phase_settings("gaussws", c, explicit={"b_init"}) == \
+        dict(pqt_start=170.0, ste_start=0.0, b_init=6.0, b_target=3.49)
     scratch = dict(c, pqt_start=0.0)  # the paper's way: b_t from b_init pulled to the level
-    assert gaussws.phase_settings("diffq", scratch) == dict(pqt_start=0.0, b_init=6.0, b_target=2.58)
+    assert gaussws.phase_settings("diffq", scratch) == dict(pqt_start=0.0, ste_start=0.0, b_init=6.0, b_target=2.58)
     assert gaussws.phase_settings("gaussws", dict(c, pqt_start=170, target_format="")) == \
-        dict(pqt_start=170.0, b_init=6.0, b_target=4.0)
-    assert gaussws.phase_settings("ste", dict(c, pqt_start=0.5)) == dict(pqt_start=100.0, b_init=6.0, b_target=4.0)
+        dict(pqt_start=170.0, ste_start=0.0, b_init=6.0, b_target=4.0)
+    assert gaussws.phase_settings("ste", dict(c, pqt_start=0.5)) == \
+        dict(pqt_start=100.0, ste_start=0.0, b_init=6.0, b_target=4.0)
 
 
 def test_matched_b_t_gives_pqn_the_variance_of_the_int_grids_rounding_error():

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 import export as E
 import gaussws
+import formats
 from formats import BY_NAME, FORMATS
 
 SHAPES = [(70, 45), (33, 97), (5, 3), (64, 32)]  # partial edge blocks, a single partial block, whole blocks
@@ -74,7 +75,7 @@ def test_int_grid_rounds_w_times_the_fp32_reciprocal_as_torchao_and_export_do(na
     w = near_tie_blocks(fmt.levels)
     got = gaussws.fake_quantize(w, name)
     assert torch.equal(bits(got), bits(exported(w, name)))
-    s = E.int_scales(w.view(-1, 32, 32).abs().amax(dim=(1, 2)), fmt).double().repeat_interleave(32)[:, None]
+    s = formats.int_scales(w.view(-1, 32, 32).abs().amax(dim=(1, 2)), fmt).double().repeat_interleave(32)[:, None]
     assert torch.equal(s[::32, 0] * fmt.levels, w[::32, 0].double())  # the scale is s, not rounded up
     exact = (w.double() / s).round().clamp(-fmt.levels, fmt.levels) * s
     assert (exact != got.double()).sum() > 10  # the blocks do hold such weights: the test can fail
@@ -115,7 +116,7 @@ def test_int_gradient_is_torchaos_fake_quantization_gradient_which_never_clamps_
     fmt = FORMATS[BY_NAME["int3"]]
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
     g = torch.randn(w.shape, generator=torch.Generator().manual_seed(4))
-    s = E.int_scales(gaussws.block_absmax(w), fmt).float()
+    s = formats.int_scales(gaussws.block_absmax(w), fmt).float()
     for scale in (s, s / 2):
         levels = (w * (1.0 / scale.repeat_interleave(32, 0).repeat_interleave(32, 1))).round()
         clamped = levels.abs() > fmt.levels
