@@ -109,13 +109,18 @@ STUDIES = {
 # arm's switch step (train.py --fork_from): until the switch a phase run *is* the bf16 run (the
 # same weights, optimizer state, batches and seed; tests/test_phase.py), so it spends exactly the
 # bf16 run's tokens and only its phase is trained again. Our choices: the lengths (1, 4 and 16
-# tokens per parameter of mini_gpt2_deploy.py's 0.8M parameters), a phase of the last 15 % (ParetoQ: about
-# 10 %), 3 seeds at the longest and 1 elsewhere, the 3.0-bit budget of the mixed arms.
+# tokens per parameter of mini_gpt2_deploy.py's 0.8M parameters), a phase of the last 15 % (ParetoQ:
+# about 10 %), 3 seeds at the longest and 1 elsewhere, the 3.5-bit budget of the mixed arms.
 DEPLOY = "config/mini_gpt2_deploy.py"
 DEPLOY_STEPS = (200, 800, 3200)
 DEPLOY_SEEDS = {200: (1,), 800: (1,), 3200: (1, 2, 3)}
-DEPLOY_FORMATS = {200: ("int3",), 800: ("int3",), 3200: ("int3", "int2", "int4", "mxfp4")}
-BUDGET = 3.0  # element bits per weight of the mixed-precision arms: int2/int3/int4 per block
+DEPLOY_FORMATS = {200: ("int3", "int4"), 800: ("int3", "int4"), 3200: ("int3", "int2", "int4", "mxfp4")}
+# Element bits per weight of the mixed-precision arms (int2/int3/int4 per block, export.py's budget):
+# half-way between int3 and int4, so that the ranking decides which blocks get the fourth bit. At a
+# whole 3.0 every ranking gives uniform int3 here: a block gets int4 before another gets int3 only
+# where their b_t (or errors, in bits) differ by more than a bit, and a phase moves b_t by about the
+# sum of its learning rates, a few hundredths of a bit.
+BUDGET = 3.5
 SWEEP_B_T = (3.0, 4.0)  # the gaussws int3 phase's b_t swept at 800 steps, beside the matched level 3.49
 BEST_B_T = None  # the sweep's best b_t, for the longest gaussws int3 phase; None: the matched level
 
@@ -688,10 +693,11 @@ def deploy_runs(study, root):
 def deploy_rows(study, runs):
     """One row per (arm, exported format): the unquantized and exported val loss, the increase, and the
     exported loss minus PTQ's (the trunk exported at the same format, or at the same budget by each
-    block's own error for the learned mix) and minus uniform STE int3's, paired by seed."""
+    block's own error for the learned mix) and, for the mixes, minus uniform STE int3's and int4's (the
+    formats their budget lies between), paired by seed."""
     arms = study["arms"]
     index = {id(a): i for i, a in enumerate(arms)}
-    ste3 = {a["steps"]: i for i, a in enumerate(arms) if a["kind"] == "STE phase" and a["format"] == "int3"}
+    ste = {(a["steps"], a["format"]): i for i, a in enumerate(arms) if a["kind"] == "STE phase"}
     rows = []
     for i, a in enumerate(arms):
         trunk = index[id(a["trunk"])] if a.get("trunk") else next(
@@ -710,8 +716,10 @@ def deploy_rows(study, runs):
                    "increase_pct": stats([100 * (f["export"][fmt]["val_loss"] / f["val_loss"] - 1) for _, f in done]),
                    "wall_min": stats([f["wall_s"] / 60 for _, f in done]),
                    "trained_steps": done[0][1]["trained_steps"] if done else None}
-            for key, j, other in (("vs_ptq", trunk, ptq), ("vs_ste_int3", ste3.get(a["steps"]), "int3")):
-                if j is None or j == i or (key == "vs_ste_int3" and not fmt.startswith(("auto-int", "error-int"))):
+            mix = fmt.startswith(("auto-int", "error-int"))
+            for key, j, other in (("vs_ptq", trunk, ptq), ("vs_ste_int3", ste.get((a["steps"], "int3")), "int3"),
+                                  ("vs_ste_int4", ste.get((a["steps"], "int4")), "int4")):
+                if j is None or j == i or (key != "vs_ptq" and not mix):
                     continue
                 diffs = [f["export"][fmt]["val_loss"] - runs[j, s]["export"][other]["val_loss"] for s, f in done
                          if isinstance(runs.get((j, s), {}).get("export", {}).get(other), dict)]
@@ -730,13 +738,13 @@ def deploy_markdown(results):
              "Every phase arm trains exactly the bf16 run's steps and tokens: it is that run until its switch and "
              "forks from its checkpoint there, so its wall time is the phase's own.", ""]
     head = ["steps (tokens/param)", "arm", "exported at", "seeds", "val loss", "exported val loss", "increase",
-            "bits/w", "− PTQ (paired)", "− uniform STE int3 (paired)", "own wall min (steps)"]
+            "bits/w", "− PTQ (paired)", "− STE int3 (paired)", "− STE int4 (paired)", "own wall min (steps)"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results["rows"]:
         tpp = f"{r['steps']} ({r['tokens_per_param']:.1f})" if r["tokens_per_param"] else str(r["steps"])
         seeds = str(r["seeds"]) + (f" (+{len(r['diverged'])} diverged)" if r["diverged"] else "")
         paired = []
-        for key in ("vs_ptq", "vs_ste_int3"):
+        for key in ("vs_ptq", "vs_ste_int3", "vs_ste_int4"):
             p = r.get(key)
             if not p or not p["n"]:
                 paired.append("-")
