@@ -53,7 +53,7 @@ Nothing here needs the network: the tokens are random (throughput does not depen
 Everything a first GPU should show, in one table: the Triton kernels against the PyTorch twin on
 CUDA tensors (gpu_parity), each kernel's bandwidth as a share of the device's peak and of a copy,
 Figure 6 (bench.py kernel) and Table 1 (bench.py train, Llama2-134M, 24 x 2048 tokens, bf16 /
-diffq[all] / gaussws[all]). Without CUDA it says so in one line and exits 2.
+diffq[all] / gaussws[all]). Without CUDA it says so in one line and exits 1.
 """
 import dataclasses
 import json
@@ -70,16 +70,17 @@ import torch
 
 import gaussws
 import model as model_lib
-from configurator import ConfigError, configure
+from configurator import configure
 from kernels import BL
 import train
 from train import keep_freed_cpu_memory
+from util import UserError, cli, write_atomic
 
 # --- small helpers ---------------------------------------------------------------------------------
 
 
-class BenchError(Exception):
-    """Bad input: main() prints it as one line and exits 2."""
+class BenchError(UserError):
+    """Bad input; the message is one line."""
 
 
 def sync(device):
@@ -93,11 +94,7 @@ def say(*args):
 
 def write_json(path, records):
     """Write atomically, so an interrupted run never leaves half a file where a good one was."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(records, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(records, indent=1) + "\n")
 
 
 def markdown_table(header, rows):
@@ -593,10 +590,7 @@ def gpu_check(argv):
         raise BenchError("gpu-check needs a CUDA GPU and torch.cuda.is_available() is False here; "
                          "the CPU checks are `pytest tests/test_kernels.py tests/test_triton_compile.py`")
     config = dict(GPU_CHECK_CONFIG)
-    try:
-        configure(config, argv)
-    except ConfigError as e:
-        raise BenchError(str(e)) from None
+    configure(config, argv)
     device = "cuda"
     parse_ints("repeats", config["repeats"])
     bandwidth_shape = parse_shapes(config["bandwidth_shape"])[0]
@@ -696,7 +690,7 @@ def parse_ints(key, text):
 
 
 def parse_args(argv):
-    """(command, namespace of settings) from the command line; BenchError for bad input."""
+    """(command, namespace of settings) from the command line; a UserError for bad input."""
     if not argv or argv[0] not in ("kernel", "train"):
         got = f"got {argv[0]!r}" if argv else "got nothing"
         raise BenchError(f"expected 'kernel' or 'train' as the first argument, or 'gpu-check' ({got}); "
@@ -705,10 +699,7 @@ def parse_args(argv):
     config = dict(KERNEL_CONFIG if command == "kernel" else TRAIN_CONFIG)
     defaults = dataclasses.asdict(model_lib.ModelConfig()) if command == "train" else {}
     config.update({k: defaults[k] for k in MODEL_KEYS if command == "train"})
-    try:
-        explicit = configure(config, argv[1:])
-    except ConfigError as e:
-        raise BenchError(str(e)) from None
+    explicit = configure(config, argv[1:])
     args = types.SimpleNamespace(command=command, **{k: v for k, v in config.items() if k not in MODEL_KEYS})
     args.model_overrides = {k: config[k] for k in MODEL_KEYS if k in explicit}
     positive = ["repeats"] if command == "kernel" else ["batch_size", "block_size", "rounds", "warmup"]
@@ -741,21 +732,13 @@ def main(argv=None):
         print(__doc__)
         return []
     if argv[:1] == ["gpu-check"]:
-        try:
-            return gpu_check(argv[1:])
-        except BenchError as e:
-            print(f"bench.py: error: {e}", file=sys.stderr)
-            sys.exit(2)
-    try:
-        command, args = parse_args(argv)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        if torch.device(args.device).type == "cpu":
-            keep_freed_cpu_memory()  # as train.py: no page faults on every step's fresh tensors
-        records = run_kernel(args) if command == "kernel" else run_train(args)
-    except BenchError as e:
-        print(f"bench.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return gpu_check(argv[1:])
+    command, args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if torch.device(args.device).type == "cpu":
+        keep_freed_cpu_memory()  # as train.py: no page faults on every step's fresh tensors
+    records = run_kernel(args) if command == "kernel" else run_train(args)
     if args.json:
         write_json(args.json, records)
         say(f"wrote {len(records)} records to {args.json}")
@@ -763,4 +746,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli(main))

@@ -34,32 +34,14 @@ import zlib
 
 import torch
 
+from util import UserError, atomic_open, first_line, fsync_dir, temp_path, write_atomic
+
 HEADER = "header.pt"  # sharded: everything but the model's and optimizers' tensors
 CRCS = "crc32.json"  # sharded: {file name: CRC32} of every other file in the directory
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint that is missing, corrupt, not one, or cannot be written; one line, says what to do."""
-
-
-def _first_line(e):
-    text = getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
-
-
-def _fsync_dir(directory):
-    """Make a rename in directory durable: without it a power cut can undo the rename."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temp_name(path):
-    """A name beside path that no other process uses (O_EXCL makes sure), hidden from globs."""
-    directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
 def save(state, path):
@@ -69,25 +51,13 @@ def save(state, path):
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         raise CheckpointError(f"cannot save {path}: {directory} is not a directory")
-    tmp = _temp_name(path)
     try:
-        # tempfile's own recipe (O_CREAT | O_EXCL, a random name), but mode 0o666 so the umask
-        # decides, as for any file torch.save would create
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
+        with atomic_open(path) as f:  # a unique temporary file, fsync, rename, fsync of the directory
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the name points at it
-        os.replace(tmp, path)
-        _fsync_dir(directory)  # and the rename is on disk before we report success
     except BaseException as e:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
         if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
             # torch.save reports a full disk as RuntimeError ("... file write failed")
-            raise CheckpointError(f"cannot save {path}: {_first_line(e)}; the previous checkpoint there, "
+            raise CheckpointError(f"cannot save {path}: {first_line(e)}; the previous checkpoint there, "
                                   f"if any, is unchanged") from None
         raise
 
@@ -102,7 +72,7 @@ def verify(path):
     except IsADirectoryError:
         raise CheckpointError(f"{path} is a directory, not a checkpoint file") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot read {path}: {first_line(e)}") from None
     if magic != b"PK\x03\x04":
         raise CheckpointError(f"{path} is not a checkpoint (not a torch.save zip archive)")
     try:
@@ -114,9 +84,9 @@ def verify(path):
     except CheckpointError:
         raise
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:  # truncated, or its directory damaged
-        raise CheckpointError(f"{path} is corrupt ({_first_line(e)}); use an earlier copy or start a new run") from None
+        raise CheckpointError(f"{path} is corrupt ({first_line(e)}); use an earlier copy or start a new run") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot read {path}: {first_line(e)}") from None
     if bad is not None:
         raise CheckpointError(f"{path} is corrupt: record {bad} fails its CRC32 check; "
                               f"use an earlier copy or start a new run")
@@ -133,9 +103,9 @@ def load(path, map_location="cpu"):
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:  # weights_only refused an object: not a checkpoint of ours
         raise CheckpointError(f"{path} is not a checkpoint this code can read: it holds objects that "
-                              f"weights_only loading refuses ({_first_line(e)[:200]})") from None
+                              f"weights_only loading refuses ({first_line(e)[:200]})") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot read {path}: {first_line(e)}") from None
 
 
 class Lock:
@@ -149,7 +119,7 @@ class Lock:
             os.makedirs(out_dir, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
-            raise CheckpointError(f"cannot lock {out_dir}: {_first_line(e)}") from None
+            raise CheckpointError(f"cannot lock {out_dir}: {first_line(e)}") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -159,7 +129,7 @@ class Lock:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise CheckpointError(f"{out_dir} is in use by another run (pid {holder}); wait for it to end, "
                                       f"stop it, or choose another --out_dir") from None
-            raise CheckpointError(f"cannot lock {out_dir}: {_first_line(e)}") from None
+            raise CheckpointError(f"cannot lock {out_dir}: {first_line(e)}") from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # the holder, for the message above
 
@@ -268,7 +238,7 @@ def _target(path, part=(0, 1)):
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a sharded checkpoint of this code (no {CRCS})") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is corrupt: {CRCS} is not valid JSON ({_first_line(e)})") from None
+        raise CheckpointError(f"{path} is corrupt: {CRCS} is not valid JSON ({first_line(e)})") from None
     for name, crc in sorted(crcs.items())[part[0]::part[1]]:
         file = os.path.join(directory, name)
         try:
@@ -278,7 +248,7 @@ def _target(path, part=(0, 1)):
         except FileNotFoundError:
             raise CheckpointError(f"{path} is incomplete: {name} is missing") from None
         except OSError as e:
-            raise CheckpointError(f"cannot read {file}: {_first_line(e)}") from None
+            raise CheckpointError(f"cannot read {file}: {first_line(e)}") from None
     return directory
 
 
@@ -311,23 +281,19 @@ def save_sharded(path, model, optimizers, header):
         if rank == 0:
             save(header, os.path.join(directory, HEADER))
             crcs = {f: _crc32(os.path.join(directory, f)) for f in sorted(os.listdir(directory))}
-            with open(os.path.join(directory, CRCS), "w") as f:
-                json.dump(crcs, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(directory)
+            write_atomic(os.path.join(directory, CRCS), json.dumps(crcs, indent=1))  # and fsyncs the directory
             old = os.path.realpath(path) if os.path.islink(path) else None
-            link = _temp_name(path)
+            link = temp_path(path)
             os.symlink(os.path.basename(directory), link)  # relative: out_dir can be moved
             os.replace(link, path)
-            _fsync_dir(parent)
+            fsync_dir(parent)
             if old and old != directory and os.path.isdir(old):
                 shutil.rmtree(old, ignore_errors=True)
     except (OSError, CheckpointException) as e:  # DCP gathers every rank's failure into the latter
         if rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
         causes = _causes(e) or [e]
-        raise CheckpointError(f"cannot save {path}: {_first_line(causes[0])}; the previous checkpoint there, "
+        raise CheckpointError(f"cannot save {path}: {first_line(causes[0])}; the previous checkpoint there, "
                               f"if any, is unchanged") from None
     finally:
         if dist.is_initialized():
@@ -359,11 +325,11 @@ def _dcp_load(path, state, directory, empty):
         for cause in causes:
             if isinstance(cause, (MemoryError, torch.OutOfMemoryError)):
                 raise cause from e
-        raise CheckpointError(f"cannot load {path}: {_first_line(causes[0]) if causes else _first_line(e)}") from None
+        raise CheckpointError(f"cannot load {path}: {first_line(causes[0]) if causes else first_line(e)}") from None
     except (pickle.UnpicklingError, AssertionError, RuntimeError, KeyError, ValueError) as e:
         if isinstance(e, torch.OutOfMemoryError):
             raise
-        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {first_line(e)}") from None
 
 
 def load_sharded(path, model, optimizers):

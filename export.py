@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import checkpoint
 import train
 from configurator import ConfigError, configure
+from util import UserError, cli, first_line, write_atomic
 from kernels import BL
 from model import GPT, ROLES, ModelConfig
 
@@ -58,7 +59,7 @@ DEFAULTS = dict(
 # -----------------------------------------------------------------------------------------------
 
 
-class ExportError(Exception):
+class ExportError(UserError):
     """Bad input or an unusable checkpoint; the message is one line that says what to do."""
 
 
@@ -330,8 +331,7 @@ def build_model(state_dict, arch_args):
         model = GPT(ModelConfig(**arch_args))
         result = model.load_state_dict(state_dict, strict=False)
     except (TypeError, ValueError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExportError(f"the checkpoint does not fit this project's model: {first}")
+        raise ExportError(f"the checkpoint does not fit this project's model: {first_line(e)}")
     unexpected = [k for k in result.unexpected_keys if not k.endswith(".b_i")]
     if result.missing_keys or unexpected:
         raise ExportError(f"the checkpoint does not fit this project's model: missing {result.missing_keys[:3]}, "
@@ -519,7 +519,7 @@ def load(path, device="cpu"):
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise ExportError(f"cannot read {path}: {e.strerror}")
+        raise ExportError(f"cannot read {path}: {first_line(e)}")
     return rebuild(data, device, where=path)
 
 
@@ -629,12 +629,7 @@ def main(argv):
         data, mix = export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata)
         result = dict(mix, path=paths[fmt_name] if cfg["save"] else None, file_bytes=len(data))
         if cfg["save"]:
-            tmp = paths[fmt_name] + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, paths[fmt_name])  # atomic: a crash leaves no half-written model file
+            write_atomic(paths[fmt_name], data)  # a crash leaves no half-written model file
         if cfg["evaluate"]:
             exported, _ = rebuild(data, cfg["device"])
             loss = val_loss(exported, batches, config["dtype"], cfg["device"])
@@ -665,15 +660,5 @@ def main(argv):
                   f"{r['increase_pct']:>9.2f}%")
 
 
-def cli(argv):
-    """main(argv) with bad input reported as one line on stderr and exit status 1."""
-    try:
-        main(argv)
-    except (ExportError, ConfigError) as e:
-        print(f"export.py: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(cli(main))

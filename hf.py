@@ -15,13 +15,11 @@ import argparse
 import glob
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 
-from tokenizer import reason  # "Type: first line" of an error's innermost cause
+from util import UserError, atomic_dir, cli, reason
 
 GPT2_HUB = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 SUPPORTED = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama2"}
@@ -31,7 +29,7 @@ PQT_KEYS = ("method", "b_init", "b_target")  # older checkpoints kept these in m
 WEIGHT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 
 
-class HFError(ValueError):
+class HFError(UserError, ValueError):
     """A model that cannot be read or written: the message is one line for the user."""
 
 
@@ -338,11 +336,9 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise HFError(f"{out_dir} exists and is not an empty directory; choose a new --out")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     from safetensors.torch import save_file
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.")
-    try:
+    with atomic_dir(out_dir) as tmp:  # an empty out_dir, checked above, is replaced
         save_file({k: v.contiguous().clone() for k, v in out.items()}, os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt"})  # clone: safetensors refuses tensors that share memory
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -350,12 +346,6 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
         for name, blob in files.items():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(blob)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty, checked above
-        os.replace(tmp, out_dir)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
     return sorted(["config.json", "model.safetensors", *files]), why
 
 
@@ -422,8 +412,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except HFError as e:
-        print(f"hf.py: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(cli(main))

@@ -14,9 +14,10 @@ import torch
 
 import checkpoint
 import gaussws
-from configurator import ConfigError, configure
+from configurator import configure
 from model import GPT, ROLES, ModelConfig
 from train import checkpoint_args
+from util import UserError, cli, first_line
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -34,7 +35,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:
 CONFIG_KEYS = ("init_from", "out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed", "device")
 
 
-class UsageError(Exception):
+class UsageError(UserError):
     """Something the user can fix; reported as one line, no traceback."""
 
 
@@ -71,8 +72,7 @@ def load_checkpoint(out_dir, device):
         gaussws.convert(model, pqt["method"], ROLES[model.config.arch], b_init=pqt["b_init"], b_target=pqt["b_target"])
         model.load_state_dict(ckpt["model"])
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path} is not a checkpoint of this project's model: {first}")
+        raise UsageError(f"{path} is not a checkpoint of this project's model: {first_line(e)}")
     model.eval()  # also turns the PQT noise off: eval-mode PQTLinear is a plain Linear
     return model.to(device), ckpt
 
@@ -130,7 +130,7 @@ def main(argv):
             with open(prompt[5:], encoding="utf-8") as f:
                 prompt = f.read()
         except OSError as e:
-            raise UsageError(f"cannot read the prompt file {prompt[5:]}: {e.strerror}")
+            raise UsageError(f"cannot read the prompt file {prompt[5:]}: {first_line(e)}")
         except UnicodeDecodeError as e:
             raise UsageError(f"the prompt file {prompt[5:]} is not UTF-8 text (byte {e.start}); save it as UTF-8")
     ids = encode(prompt)
@@ -150,8 +150,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (UsageError, ConfigError) as e:
-        print(f"sample.py: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(cli(main))

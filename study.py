@@ -33,6 +33,7 @@ import sys
 import time
 
 import plot
+from util import UserError, cli, write_atomic
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 GPT2, LLAMA2 = "config/mini_gpt2.py", "config/mini_llama2.py"
@@ -100,7 +101,7 @@ SHORT = {"method": "", "learning_rate": "lr", "optimizer": "", "b_init": "binit"
 DIVERGED = re.compile(r"loss is (nan|inf|-inf) at step (\d+)")  # train.py's message when the loss turns non-finite
 
 
-class StudyError(Exception):
+class StudyError(UserError):
     """Bad input or a state the runner will not touch; the message is one line."""
 
 
@@ -139,12 +140,7 @@ def read_json(path):
 
 def write_json(path, obj):
     """Written whole or not at all: a reader never sees half a file."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 def file_sha(path):
@@ -533,10 +529,7 @@ def main(argv):
 
 if __name__ == "__main__":
     try:
-        sys.exit(main(sys.argv[1:]))
-    except (StudyError, plot.PlotError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(cli(main))
     except KeyboardInterrupt:
         print("\ninterrupted; run the same command again to resume", file=sys.stderr)
         sys.exit(130)

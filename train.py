@@ -34,6 +34,7 @@ import gaussws
 from configurator import ConfigError, configure
 from data.common import DataError, load_meta
 from model import GPT, PRESETS, ROLES, ModelConfig
+from util import cli
 
 # -----------------------------------------------------------------------------------------------
 # default config values: a small gaussws[all] GPT2 on the offline default corpus
@@ -777,8 +778,4 @@ def _main(argv, resources):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(cli(main))

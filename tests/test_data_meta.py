@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+import util
 from data import common
 from data.common import DataError
 
@@ -49,14 +50,14 @@ def test_a_second_preparation_waits_for_the_first(tmp_path, monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "data", "default"))
     import prepare
     out, go = tmp_path / "default", tmp_path / "go"
-    held, release, real = threading.Event(), threading.Event(), common.write_atomic
+    held, release, real = threading.Event(), threading.Event(), util.write_atomic
 
     def write_then_hold(path, data):
         real(path, data)
         if path.endswith("train.bin"):
             held.set()
             release.wait(60)
-    monkeypatch.setattr(common, "write_atomic", write_then_hold)
+    monkeypatch.setattr(util, "write_atomic", write_then_hold)
     first = threading.Thread(target=prepare.prepare, args=(str(out),))
     first.start()
     assert held.wait(60)
@@ -127,7 +128,7 @@ def test_write_atomic_leaves_the_old_file_when_writing_fails(tmp_path, monkeypat
     path.write_bytes(b"old")
     monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     with pytest.raises(OSError):
-        common.write_atomic(str(path), b"new data")
+        util.write_atomic(str(path), b"new data")
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["train.bin"]
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import export as E
 import train
+import util
 from model import GPT, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +76,7 @@ def make_checkpoint(out_dir, data_dir, arch="gpt2", pqt_roles=None, b_t=None, la
 def run(argv, capsys):
     if not any(a.startswith("--plot=") for a in argv):
         argv = [*argv, "--plot=False"]  # matplotlib takes seconds; one test draws
-    rc = E.cli([str(a) for a in argv])
+    rc = util.cli(E.main, [str(a) for a in argv])
     out, err = capsys.readouterr()
     return rc, out, err
 

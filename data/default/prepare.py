@@ -25,6 +25,7 @@ import sysconfig
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
+import util  # noqa: E402
 from data import common  # noqa: E402
 
 VAL_EVERY = 20  # document i goes to val when i % VAL_EVERY == 0
@@ -90,9 +91,9 @@ def _prepare(out_dir):
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path):
         os.remove(meta_path)  # until the new one lands, the data counts as incomplete
-    common.write_atomic(os.path.join(out_dir, "train.bin"), train_ids.tobytes())
-    common.write_atomic(os.path.join(out_dir, "val.bin"), val_ids.tobytes())
-    common.write_atomic(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
+    util.write_atomic(os.path.join(out_dir, "train.bin"), train_ids.tobytes())
+    util.write_atomic(os.path.join(out_dir, "val.bin"), val_ids.tobytes())
+    util.write_atomic(meta_path, (json.dumps(meta, indent=1) + "\n").encode())
     return meta
 
 
