@@ -11,8 +11,10 @@ A sharded checkpoint is a directory written by torch.distributed.checkpoint (DCP
 header.pt (everything but the tensors of model and optimizers) and crc32.json (a CRC32 of every
 file). `path` itself is a symlink to the directory, swapped atomically, as the file above is renamed.
 
-Readers (sample.py, export): load_model(path) gives {"model": full state dict, **header} from either.
-One writer per out_dir: lock(out_dir).
+The run directory (out_dir) holds one checkpoint, ckpt.pt or ckpt.dcp: find(out_dir) says which,
+read(out_dir) gives every reader (train.py's resume and init_from, sample.py, export.py, hf.py) its
+model_args, pqt settings, config, step and state from either layout; load_state(model, optimizers,
+read(...)) resumes. One writer per out_dir: lock(out_dir).
 
 Why the zip CRCs rather than a hash written beside the file: torch.save already writes a CRC32 of
 every record in its zip archive (torch.load never checks them), so verifying costs one read and
@@ -21,6 +23,7 @@ written before this module existed. CRC32 catches every burst of up to 32 flippe
 but 2^-32 of other corruptions, which is what is to be caught here: bad disks, truncated copies,
 not an adversary (a weights_only load is what stops malicious pickles).
 """
+import dataclasses
 import errno
 import fcntl
 import json
@@ -34,6 +37,7 @@ import zlib
 
 import torch
 
+from model import ModelConfig
 from util import UserError, atomic_open, first_line, fsync_dir, temp_path, write_atomic
 
 HEADER = "header.pt"  # sharded: everything but the model's and optimizers' tensors
@@ -392,3 +396,85 @@ def load_model(path, map_location="cpu"):
     state = {}
     _dcp_load(path, state, directory, empty=True)
     return {**header, "model": {k: v.to(map_location) for k, v in state["model"].items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# the run directory: where a run's checkpoint is, and what its readers need from it
+
+PQT_KEYS = ("method", "b_init", "b_target")  # the checkpoint's "pqt" entry (older ones kept these in model_args)
+
+
+def paths(out_dir):
+    """A run's checkpoint: ckpt.pt (one file, written by rank 0) or, under FSDP, ckpt.dcp (sharded:
+    each process writes its own part, checkpoint.save_sharded)."""
+    return os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "ckpt.dcp")
+
+
+def is_checkpoint_dir(path):
+    """A sharded checkpoint (ckpt.dcp) rather than an out_dir or a model directory."""
+    return os.path.isfile(os.path.join(path, HEADER))
+
+
+def find(path):
+    """The checkpoint that path names, or None: path itself where it is one (a ckpt.pt, a sharded
+    ckpt.dcp), else the one in the run directory path (ckpt.pt before ckpt.dcp)."""
+    if os.path.isdir(path) and not is_checkpoint_dir(path):
+        return next((p for p in paths(path) if os.path.lexists(p)), None)
+    return path if os.path.lexists(path) else None
+
+
+def read(path, header_only=False):
+    """What every reader of a run needs from its checkpoint (find(path): a ckpt.pt, a ckpt.dcp or a
+    run directory holding one), verified and loaded to CPU with weights_only=True, as a dict:
+        path        the checkpoint read
+        model_args  the architecture: model.ModelConfig's fields
+        pqt         {"method", "b_init", "b_target"}: its "pqt" entry, or (older checkpoints) these
+                    keys of its model_args; bf16, 6.0 and 4.0 where it has neither
+        config      train.py's resolved config of the run ({} if none), iter_num its step (None if none)
+        model       the full state dict; absent with header_only from a sharded checkpoint, whose
+                    "sharded" (its path) load_state then loads in place
+    and everything else the checkpoint holds (optimizer, best_val_loss, rng_state, ...).
+    CheckpointError, one line, for a missing, corrupt or foreign checkpoint."""
+    found = find(path)
+    if found is None:
+        run_dir = os.path.dirname(path) if str(path).endswith((".pt", ".dcp")) else path
+        raise CheckpointError(f"no checkpoint at {path}: train one (python train.py --out_dir={run_dir or '.'}) "
+                              f"or point at a run directory that holds ckpt.pt (or ckpt.dcp)")
+    if header_only and os.path.isdir(found):
+        checkpoint = {**load_header(found), "sharded": found}
+    else:
+        checkpoint = load_model(found)
+    if not isinstance(checkpoint, dict) or "model_args" not in checkpoint:
+        raise CheckpointError(f"{found} is not a checkpoint of train.py: it lacks 'model_args'")
+    model_args = dict(checkpoint["model_args"])
+    pqt = {k: model_args.pop(k) for k in PQT_KEYS if k in model_args}
+    model_keys = [f.name for f in dataclasses.fields(ModelConfig)]
+    unknown = sorted(set(model_args) - set(model_keys))
+    if unknown:
+        raise CheckpointError(f"the checkpoint's model_args hold {', '.join(map(repr, unknown))}, which this code's "
+                              f"model does not have (expected fields of model.ModelConfig: {', '.join(model_keys)})")
+    pqt = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, **pqt, **(checkpoint.get("pqt") or {})}
+    return {**checkpoint, "path": found, "model_args": model_args, "pqt": pqt,
+            "config": dict(checkpoint.get("config") or {}), "iter_num": checkpoint.get("iter_num")}
+
+
+def load_state(model, optimizers, checkpoint, fsdp=False):
+    """Resume: load what read(path, header_only=True) gave into the model and its optimizers, in
+    place: a sharded checkpoint's parts (load_sharded, at any world size), or a single file's state
+    dicts (under FSDP each process takes its shards of them)."""
+    if "sharded" in checkpoint:  # ckpt.dcp: each process loads its part, at any world size
+        load_sharded(checkpoint["sharded"], model, optimizers)
+        return
+    if len(checkpoint["optimizer"]) != len(optimizers):
+        raise CheckpointError(f"the checkpoint has {len(checkpoint['optimizer'])} optimizer state(s), this run "
+                              f"{len(optimizers)}: resume with the optimizer it was trained with")
+    if not fsdp:
+        model.load_state_dict(checkpoint["model"])
+        for o, state in zip(optimizers, checkpoint["optimizer"]):
+            o.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, checkpoint["model"], options=options)
+    for o, state in zip(optimizers, checkpoint["optimizer"]):
+        set_optimizer_state_dict(model, o, state, options=options)

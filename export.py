@@ -289,27 +289,6 @@ def dequantize_weight(tensors, m, n):
 
 # --- the checkpoint --------------------------------------------------------------------------
 
-def read_checkpoint(path):
-    """(state_dict, architecture args, pqt settings, train config, iter_num) of a train.py checkpoint.
-
-    Reads both layouts: method/b_init/b_target under "pqt", or (older checkpoints) inside model_args.
-    """
-    if not os.path.lexists(path):
-        raise ExportError(f"no checkpoint at {path}: train one (python train.py --out_dir="
-                          f"{os.path.dirname(path) or '.'}) or point --out_dir at a directory that holds ckpt.pt")
-    try:
-        ckpt = checkpoint.load_model(path)  # verified first; a sharded (FSDP) checkpoint gathered here
-    except checkpoint.CheckpointError as e:
-        raise ExportError(str(e)) from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        raise ExportError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
-    arch_args, pqt = dict(ckpt["model_args"]), dict(ckpt.get("pqt") or {})
-    for key in ("method", "b_init", "b_target"):
-        if key in arch_args:
-            pqt.setdefault(key, arch_args.pop(key))
-    return ckpt["model"], arch_args, pqt, dict(ckpt.get("config") or {}), ckpt.get("iter_num")
-
-
 def layer_roles(arch):
     """Module path inside a transformer block (transformer.h.<i>.<path>) -> the layer's role."""
     return ROLES[arch]
@@ -345,8 +324,6 @@ def learned_bitwidths(state_dict, pqt):
     Eq. 11: b_t = b_target + b_i (b_init - b_target), b_i saved beside each PQT layer's weight.
     """
     b_i = {k[:-len(".b_i")]: v for k, v in state_dict.items() if k.endswith(".b_i")}
-    if b_i and not {"b_init", "b_target"} <= set(pqt):
-        raise ExportError("the checkpoint has b_i but no b_init/b_target, so its bitwidths b_t are unknown")
     b_t = {name: pqt["b_target"] + v.double() * (pqt["b_init"] - pqt["b_target"]) for name, v in b_i.items()}
     for name, v in b_t.items():
         if not torch.isfinite(v).all():
@@ -578,10 +555,8 @@ def main(argv):
             if os.path.exists(path):
                 raise ExportError(f"{path} exists; pass --overwrite=True to replace it, or choose another --export_dir")
 
-    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
-    if not os.path.lexists(ckpt_path) and os.path.lexists(os.path.join(cfg["out_dir"], "ckpt.dcp")):
-        ckpt_path = os.path.join(cfg["out_dir"], "ckpt.dcp")  # sharded, written by an FSDP run
-    state_dict, arch_args, pqt, train_config, iter_num = read_checkpoint(ckpt_path)
+    ckpt = checkpoint.read(cfg["out_dir"])  # verified first; a sharded (FSDP) checkpoint gathered here
+    ckpt_path, state_dict, arch_args, pqt, iter_num = (ckpt[k] for k in ("path", "model", "model_args", "pqt", "iter_num"))
     model = build_model(state_dict, arch_args)
     for key, value in model.state_dict().items():
         if not torch.isfinite(value).all():
@@ -597,7 +572,7 @@ def main(argv):
         notes.append(f"{ckpt_path} has no PQT layers (method {pqt.get('method', 'bf16')!r}), so auto and auto-int have "
                      f"no learned b_t to choose a format from: they keep its block Linears in bf16")
 
-    config = train_config
+    config = ckpt["config"]
     lacking = [k for k in ("dataset", "seed", "batch_size", "eval_iters", "dtype") if k not in config]
     if cfg["evaluate"] and lacking:
         raise ExportError(f"{ckpt_path} does not record {', '.join(lacking)} of its run, so train.py's evaluation "

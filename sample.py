@@ -16,7 +16,6 @@ import checkpoint
 import gaussws
 from configurator import configure
 from model import GPT, ROLES, ModelConfig
-from train import checkpoint_args
 from util import UserError, cli, first_line
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -53,22 +52,11 @@ def load_tokenizer(meta):
 
 def load_checkpoint(out_dir, device):
     """(model in eval mode, checkpoint dict) from <out_dir>/ckpt.pt, or from the sharded
-    checkpoint <out_dir>/ckpt.dcp of an FSDP run; verified before it is loaded (checkpoint.py)."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    if not os.path.exists(path) and os.path.lexists(os.path.join(out_dir, "ckpt.dcp")):
-        path = os.path.join(out_dir, "ckpt.dcp")
-    if not os.path.lexists(path):
-        raise UsageError(f"no checkpoint at {path}: train one (python train.py --out_dir={out_dir}) "
-                         f"or point --out_dir at a directory that holds ckpt.pt")
+    checkpoint <out_dir>/ckpt.dcp of an FSDP run; verified before it is loaded (checkpoint.read)."""
+    ckpt = checkpoint.read(out_dir)
+    path, pqt = ckpt["path"], ckpt["pqt"]
     try:
-        ckpt = checkpoint.load_model(path, map_location="cpu")
-    except checkpoint.CheckpointError as e:
-        raise UsageError(str(e)) from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        raise UsageError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
-    try:
-        model_args, pqt = checkpoint_args(ckpt)
-        model = GPT(ModelConfig(**model_args))
+        model = GPT(ModelConfig(**ckpt["model_args"]))
         gaussws.convert(model, pqt["method"], ROLES[model.config.arch], b_init=pqt["b_init"], b_target=pqt["b_target"])
         model.load_state_dict(ckpt["model"])
     except (TypeError, ValueError, RuntimeError, KeyError) as e:

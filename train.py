@@ -31,6 +31,7 @@ import torch
 
 import checkpoint as ckpt_io
 import gaussws
+import hf
 from configurator import ConfigError, configure
 from data.common import DataError, load_meta
 from model import GPT, PRESETS, ROLES, ModelConfig
@@ -102,7 +103,6 @@ parallel = "ddp"  # how torchrun processes share the work: "ddp" (replicated) or
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 MODEL_KEYS = [f.name for f in fields(ModelConfig)]
-PQT_KEYS = ("method", "b_init", "b_target")  # the checkpoint's "pqt" entry
 
 
 def fail(msg):
@@ -221,79 +221,27 @@ def get_lr(it, c):
 
 # --- checkpoints ------------------------------------------------------------------------------------
 
-def checkpoint_paths(out_dir):
-    """A run's checkpoint: ckpt.pt (one file, written by rank 0) or, under FSDP, ckpt.dcp (sharded:
-    each process writes its own part, checkpoint.save_sharded)."""
-    return os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "ckpt.dcp")
-
-
-def find_checkpoint(out_dir):
-    """The checkpoint in out_dir (ckpt.pt before ckpt.dcp), or None."""
-    return next((p for p in checkpoint_paths(out_dir) if os.path.lexists(p)), None)
-
-
-def load_checkpoint(path, header_only=False):
-    """The checkpoint dict at `path`, verified (checkpoint.py) and loaded to CPU with weights_only=True;
-    one line for a missing, corrupt or foreign file. header_only: of a sharded checkpoint, everything
-    but the tensors (the model and optimizers are then loaded in place, checkpoint.load_sharded)."""
-    try:
-        if header_only and os.path.isdir(path):
-            checkpoint = {**ckpt_io.load_header(path), "sharded": path}
-        else:
-            checkpoint = ckpt_io.load_model(path)
-    except ckpt_io.CheckpointError as e:
-        fail(str(e))
-    if not isinstance(checkpoint, dict) or "model_args" not in checkpoint:
-        fail(f"{path} is not a checkpoint of train.py: it lacks 'model_args'")
-    return checkpoint
-
-
-def checkpoint_args(checkpoint):
-    """(model_args, pqt) of a checkpoint: the architecture (ModelConfig's fields) and the method
-    {"method", "b_init", "b_target"}. Older checkpoints kept the method inside model_args."""
-    model_args = dict(checkpoint["model_args"])
-    pqt = {k: model_args.pop(k) for k in PQT_KEYS if k in model_args}
-    unknown = sorted(set(model_args) - set(MODEL_KEYS))
-    if unknown:
-        fail(f"the checkpoint's model_args hold {', '.join(map(repr, unknown))}, which this code's model does not "
-             f"have (expected fields of model.ModelConfig: {', '.join(MODEL_KEYS)})")
-    pqt = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, **pqt, **checkpoint.get("pqt", {})}
-    return model_args, pqt
-
-
 def resolve_init(init_from, out_dir, requested):
     """(model_args, state_dict) of the weights a run starts from: a checkpoint of train.py (ckpt.pt,
     ckpt.dcp, or an out_dir holding one), a Hugging Face model directory, or a GPT-2 of the hub.
     requested: the shape keys the user set (a pretrained GPT-2's block_size may shrink)."""
-    path = init_from
-    if os.path.isdir(init_from) and not is_checkpoint_dir(init_from):
-        if os.path.isfile(os.path.join(init_from, "config.json")) and not find_checkpoint(init_from):
-            return pretrained(init_from, requested)  # a Hugging Face model directory
-        path = find_checkpoint(init_from)
-    elif not os.path.exists(init_from) and init_from in HF_NAMES:
+    path = ckpt_io.find(init_from)
+    if os.path.isdir(init_from) and os.path.isfile(os.path.join(init_from, "config.json")) and not path:
+        return pretrained(init_from, requested)  # a Hugging Face model directory
+    if not os.path.exists(init_from) and init_from in hf.GPT2_HUB:  # nanoGPT's init_from names
         return pretrained(init_from, requested)
     if not path or not os.path.exists(path):
         fail(f"init_from={init_from!r}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, a "
-             f"Hugging Face model directory, or one of {', '.join(HF_NAMES)}")
-    if os.path.realpath(path) in map(os.path.realpath, checkpoint_paths(out_dir)):
+             f"Hugging Face model directory, or one of {', '.join(hf.GPT2_HUB)}")
+    if os.path.realpath(path) in map(os.path.realpath, ckpt_io.paths(out_dir)):
         fail(f"init_from={init_from!r} is this run's own checkpoint: continue it with --init_from=resume, "
              f"or write the new run to another --out_dir")
-    checkpoint = load_checkpoint(path)
-    model_args, _ = checkpoint_args(checkpoint)
-    return model_args, checkpoint["model"]
-
-
-HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's init_from names (the hub's GPT-2)
-
-
-def is_checkpoint_dir(path):
-    """A sharded checkpoint (ckpt.dcp) rather than an out_dir or a model directory."""
-    return os.path.isfile(os.path.join(path, ckpt_io.HEADER))
+    checkpoint = ckpt_io.read(path)
+    return checkpoint["model_args"], checkpoint["model"]
 
 
 def pretrained(name_or_dir, requested):
     """(model_args, state_dict) of a Hugging Face GPT2LMHeadModel / LlamaForCausalLM (hf.py)."""
-    import hf
     try:
         model_args, state_dict = hf.load_pretrained(name_or_dir)
         return hf.fit_pretrained(model_args, state_dict, requested, source=f"init_from={name_or_dir}")
@@ -311,22 +259,6 @@ def load_weights(model, state_dict):
     if missing or result.unexpected_keys:
         fail(f"the init_from checkpoint does not fit the model: missing {missing[:3]}, unexpected "
              f"{result.unexpected_keys[:3]}")
-
-
-def load_state(model, optimizers, checkpoint, fsdp):
-    if len(checkpoint["optimizer"]) != len(optimizers):
-        fail(f"the checkpoint has {len(checkpoint['optimizer'])} optimizer state(s), this run {len(optimizers)}: "
-             f"resume with the optimizer it was trained with")
-    if not fsdp:
-        model.load_state_dict(checkpoint["model"])
-        for o, state in zip(optimizers, checkpoint["optimizer"]):
-            o.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, checkpoint["model"], options=options)
-    for o, state in zip(optimizers, checkpoint["optimizer"]):
-        set_optimizer_state_dict(model, o, state, options=options)
 
 
 def all_finite(model, distributed):
@@ -434,18 +366,18 @@ def starting_point(c, explicit, model_args, pqt, meta):
     """(model_args, checkpoint, init_state) for init_from: the checkpoint to resume (init_from=resume),
     or the state dict a new run starts from (a path), with the architecture each implies."""
     checkpoint = init_state = None
-    ckpt_path = find_checkpoint(c["out_dir"])
+    ckpt_path = ckpt_io.find(c["out_dir"])
     if c["init_from"] == "resume":
         if ckpt_path is None:
             fail(f"init_from=resume but {c['out_dir']} holds no checkpoint (ckpt.pt or ckpt.dcp); start with "
                  f"--init_from=scratch")
-        checkpoint = load_checkpoint(ckpt_path, header_only=True)
+        checkpoint = ckpt_io.read(ckpt_path, header_only=True)
         needed = {"iter_num", "best_val_loss", "rng_state"} | ({"optimizer"} if "sharded" not in checkpoint else set())
         missing = sorted(needed - set(checkpoint))
         if missing:
             fail(f"{ckpt_path} lacks {', '.join(missing)}: it cannot be resumed; start a new run from its weights "
                  f"with --init_from={ckpt_path} --out_dir=<new dir>")
-        saved_args, saved_pqt = checkpoint_args(checkpoint)
+        saved_args, saved_pqt = checkpoint["model_args"], checkpoint["pqt"]
         if not model_args.get("vocab_size"):
             model_args["vocab_size"] = meta["vocab_size"]
         try:
@@ -504,7 +436,7 @@ def _main(argv, resources):
     explicit = configure(c, argv)
     validate(c, explicit)
     model_args = config_model_args(c, explicit)
-    pqt = {k: c[k] for k in PQT_KEYS}
+    pqt = {k: c[k] for k in ckpt_io.PQT_KEYS}
     roles = ROLES.get(model_args.get("arch", "gpt2"), {})
     try:  # a bad method or shape fails now, before data or checkpoints are touched
         gaussws.parse_method(c["method"], roles.values())
@@ -568,7 +500,7 @@ def _main(argv, resources):
 
     # the weights to start from: none (scratch), this run's checkpoint (resume), or another's
     model_args, checkpoint, init_state = starting_point(c, explicit, model_args, pqt, meta)
-    ckpt_path = checkpoint_paths(c["out_dir"])[1 if fsdp else 0]  # where this run saves
+    ckpt_path = ckpt_io.paths(c["out_dir"])[1 if fsdp else 0]  # where this run saves
     if not model_args.get("vocab_size"):
         model_args["vocab_size"] = meta["vocab_size"]
     if meta["vocab_size"] > model_args["vocab_size"]:
@@ -601,13 +533,7 @@ def _main(argv, resources):
         n_embd=mconf.n_embd, n_head=mconf.n_head, n_kv_head=mconf.n_kv_head)
     iter_num, best_val_loss, saved_step = 0, 1e9, None  # saved_step: of the checkpoint this run continues from
     if checkpoint is not None:
-        if "sharded" in checkpoint:  # ckpt.dcp: each process loads its part, at any world size
-            try:
-                ckpt_io.load_sharded(checkpoint["sharded"], raw_model, optimizers)
-            except ckpt_io.CheckpointError as e:
-                fail(str(e))
-        else:
-            load_state(raw_model, optimizers, checkpoint, fsdp)
+        ckpt_io.load_state(raw_model, optimizers, checkpoint, fsdp)
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
         saved_step = iter_num
         torch.set_rng_state(checkpoint["rng_state"])
@@ -704,7 +630,7 @@ def _main(argv, resources):
                         save_checkpoint({"model": raw_model.state_dict(), "optimizer": [o.state_dict() for o in optimizers],
                                          **state}, ckpt_path)
                 if master:
-                    for other in checkpoint_paths(c["out_dir"]):  # one checkpoint per out_dir: resume finds this one
+                    for other in ckpt_io.paths(c["out_dir"]):  # one checkpoint per out_dir: resume finds this one
                         if other != ckpt_path:
                             ckpt_io.remove(other)
                     print(f"saved checkpoint to {ckpt_path}")

@@ -25,6 +25,7 @@ import torch
 
 import hf
 import tokenizer
+from checkpoint import PQT_KEYS, CheckpointError
 from model import GPT, ModelConfig
 
 transformers = pytest.importorskip("transformers", reason="the truth here is transformers' own models")
@@ -307,10 +308,10 @@ def test_hub_names_offline_fail_in_one_line_that_says_how_to_use_local_files(tmp
 
 
 def test_export_of_a_missing_or_foreign_checkpoint_is_refused(tmp_path):
-    with pytest.raises(hf.HFError, match="no checkpoint at"):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
         hf.main([f"--ckpt={tmp_path / 'missing.pt'}", f"--out={tmp_path / 'x'}"])
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    with pytest.raises(hf.HFError) as e:
+    with pytest.raises(CheckpointError) as e:
         hf.main([f"--ckpt={tmp_path / 'other.pt'}", f"--out={tmp_path / 'x'}"])
     assert "not a checkpoint of train.py" in one_line(e.value) and not (tmp_path / "x").exists()
 
@@ -410,7 +411,7 @@ def test_sentencepiece_c4_prepare_train_sample_export(tmp_path, capsys, monkeypa
     # export: transformers' model gives our checkpoint's logits; its tokenizer is SentencePiece's
     hf.main([f"--ckpt={tmp_path / 'out' / 'ckpt.pt'}", f"--out={tmp_path / 'hf'}"])
     assert "tokenizer.json" in capsys.readouterr().out
-    args = {k: v for k, v in ckpt["model_args"].items() if k not in hf.PQT_KEYS}
+    args = {k: v for k, v in ckpt["model_args"].items() if k not in PQT_KEYS}
     ours = ours_from(args, {k: v for k, v in ckpt["model"].items() if not k.endswith(".b_i")})
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     x = torch.tensor([sp.encode(val_docs[0])[:32]])

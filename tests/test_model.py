@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import gaussws
 import sample
+from checkpoint import CheckpointError
 from configurator import ConfigError
 from model import GPT, PRESETS, ROLES, ModelConfig, apply_rope, rope_cos_sin
 
@@ -355,7 +356,7 @@ def test_sample_refuses_a_damaged_or_foreign_checkpoint(byte_run):
     path = os.path.join(out_dir, "ckpt.pt")
     with open(path, "r+b") as f:
         f.truncate(100)
-    with pytest.raises(sample.UsageError, match="damaged"):
+    with pytest.raises(CheckpointError, match="is corrupt"):
         sample.main([f"--out_dir={out_dir}", "--device=cpu"])
     write_checkpoint(out_dir, tiny("gpt2", vocab_size=256))
     ckpt = torch.load(path, weights_only=True)

@@ -9,8 +9,10 @@ import sys
 import numpy as np
 import pytest
 
+import checkpoint
 import train
 from configurator import ConfigError
+from util import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,7 +99,7 @@ def test_compiled_run_trains_as_eager_and_saves_a_loadable_model(data_dir, tmp_p
 
 def _originals():
     import gaussws
-    return {"build_optimizers": gaussws.build_optimizers, "get_batch": train.get_batch, "load_state": train.load_state}
+    return {"build_optimizers": gaussws.build_optimizers, "get_batch": train.get_batch, "load_state": checkpoint.load_state}
 
 
 ORIGINAL = _originals()  # before any test patches them
@@ -475,7 +477,7 @@ def test_an_inf_gradient_with_a_finite_loss_is_not_applied(data_dir, trained, tm
         return build(model, *args, **kw)
     monkeypatch.setattr(gaussws, "build_optimizers", poisoned)
     weights = {}
-    monkeypatch.setattr(train, "load_state", lambda model, o, ckpt, fsdp: (ORIGINAL["load_state"](model, o, ckpt, fsdp),
+    monkeypatch.setattr(checkpoint, "load_state", lambda model, o, ckpt, fsdp: (ORIGINAL["load_state"](model, o, ckpt, fsdp),
                                                                             weights.update(ckpt["model"])))
     for grad_clip in (1.0, 0.0):  # clipped or not, the norm is checked
         with pytest.raises(ConfigError, match=r"gradient norm is (inf|nan) \(loss \d"):
@@ -541,5 +543,5 @@ def test_a_checkpoint_this_code_cannot_continue_is_one_line(data_dir, trained, t
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     damage(ckpt)
     torch.save(ckpt, out / "ckpt.pt")
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UserError, match=message):
         train.main(tiny(data_dir, out, max_iters=20, init_from="resume"))
