@@ -72,9 +72,7 @@ import gaussws
 import model as model_lib
 from configurator import configure
 from kernels import BL
-import train
-from train import keep_freed_cpu_memory
-from util import UserError, cli, write_atomic
+from util import UserError, cli, keep_freed_cpu_memory, write_atomic
 
 # --- small helpers ---------------------------------------------------------------------------------
 
@@ -285,6 +283,12 @@ def held_bytes(model, x, y, device):
     return sum(storages.values())
 
 
+# train.py's default optimizer and method settings, which the measured step uses (its cost does not
+# depend on their values; tests/test_bench.py checks that they are train.py's)
+STEP_SETTINGS = dict(optimizer="adamw", learning_rate=2e-3, beta1=0.9, beta2=0.99, weight_decay=0.1,
+                     bitwidth_weight_decay=0.1, grad_clip=1.0, b_init=6.0, b_target=4.0)
+
+
 class Runner:
     """One method's model, optimizers and data; step() is one optimizer step as train.py takes it."""
 
@@ -293,12 +297,12 @@ class Runner:
         config = build_config(args)
         torch.manual_seed(args.seed)  # the same initial weights for every method: convert draws nothing
         self.model = gaussws.convert(model_lib.GPT(config), method, model_lib.ROLES[config.arch],
-                                     b_init=train.DEFAULTS["b_init"], b_target=train.DEFAULTS["b_target"],
+                                     b_init=STEP_SETTINGS["b_init"], b_target=STEP_SETTINGS["b_target"],
                                      seed=args.seed, recompute=args.recompute_w_hat)
         self.model.to(args.device).train()
         self.step_mode = not args.recompute_w_hat  # as gaussws.TrainStep chooses for unsharded weights
         self.forward = torch.compile(self.model) if args.compile else self.model
-        d = train.DEFAULTS  # train.py's optimizer and clipping, built by the same function
+        d = STEP_SETTINGS  # train.py's optimizer and clipping, built by the same function
         self.grad_clip = d["grad_clip"]
         self.optimizers = gaussws.build_optimizers(
             self.model, d["optimizer"], model_lib.ROLES[config.arch], lr=d["learning_rate"],

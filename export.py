@@ -25,7 +25,6 @@ import math
 import os
 import struct
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,13 +32,12 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint
-import train
-from configurator import ConfigError, configure
-from util import UserError, cli, first_line, write_atomic
+from configurator import configure
+from data import loader
+from data.common import DataError
 from kernels import BL
 from model import GPT, ROLES, ModelConfig
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
+from util import UserError, cli, first_line, write_atomic
 
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
@@ -502,28 +500,14 @@ def load(path, device="cpu"):
 
 # --- evaluation ----------------------------------------------------------------------------------
 
-def eval_batches(config, block_size, eval_iters):
-    """train.py's evaluation batches of the val split: for k < eval_iters, batch_size windows of
-    block_size + 1 tokens drawn by batch_generator(seed, "val", "eval", k)."""
-    data_dir = os.path.join(ROOT, "data", config["dataset"])  # a path stays a path, as in train.py
-    meta = train.read_meta(data_dir)
-    data = train.open_split(data_dir, "val", meta, block_size)
-    return [train.get_batch(data, (config["seed"], "val", "eval", k), batch_size=config["batch_size"],
-                            block_size=block_size, device="cpu") for k in range(eval_iters)]
-
-
-@torch.no_grad()
-def val_loss(model, batches, dtype, device):
-    """Mean loss over the batches, with train.py's autocast (dtype "bfloat16" or "float32")."""
-    model.eval()
-    device_type = torch.device(device).type
-    autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-    total = 0.0
-    for x, y in batches:
-        with autocast:
-            _, loss = model(x.to(device), y.to(device))
-        total += loss.item()
-    return total / len(batches)
+def run_val_loss(config, meta, block_size, eval_iters, device):
+    """model -> its val loss on the batches of its run's evaluation (seed, "val", "eval", k), k <
+    eval_iters, by train.py's own estimator (data/loader.py) with the run's autocast dtype."""
+    data = loader.open_split(loader.data_dir(config["dataset"]), "val", meta, block_size)
+    autocast = loader.autocast_for(config["dtype"], device)
+    return lambda model: loader.estimate_loss(model, {"val": data}, seed=config["seed"], eval_iters=eval_iters,
+                                              batch_size=config["batch_size"], block_size=block_size, device=device,
+                                              autocast=autocast)["val"]
 
 
 # --- the command ---------------------------------------------------------------------------------
@@ -579,14 +563,14 @@ def main(argv):
                           f"batches cannot be drawn again; pass --evaluate=False to export without the loss")
     meta = None
     try:
-        meta = train.read_meta(os.path.join(ROOT, "data", config["dataset"])) if "dataset" in config else None
-    except ConfigError:
+        meta = loader.read_meta(loader.data_dir(config["dataset"])) if "dataset" in config else None
+    except DataError:
         if cfg["evaluate"]:
             raise
-    batches = None
     if cfg["evaluate"]:
-        batches = eval_batches(config, model.config.block_size, cfg["eval_iters"] or config["eval_iters"])
-        reference = val_loss(model.to(cfg["device"]), batches, config["dtype"], cfg["device"])
+        eval_iters = cfg["eval_iters"] or config["eval_iters"]
+        val_loss = run_val_loss(config, meta, model.config.block_size, eval_iters, cfg["device"])
+        reference = val_loss(model.to(cfg["device"]))
     report = bitwidth_report(b_t, shapes, linears, pqt) if b_t else None
     if cfg["save"] or report:
         os.makedirs(export_dir, exist_ok=True)
@@ -607,19 +591,26 @@ def main(argv):
             write_atomic(paths[fmt_name], data)  # a crash leaves no half-written model file
         if cfg["evaluate"]:
             exported, _ = rebuild(data, cfg["device"])
-            loss = val_loss(exported, batches, config["dtype"], cfg["device"])
+            loss = val_loss(exported)
             result.update(val_loss=loss, val_loss_unquantized=reference, increase_pct=100 * (loss / reference - 1))
         results.append(result)
 
+    summary = dict(checkpoint=ckpt_path, iter_num=iter_num, notes=notes, bitwidths=report, exports=results)
     if cfg["json"]:
-        print(json.dumps(dict(checkpoint=ckpt_path, iter_num=iter_num, notes=notes, bitwidths=report,
-                              exports=results), indent=1))
-        return
+        print(json.dumps(summary, indent=1))
+    else:
+        print_summary(summary, export_dir, cfg["plot"], (eval_iters, config["dtype"]) if cfg["evaluate"] else None)
+
+
+def print_summary(summary, export_dir, plot, evaluation):
+    """The tables of main's summary (what --json=True prints as one object); evaluation: (batches,
+    dtype) of the val losses, or None."""
+    ckpt_path, notes, report, results = (summary[k] for k in ("checkpoint", "notes", "bitwidths", "exports"))
     for note in notes:
         print(f"note: {note}")
     if report:
         print_bitwidths(report)
-        print(f"wrote {os.path.join(export_dir, 'bitwidths.json')}" + (" and bitwidths.png" if cfg["plot"] else ""))
+        print(f"wrote {os.path.join(export_dir, 'bitwidths.json')}" + (" and bitwidths.png" if plot else ""))
     else:
         print(f"{ckpt_path} has no PQT layers: no learned bitwidths to report")
     print(f"\n{'format':<12}{'bits/w':>8}{'file MB':>9}  mix (share of quantized weights)")
@@ -627,8 +618,8 @@ def main(argv):
         bpw = f"{r['bits_per_weight']:.3f}" if r["bits_per_weight"] is not None else "-"
         mix = ", ".join(f"{f} {100 * s:.1f}%" for f, s in r["share"].items())
         print(f"{r['format']:<12}{bpw:>8}{r['file_bytes'] / 1e6:>9.3f}  {mix}")
-    if cfg["evaluate"]:
-        print(f"\nval loss on {len(batches)} batches of train.py's evaluation ({config['dtype']}):")
+    if evaluation:
+        print(f"\nval loss on {evaluation[0]} batches of train.py's evaluation ({evaluation[1]}):")
         print(f"{'format':<12}{'val loss':>10}{'unquantized':>13}{'increase':>10}")
         for r in results:
             print(f"{r['format']:<12}{r['val_loss']:>10.4f}{r['val_loss_unquantized']:>13.4f}"

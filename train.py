@@ -16,26 +16,23 @@ step i are a function of (seed, i) and the noise of step i a function of (seed, 
 resumed run repeats an uninterrupted one exactly, and the global batch (and so the loss) does not
 depend on the number of processes.
 """
-import ctypes
-import hashlib
 import json
 import math
 import os
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import asdict, fields
 
-import numpy as np
 import torch
 
 import checkpoint as ckpt_io
 import gaussws
 import hf
 from configurator import ConfigError, configure
-from data.common import DataError, load_meta
+from data import loader
 from model import GPT, PRESETS, ROLES, ModelConfig
-from util import cli
+from util import cli, keep_freed_cpu_memory
 
 # -----------------------------------------------------------------------------------------------
 # default config values: a small gaussws[all] GPT2 on the offline default corpus
@@ -107,103 +104,6 @@ MODEL_KEYS = [f.name for f in fields(ModelConfig)]
 
 def fail(msg):
     raise ConfigError(msg)
-
-
-def keep_freed_cpu_memory():
-    """Make glibc keep freed memory for reuse instead of returning it to the OS.
-
-    By default every tensor over 32 MB is a fresh mmap, so each CPU step page-faults (and the kernel
-    zeroes) its activations and logits again: a large part of a GPT2-124M step on a CPU, and of its
-    step-to-step jitter. The process then keeps its peak memory, as the CUDA caching allocator does
-    on GPUs. Returns False (and changes nothing) where libc has no mallopt.
-    """
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, Windows, ...)
-        return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-
-
-# --- data ----------------------------------------------------------------------------------------
-
-def prepare_hint(data_dir):
-    """How to (re)make a dataset: its prepare.py where it has one."""
-    script = os.path.join(data_dir, "prepare.py")
-    if os.path.isfile(script):
-        return f"python {os.path.relpath(script) if not os.path.isabs(data_dir) else script}"
-    return f"write train.bin, val.bin and meta.json into {data_dir} (it has no prepare.py)"
-
-
-def read_meta(data_dir):
-    """meta.json of a prepared dataset, checked against its .bin files (data.common.load_meta)."""
-    try:
-        return load_meta(data_dir)
-    except DataError as e:
-        fail(f"{e}: {prepare_hint(data_dir)}")
-
-
-def open_split(data_dir, split, meta, block_size):
-    path = os.path.join(data_dir, f"{split}.bin")
-    dt = np.dtype(meta.get("dtype", "uint16"))
-    if not os.path.exists(path):
-        fail(f"{path} not found; prepare the data first: {prepare_hint(data_dir)}")
-    size = os.path.getsize(path)
-    if size % dt.itemsize:
-        fail(f"{path} is corrupt ({size} bytes, not a whole number of {dt.name} tokens); prepare the data again: "
-             f"{prepare_hint(data_dir)}")
-    if size // dt.itemsize <= block_size + 1:
-        fail(f"{path} holds {size // dt.itemsize} tokens, too few for block_size={block_size}: "
-             f"use --block_size below {max(size // dt.itemsize - 1, 1)}, or prepare more data")
-    return np.memmap(path, dtype=dt, mode="r")
-
-
-def batch_generator(*key):
-    """A torch.Generator seeded by a tuple: the sampler's state is the step, nothing to save.
-
-    blake2b rather than hash(): str hashes differ between processes (PYTHONHASHSEED)."""
-    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-
-
-def get_batch(data, key, *, batch_size, block_size, device):
-    """batch_size random windows of block_size (+1) tokens of `data`, drawn by batch_generator(*key):
-    training micro-steps use key (seed, "train", step, micro-step), evaluation (seed, split, "eval", k)."""
-    T = block_size
-    ix = torch.randint(len(data) - T - 1, (batch_size,), generator=batch_generator(*key)).tolist()
-    x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in ix])
-    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
-    if torch.device(device).type == "cuda":  # pinned and non-blocking: the copy overlaps the compute
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
-
-
-@torch.no_grad()
-def estimate_loss(model, splits, *, seed, eval_iters, batch_size, block_size, device, autocast=nullcontext(),
-                  rank=0, world_size=1):
-    """{split: mean loss} on the fixed batches (seed, split, "eval", k), k < eval_iters, noise off.
-
-    The batches are shared out over the processes; every rank runs the same number of forwards
-    (FSDP forwards are collective) and batches past eval_iters count zero, so the result does not
-    depend on the world size.
-    """
-    was_training = model.training
-    model.eval()
-    out = {}
-    for split, data in splits.items():
-        total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of losses, count
-        for k in range(rank, -(-eval_iters // world_size) * world_size, world_size):
-            x, y = get_batch(data, (seed, split, "eval", k), batch_size=batch_size, block_size=block_size,
-                             device=device)
-            with autocast:
-                _, loss = model(x, y)
-            if k < eval_iters:
-                total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=device)])
-        if world_size > 1:
-            torch.distributed.all_reduce(total)
-        out[split] = (total[0] / total[1]).item()
-    model.train(was_training)
-    return out
 
 
 def get_lr(it, c):
@@ -464,8 +364,7 @@ def _main(argv, resources):
     device_type = "cuda" if dev.startswith("cuda") else "cpu"
     if device_type == "cpu":
         keep_freed_cpu_memory()
-    ptdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[c["dtype"]]
-    autocast = nullcontext() if c["dtype"] == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
+    autocast = loader.autocast_for(c["dtype"], dev)
 
     if c["dry_run"]:
         if not model_args.get("vocab_size"):
@@ -487,16 +386,13 @@ def _main(argv, resources):
             fail(str(e))
 
     # data
-    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", c["dataset"])  # a path stays a path
+    data_dir = loader.data_dir(c["dataset"])
     if c["dataset"] == "default" and not os.path.exists(os.path.join(data_dir, "meta.json")):
         if master:
-            print("preparing the default corpus (Python's standard library) ...")
-            sys.path.insert(0, data_dir)
-            import prepare as default_prepare
-            default_prepare.prepare_if_missing(data_dir)  # two first runs at once: the second waits for the first
+            loader.prepare_default(data_dir)
         if ddp:
             torch.distributed.barrier()
-    meta = read_meta(data_dir)
+    meta = loader.read_meta(data_dir)
 
     # the weights to start from: none (scratch), this run's checkpoint (resume), or another's
     model_args, checkpoint, init_state = starting_point(c, explicit, model_args, pqt, meta)
@@ -555,7 +451,7 @@ def _main(argv, resources):
         train_model = torch.nn.parallel.DistributedDataParallel(
             train_model, device_ids=[local_rank] if device_type == "cuda" else None)
 
-    splits = {s: open_split(data_dir, s, meta, mconf.block_size) for s in ("train", "val")}
+    splits = {s: loader.open_split(data_dir, s, meta, mconf.block_size) for s in ("train", "val")}
     batch_args = dict(batch_size=c["batch_size"], block_size=mconf.block_size, device=dev)
     tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * mconf.block_size
 
@@ -586,8 +482,8 @@ def _main(argv, resources):
                 wandb.log(record, step=record["iter"])
 
     # the loop
-    micro_batch = lambda it, micro: get_batch(splits["train"], (c["seed"], "train", it, rank * local_accum + micro),
-                                              **batch_args)
+    micro_batch = lambda it, micro: loader.get_batch(splits["train"], (c["seed"], "train", it, rank * local_accum + micro),
+                                                     **batch_args)
     x, y = micro_batch(iter_num, 0)
     t0, timed_steps = time.time(), 0
     while True:
@@ -596,7 +492,7 @@ def _main(argv, resources):
             group["lr"] = lr
         evaluate = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
         if c["eval_only"] or evaluate and iter_num != saved_step:  # the resumed step was evaluated and saved before
-            losses = estimate_loss(raw_model, splits, seed=c["seed"], eval_iters=c["eval_iters"], autocast=autocast,
+            losses = loader.estimate_loss(raw_model, splits, seed=c["seed"], eval_iters=c["eval_iters"], autocast=autocast,
                                    rank=rank, world_size=world_size, **batch_args)
             if master:
                 print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")

@@ -162,6 +162,7 @@ def test_held_bytes_of_one_layer_equals_independent_count(pqt):
 
 
 def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
+    assert bench.STEP_SETTINGS.items() <= train.DEFAULTS.items()  # train.py's defaults
     args = bench.parse_args(["train"] + TINY)[1]
     runner = bench.Runner(args, "gaussws[od]")
     groups = [g for o in runner.optimizers for g in o.param_groups]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import export as E
 import train
 import util
+from data import loader
 from model import GPT, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -346,7 +347,7 @@ def test_reported_loss_is_the_loss_of_the_model_rebuilt_from_the_file(data_dir, 
     def loss_of(model):  # train.py's evaluation batches, written out again
         losses = []
         for k in range(3):
-            ix = torch.randint(len(val) - 33, (4,), generator=train.batch_generator(1337, "val", "eval", k)).tolist()
+            ix = torch.randint(len(val) - 33, (4,), generator=loader.batch_generator(1337, "val", "eval", k)).tolist()
             x = torch.stack([torch.from_numpy(val[i:i + 32]) for i in ix])
             y = torch.stack([torch.from_numpy(val[i + 1:i + 33]) for i in ix])
             with torch.no_grad():

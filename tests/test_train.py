@@ -2,7 +2,6 @@
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
 
@@ -12,6 +11,8 @@ import pytest
 import checkpoint
 import train
 from configurator import ConfigError
+from data import loader
+from data.common import DataError
 from util import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,7 +100,7 @@ def test_compiled_run_trains_as_eager_and_saves_a_loadable_model(data_dir, tmp_p
 
 def _originals():
     import gaussws
-    return {"build_optimizers": gaussws.build_optimizers, "get_batch": train.get_batch, "load_state": checkpoint.load_state}
+    return {"build_optimizers": gaussws.build_optimizers, "get_batch": loader.get_batch, "load_state": checkpoint.load_state}
 
 
 ORIGINAL = _originals()  # before any test patches them
@@ -120,7 +121,7 @@ def snapshot_start(monkeypatch):
         seen["batches"].append((key, x.clone(), y.clone()))
         return x, y
     monkeypatch.setattr(gaussws, "build_optimizers", recording_build)
-    monkeypatch.setattr(train, "get_batch", recording_get_batch)
+    monkeypatch.setattr(loader, "get_batch", recording_get_batch)
     return seen
 
 
@@ -385,30 +386,6 @@ def test_recomputing_w_hat_trains_the_same(data_dir, tmp_path):
     np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], rtol=1e-4)
 
 
-_MALLOC_CHECK = """
-import ctypes, torch, train
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-mallinfo2 = ctypes.CDLL(None).mallinfo2
-mallinfo2.restype = Mallinfo2
-def mmapped_by_a_large_tensor():
-    before = mallinfo2().hblkhd
-    t = torch.empty(64 * 2**20, dtype=torch.uint8)  # above glibc's largest mmap threshold (32 MB)
-    return mallinfo2().hblkhd - before
-print(mmapped_by_a_large_tensor(), train.keep_freed_cpu_memory(), mmapped_by_a_large_tensor())
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
-def test_keep_freed_cpu_memory_puts_large_tensors_in_the_heap():
-    # A fresh process: bench.main (tests/test_bench.py) already changed this one's malloc.
-    out = subprocess.run([sys.executable, "-c", _MALLOC_CHECK], cwd=ROOT, capture_output=True, text=True, check=True)
-    default, changed, after = out.stdout.split()
-    assert int(default) >= 64 * 2**20  # by default its own mmap, given back at free (and faulted in again)
-    assert changed == "True" and int(after) == 0  # now in the heap, where a freed block is reused
-
-
 # --- runs that end, checkpoints that stay good, configs refused before anything is written ---------
 
 def copy_run(trained, tmp_path):
@@ -524,11 +501,11 @@ def test_out_dir_must_be_a_writable_directory(data_dir, tmp_path):
 
 
 def test_data_messages_point_at_the_cause(data_dir, tmp_path):
-    with pytest.raises(ConfigError, match=r"too few for block_size=100000: use --block_size below"):
+    with pytest.raises(DataError, match=r"too few for block_size=100000: use --block_size below"):
         train.main(tiny(data_dir, tmp_path / "o", block_size=100000))
     empty = tmp_path / "mydata"
     empty.mkdir()
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(DataError) as error:
         train.main(tiny(str(empty), tmp_path / "o"))
     assert "has no prepare.py" in str(error.value) and "data/" not in str(error.value).replace(str(empty), "")
 

@@ -1,6 +1,7 @@
 """util.py: a file or a directory is written whole or not at all, and every script reports bad input
 the same way: `error: <one line>` on stderr, exit status 1, no traceback."""
 import os
+import platform
 import subprocess
 import sys
 
@@ -107,3 +108,27 @@ def test_every_script_says_error_in_one_line_with_exit_status_1(argv, tmp_path):
     assert r.returncode == 1, r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("error: ") and "Traceback" not in r.stderr
+
+
+_MALLOC_CHECK = """
+import ctypes, torch, util
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = Mallinfo2
+def mmapped_by_a_large_tensor():
+    before = mallinfo2().hblkhd
+    t = torch.empty(64 * 2**20, dtype=torch.uint8)  # above glibc's largest mmap threshold (32 MB)
+    return mallinfo2().hblkhd - before
+print(mmapped_by_a_large_tensor(), util.keep_freed_cpu_memory(), mmapped_by_a_large_tensor())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
+def test_keep_freed_cpu_memory_puts_large_tensors_in_the_heap():
+    # A fresh process: bench.main (tests/test_bench.py) already changed this one's malloc.
+    out = subprocess.run([sys.executable, "-c", _MALLOC_CHECK], cwd=ROOT, capture_output=True, text=True, check=True)
+    default, changed, after = out.stdout.split()
+    assert int(default) >= 64 * 2**20  # by default its own mmap, given back at free (and faulted in again)
+    assert changed == "True" and int(after) == 0  # now in the heap, where a freed block is reused
