@@ -18,9 +18,10 @@ The impls are timed interleaved (median of `repeats` blocks each) after warm-up 
 Table 1: tokens/s of one optimizer step for each method, taken as train.py takes it, with the same
 code: the model built plain from one seed (so every method starts from the same weights) and
 converted by gaussws.convert, the optimizers of gaussws.build_optimizers with train.py's default
-settings, then per step a gaussws.TrainStep around grad_accum micro-steps of batch_size x block_size
-random tokens (forward and backward under BF16 autocast), train.py's gradient clipping, the
-optimizer step and zero_grad. --recompute_w_hat=True converts as train.py does with it (w_hat made
+settings, then per step train.py's own step (step.train_step): a gaussws.TrainStep around
+grad_accum micro-steps of batch_size x block_size random tokens (forward and backward under BF16
+autocast), the gradient clipping, the check that loss and gradient norm are finite, the optimizer
+step and zero_grad. --recompute_w_hat=True converts as train.py does with it (w_hat made
 in every micro-step's forward and again in its backward). All methods run interleaved in one
 process: after `warmup` steps each, `rounds` rounds of one step per method. Reported: median
 tokens/s; overhead_pct = median over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16
@@ -72,6 +73,7 @@ import gaussws
 import model as model_lib
 from configurator import configure
 from kernels import BL
+from step import sync, train_step
 from util import UserError, cli, keep_freed_cpu_memory, write_atomic
 
 # --- small helpers ---------------------------------------------------------------------------------
@@ -79,11 +81,6 @@ from util import UserError, cli, keep_freed_cpu_memory, write_atomic
 
 class BenchError(UserError):
     """Bad input; the message is one line."""
-
-
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def say(*args):
@@ -286,7 +283,7 @@ def held_bytes(model, x, y, device):
 # train.py's default optimizer and method settings, which the measured step uses (its cost does not
 # depend on their values; tests/test_bench.py checks that they are train.py's)
 STEP_SETTINGS = dict(optimizer="adamw", learning_rate=2e-3, beta1=0.9, beta2=0.99, weight_decay=0.1,
-                     bitwidth_weight_decay=0.1, grad_clip=1.0, b_init=6.0, b_target=4.0)
+                     bitwidth_weight_decay=0.1, grad_clip=1.0, bitwidth_lambda=0.0, b_init=6.0, b_target=4.0)
 
 
 class Runner:
@@ -302,8 +299,7 @@ class Runner:
         self.model.to(args.device).train()
         self.step_mode = not args.recompute_w_hat  # as gaussws.TrainStep chooses for unsharded weights
         self.forward = torch.compile(self.model) if args.compile else self.model
-        d = STEP_SETTINGS  # train.py's optimizer and clipping, built by the same function
-        self.grad_clip = d["grad_clip"]
+        d = STEP_SETTINGS  # train.py's optimizer, built by the same function
         self.optimizers = gaussws.build_optimizers(
             self.model, d["optimizer"], model_lib.ROLES[config.arch], lr=d["learning_rate"],
             betas=(d["beta1"], d["beta2"]), weight_decay=d["weight_decay"],
@@ -312,25 +308,15 @@ class Runner:
         self.step_count = 0
 
     def step(self, batches):
-        # pqt_seconds: the time of the step's begin and end, the method's own work in step mode
-        # (w_hat and R; Eq. 4); per micro-step it is inside the forwards and backwards instead.
-        train_step = gaussws.TrainStep(self.model, self.step_count)
-        t = time.perf_counter()
-        train_step.begin()
-        sync(self.device)
-        self.pqt_seconds = time.perf_counter() - t
-        for x, y in batches:
-            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
-                _, loss = self.forward(x, y)
-            (loss / len(batches)).backward()
-        t = time.perf_counter()
-        train_step.end()
-        sync(self.device)
-        self.pqt_seconds += time.perf_counter() - t
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
-        for o in self.optimizers:
-            o.step()
-            o.zero_grad(set_to_none=True)
+        """train.py's step (step.train_step) over the micro-batches, under BF16 autocast. pqt_seconds:
+        the time of TrainStep's begin and end, the method's own work in step mode (w_hat and R; Eq. 4);
+        per micro-step it is inside the forwards and backwards instead."""
+        timer = {}
+        train_step(self.model, self.optimizers, self.step_count, batches[0], lambda _, m: batches[m % len(batches)],
+                   len(batches), forward=self.forward, grad_clip=STEP_SETTINGS["grad_clip"],
+                   bitwidth_lambda=STEP_SETTINGS["bitwidth_lambda"], timer=timer,
+                   autocast=torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16))
+        self.pqt_seconds = timer["pqt_s"]
         self.step_count += 1
 
     def timed_step(self, batches):
@@ -392,23 +378,8 @@ def run_train(args):
 
     records = []
     for accum in args.grad_accum:
-        batches = micro[:accum]
         tokens = accum * args.batch_size * args.block_size
-        for r in runners:
-            for i in range(args.warmup):
-                say(f"grad_accum={accum} warm-up {i + 1}/{args.warmup} {r.method} ...")
-                r.step(batches)
-        seconds, cpu_seconds, peaks, pqt_seconds = ({r.method: [] for r in runners} for _ in range(4))
-        for round_ in range(args.rounds):
-            for r in runners:
-                s, c, peak = r.timed_step(batches)
-                seconds[r.method].append(s)
-                cpu_seconds[r.method].append(c)
-                peaks[r.method].append(peak)
-                pqt_seconds[r.method].append(r.pqt_seconds)
-            say(f"grad_accum={accum} round {round_ + 1}/{args.rounds}: " + "  ".join(
-                f"{m} {s[-1]:.2f} s ({tokens / s[-1]:.0f} tok/s)" for m, s in seconds.items())
-                + f"; {machine_load()}")
+        seconds, cpu_seconds, peaks, pqt_seconds = time_rounds(runners, micro[:accum], args, tokens)
         if torch.device(device).type == "cuda":
             memory = {m: max(p) for m, p in peaks.items()}
         for r in runners:
@@ -437,8 +408,35 @@ def run_train(args):
                 "memory_measure": ("cuda_max_memory_allocated" if torch.device(device).type == "cuda"
                                    else "cpu_saved_for_backward"),
             })
+    print_train_table(records, args)
+    return records
+
+
+def time_rounds(runners, batches, args, tokens):
+    """After `warmup` untimed steps of each runner, `rounds` rounds of one timed step per runner:
+    {method: [per round]} of wall seconds, CPU seconds, CUDA peak bytes and TrainStep seconds."""
+    accum = len(batches)
+    for r in runners:
+        for i in range(args.warmup):
+            say(f"grad_accum={accum} warm-up {i + 1}/{args.warmup} {r.method} ...")
+            r.step(batches)
+    seconds, cpu_seconds, peaks, pqt_seconds = ({r.method: [] for r in runners} for _ in range(4))
+    for round_ in range(args.rounds):
+        for r in runners:
+            s, c, peak = r.timed_step(batches)
+            seconds[r.method].append(s)
+            cpu_seconds[r.method].append(c)
+            peaks[r.method].append(peak)
+            pqt_seconds[r.method].append(r.pqt_seconds)
+        say(f"grad_accum={accum} round {round_ + 1}/{args.rounds}: " + "  ".join(
+            f"{m} {s[-1]:.2f} s ({tokens / s[-1]:.0f} tok/s)" for m, s in seconds.items())
+            + f"; {machine_load()}")
+    return seconds, cpu_seconds, peaks, pqt_seconds
+
+
+def print_train_table(records, args):
     say("")
-    say(f"{args.model}, {args.batch_size} x {args.block_size} tokens per micro-step, {device}, "
+    say(f"{args.model}, {args.batch_size} x {args.block_size} tokens per micro-step, {args.device}, "
         f"recompute_w_hat={args.recompute_w_hat}, median of {args.rounds} rounds; extra memory per weight element of the PQT layers vs bf16 "
         f"({records[0]['memory_measure']})")
     cpu = records[0]["overhead_cpu_time_pct"] is not None
@@ -448,7 +446,6 @@ def run_train(args):
                        [(r["method"], r["grad_accum"], f"{r['tokens_per_s']:.1f}", f"{r['overhead_pct']:+.2f} %")
                         + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu + (share(r), f"{r['extra_bytes_per_param']:.3f}")
                         for r in records]))
-    return records
 
 
 # --- gpu-check: the first GPU -----------------------------------------------------------------------

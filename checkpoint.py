@@ -404,6 +404,18 @@ def load_model(path, map_location="cpu"):
 PQT_KEYS = ("method", "b_init", "b_target")  # the checkpoint's "pqt" entry (older ones kept these in model_args)
 
 
+def check_out_dir(out_dir):
+    """Refuse, before anything is written, an out_dir that is a file or cannot be made or written."""
+    out = os.path.abspath(out_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CheckpointError(f"out_dir={out_dir!r} is a file; expected a directory (or a path where one can be made)")
+    parent = out
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"out_dir={out_dir!r}: {parent} is not a writable directory; choose another --out_dir")
+
+
 def paths(out_dir):
     """A run's checkpoint: ckpt.pt (one file, written by rank 0) or, under FSDP, ckpt.dcp (sharded:
     each process writes its own part, checkpoint.save_sharded)."""
@@ -456,6 +468,23 @@ def read(path, header_only=False):
     pqt = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, **pqt, **(checkpoint.get("pqt") or {})}
     return {**checkpoint, "path": found, "model_args": model_args, "pqt": pqt,
             "config": dict(checkpoint.get("config") or {}), "iter_num": checkpoint.get("iter_num")}
+
+
+def save_run(out_dir, state, model, optimizers, sharded=False):
+    """Save a run's checkpoint into out_dir as the one checkpoint there, which find() and resume then
+    take: ckpt.pt (state and the model's and optimizers' state dicts; rank 0 calls it) or, sharded
+    (FSDP: every rank calls it), ckpt.dcp; the other one is removed. Returns the path written."""
+    import torch.distributed as dist
+    path = paths(out_dir)[1 if sharded else 0]
+    if sharded:
+        save_sharded(path, model, optimizers, state)
+    else:
+        save({"model": model.state_dict(), "optimizer": [o.state_dict() for o in optimizers], **state}, path)
+    if not sharded or not dist.is_initialized() or dist.get_rank() == 0:
+        for other in paths(out_dir):
+            if other != path:
+                remove(other)
+    return path
 
 
 def load_state(model, optimizers, checkpoint, fsdp=False):

@@ -477,6 +477,18 @@ def build_optimizers(model, optimizer="adamw", roles=None, *, lr, betas, weight_
     return [mini] + ([torch.optim.AdamW(bitwidth_group, lr=lr, betas=betas, **extra)] if b_i else [])
 
 
+def load_weights(model, state_dict):
+    """Load a state dict into a converted model: b_i the source lacks keep their fresh init (b_t =
+    b_init); b_i of layers the new method leaves plain are dropped. Anything else must match, else
+    ValueError names what is missing and unexpected."""
+    own = model.state_dict()
+    state_dict = {k: v for k, v in state_dict.items() if k in own or not k.endswith(".b_i")}
+    result = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith(".b_i")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+
+
 def ddp_ignored_parameters(model):
     """Names of the parameters DDP must leave alone: the b_i of step-mode layers. Their gradient
     comes from end() after DDP's all-reduce, from the averaged w.grad, so it is the same on every

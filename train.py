@@ -9,9 +9,13 @@ Data parallel, one node of 8 GPUs (gloo on CPU, nccl on CUDA):
 Several nodes, e.g. 2 x 8 GPUs (run on each node, --node_rank=0 on the master):
     torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 train.py ...
 
-It reads top to bottom: config, distributed set-up, data, model, convert, optimizer, loop. Every
-run is reproducible from its seed: the initial weights do not depend on the method (the model is
-built plain, then gaussws.convert swaps Linears without drawing random numbers), the batches of
+_main reads top to bottom as nanoGPT's train.py does: config, distributed set-up, data, the model
+and its optimizers (build: the model built plain, converted, sharded, the optimizers, the resumed
+state), logging, and the loop with its decisions (evaluate, save, stop); the optimizer step itself
+is step.py's. The functions above _main are its named steps, in the order it takes them.
+
+Every run is reproducible from its seed: the initial weights do not depend on the method (the model
+is built plain, then gaussws.convert swaps Linears without drawing random numbers), the batches of
 step i are a function of (seed, i) and the noise of step i a function of (seed, layer, i), so a
 resumed run repeats an uninterrupted one exactly, and the global batch (and so the loss) does not
 depend on the number of processes.
@@ -23,6 +27,7 @@ import sys
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, fields
+from types import SimpleNamespace
 
 import torch
 
@@ -32,6 +37,7 @@ import hf
 from configurator import ConfigError, configure
 from data import loader
 from model import GPT, PRESETS, ROLES, ModelConfig
+from step import NonFinite, all_finite, train_step
 from util import cli, keep_freed_cpu_memory
 
 # -----------------------------------------------------------------------------------------------
@@ -106,107 +112,6 @@ def fail(msg):
     raise ConfigError(msg)
 
 
-def get_lr(it, c):
-    """The learning rate of step `it` under config `c`: linear warmup to learning_rate, cosine decay to
-    min_lr at lr_decay_iters (learning_rate throughout without decay_lr)."""
-    if not c["decay_lr"]:
-        return c["learning_rate"]
-    if it < c["warmup_iters"]:
-        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
-    if it > c["lr_decay_iters"]:
-        return c["min_lr"]
-    ratio = (it - c["warmup_iters"]) / max(1, c["lr_decay_iters"] - c["warmup_iters"])
-    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
-
-
-# --- checkpoints ------------------------------------------------------------------------------------
-
-def resolve_init(init_from, out_dir, requested):
-    """(model_args, state_dict) of the weights a run starts from: a checkpoint of train.py (ckpt.pt,
-    ckpt.dcp, or an out_dir holding one), a Hugging Face model directory, or a GPT-2 of the hub.
-    requested: the shape keys the user set (a pretrained GPT-2's block_size may shrink)."""
-    path = ckpt_io.find(init_from)
-    if os.path.isdir(init_from) and os.path.isfile(os.path.join(init_from, "config.json")) and not path:
-        return pretrained(init_from, requested)  # a Hugging Face model directory
-    if not os.path.exists(init_from) and init_from in hf.GPT2_HUB:  # nanoGPT's init_from names
-        return pretrained(init_from, requested)
-    if not path or not os.path.exists(path):
-        fail(f"init_from={init_from!r}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, a "
-             f"Hugging Face model directory, or one of {', '.join(hf.GPT2_HUB)}")
-    if os.path.realpath(path) in map(os.path.realpath, ckpt_io.paths(out_dir)):
-        fail(f"init_from={init_from!r} is this run's own checkpoint: continue it with --init_from=resume, "
-             f"or write the new run to another --out_dir")
-    checkpoint = ckpt_io.read(path)
-    return checkpoint["model_args"], checkpoint["model"]
-
-
-def pretrained(name_or_dir, requested):
-    """(model_args, state_dict) of a Hugging Face GPT2LMHeadModel / LlamaForCausalLM (hf.py)."""
-    try:
-        model_args, state_dict = hf.load_pretrained(name_or_dir)
-        return hf.fit_pretrained(model_args, state_dict, requested, source=f"init_from={name_or_dir}")
-    except hf.HFError as e:
-        fail(str(e))
-
-
-def load_weights(model, state_dict):
-    """Load a state dict into a converted model: b_i the source lacks keep their fresh init (b_t =
-    b_init); b_i of layers the new method leaves plain are dropped. Anything else must match."""
-    own = model.state_dict()
-    state_dict = {k: v for k, v in state_dict.items() if k in own or not k.endswith(".b_i")}
-    result = model.load_state_dict(state_dict, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith(".b_i")]
-    if missing or result.unexpected_keys:
-        fail(f"the init_from checkpoint does not fit the model: missing {missing[:3]}, unexpected "
-             f"{result.unexpected_keys[:3]}")
-
-
-def all_finite(model, distributed):
-    """Whether every parameter is finite on every process (each checks its own shard under FSDP)."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    ok = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
-    if distributed:
-        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
-    return bool(ok)
-
-
-def kept(saved_step, ckpt_path):
-    """What a stopped run leaves behind, named truthfully."""
-    if saved_step is None:
-        return "this run wrote no checkpoint"
-    return f"the last good checkpoint is {ckpt_path}, step {saved_step}"
-
-
-def open_metrics(path, resumed_step):
-    """metrics.jsonl for appending, holding this run's records only: a new run starts it afresh; a
-    resumed one keeps the records up to its checkpoint's step (what came later is redone)."""
-    keep = []
-    if resumed_step is not None and os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    if json.loads(line)["iter"] <= resumed_step:
-                        keep.append(line if line.endswith("\n") else line + "\n")
-                except (ValueError, KeyError, TypeError):  # a line cut short by a crash
-                    pass
-    with open(path, "w") as f:
-        f.writelines(keep)
-    return open(path, "a")
-
-
-def save_checkpoint(state, path, model=None, optimizers=None):
-    """Atomic and verifiable (checkpoint.py): a crash, a full disk or a second writer leaves the
-    previous checkpoint whole. With model and optimizers (FSDP, every process calls it) the tensors
-    are written sharded and `state` is the rest."""
-    try:
-        if model is not None:
-            ckpt_io.save_sharded(path, model, optimizers, state)
-        else:
-            ckpt_io.save(state, path)
-    except ckpt_io.CheckpointError as e:
-        fail(f"{e}; the run stops here")
-
-
 # --- config ------------------------------------------------------------------------------------------
 
 def validate(c, explicit):
@@ -252,15 +157,78 @@ def validate(c, explicit):
     if dev.type == "cuda" and not torch.cuda.is_available():
         fail(f"device={c['device']!r}, but torch finds no CUDA GPU here; use --device=cpu")
     if not c["dry_run"]:
-        out = os.path.abspath(c["out_dir"])
-        if os.path.exists(out) and not os.path.isdir(out):
-            fail(f"out_dir={c['out_dir']!r} is a file; expected a directory (or a path where one can be made)")
-        parent = out
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            fail(f"out_dir={c['out_dir']!r}: {parent} is not a writable directory; choose another --out_dir")
+        ckpt_io.check_out_dir(c["out_dir"])
 
+
+def config_model_args(c, explicit):
+    """The model's shape from the config: ModelConfig's defaults < the preset < this file's defaults
+    where no preset < the user's keys. 0 means "derive it" for n_kv_head, ffn_hidden, block_size."""
+    model_args = dict(PRESETS[c["model"]]) if c["model"] else {}
+    for k in MODEL_KEYS:
+        if k in c and (k in explicit or not c["model"]):
+            model_args[k] = c[k]
+    for k in ("n_kv_head", "ffn_hidden"):
+        if model_args.get(k) == 0:
+            model_args[k] = None
+    if model_args.get("block_size", 0) == 0:
+        model_args.pop("block_size", None)
+    return model_args
+
+
+# --- set-up ----------------------------------------------------------------------------------------
+
+def setup_distributed(c):
+    """This process among those torchrun started (RANK set), or alone: a namespace of ddp, fsdp, rank,
+    world_size, local_rank, master (rank 0), dev, device_type, local_accum (this process's
+    micro-steps per optimizer step) and say (print on rank 0)."""
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    if ddp:
+        torch.distributed.init_process_group(backend="nccl" if c["device"].startswith("cuda") else "gloo")
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        local_rank = int(os.environ["LOCAL_RANK"])
+        dev = f"cuda:{local_rank}" if c["device"].startswith("cuda") else c["device"]
+        if dev.startswith("cuda"):
+            torch.cuda.set_device(dev)
+        if c["gradient_accumulation_steps"] % world_size:
+            fail(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be a multiple of the "
+                 f"{world_size} processes: it counts micro-steps of all processes together")
+    else:
+        rank, world_size, local_rank, dev = 0, 1, 0, c["device"]
+    device_type = "cuda" if dev.startswith("cuda") else "cpu"
+    if device_type == "cpu":
+        keep_freed_cpu_memory()
+    return SimpleNamespace(ddp=ddp, fsdp=ddp and c["parallel"] == "fsdp", rank=rank, world_size=world_size,
+                           local_rank=local_rank, master=rank == 0, dev=dev, device_type=device_type,
+                           local_accum=c["gradient_accumulation_steps"] // world_size,
+                           say=print if rank == 0 else lambda *args, **kwargs: None)  # print on rank 0
+
+
+def show_dry_run(c, model_args):
+    """Print the resolved config and the model's size, built on the meta device (no memory)."""
+    if not model_args.get("vocab_size"):
+        model_args["vocab_size"] = 50304 if model_args.get("arch", "gpt2") == "gpt2" else 32000
+    with torch.device("meta"):
+        m = gaussws.convert(GPT(ModelConfig(**model_args)), c["method"], ROLES[model_args.get("arch", "gpt2")],
+                            b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"])
+    print(json.dumps({**c, "model_args": asdict(m.config)}, indent=1))
+    print(f"parameters: {m.get_num_params(non_embedding=False):,} ({m.get_num_params(non_embedding=False) / 1e6:.1f}M)"
+          f" + {m.get_num_bitwidth_params():,} b_i")
+    print(f"tokens per optimizer step: {c['gradient_accumulation_steps'] * c['batch_size'] * m.config.block_size:,}")
+
+
+def open_data(c, proc):
+    """(data_dir, meta) of the dataset, meta.json checked against its files (data/loader.py). The
+    default corpus is prepared where it is missing, by rank 0 while the others wait."""
+    data_dir = loader.data_dir(c["dataset"])
+    if c["dataset"] == "default" and not os.path.exists(os.path.join(data_dir, "meta.json")):
+        if proc.master:
+            loader.prepare_default(data_dir)
+        if proc.ddp:
+            torch.distributed.barrier()
+    return data_dir, loader.read_meta(data_dir)
+
+
+# --- the starting point: scratch, resume, or another run's (or a pretrained model's) weights ---------
 
 def starting_point(c, explicit, model_args, pqt, meta):
     """(model_args, checkpoint, init_state) for init_from: the checkpoint to resume (init_from=resume),
@@ -308,19 +276,194 @@ def starting_point(c, explicit, model_args, pqt, meta):
     return model_args, checkpoint, init_state
 
 
-def config_model_args(c, explicit):
-    """The model's shape from the config: ModelConfig's defaults < the preset < this file's defaults
-    where no preset < the user's keys. 0 means "derive it" for n_kv_head, ffn_hidden, block_size."""
-    model_args = dict(PRESETS[c["model"]]) if c["model"] else {}
-    for k in MODEL_KEYS:
-        if k in c and (k in explicit or not c["model"]):
-            model_args[k] = c[k]
-    for k in ("n_kv_head", "ffn_hidden"):
-        if model_args.get(k) == 0:
-            model_args[k] = None
-    if model_args.get("block_size", 0) == 0:
-        model_args.pop("block_size", None)
-    return model_args
+def resolve_init(init_from, out_dir, requested):
+    """(model_args, state_dict) of the weights a run starts from: a checkpoint of train.py (ckpt.pt,
+    ckpt.dcp, or an out_dir holding one), a Hugging Face model directory, or a GPT-2 of the hub.
+    requested: the shape keys the user set (a pretrained GPT-2's block_size may shrink)."""
+    path = ckpt_io.find(init_from)
+    if os.path.isdir(init_from) and os.path.isfile(os.path.join(init_from, "config.json")) and not path:
+        return pretrained(init_from, requested)  # a Hugging Face model directory
+    if not os.path.exists(init_from) and init_from in hf.GPT2_HUB:  # nanoGPT's init_from names
+        return pretrained(init_from, requested)
+    if not path or not os.path.exists(path):
+        fail(f"init_from={init_from!r}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, a "
+             f"Hugging Face model directory, or one of {', '.join(hf.GPT2_HUB)}")
+    if os.path.realpath(path) in map(os.path.realpath, ckpt_io.paths(out_dir)):
+        fail(f"init_from={init_from!r} is this run's own checkpoint: continue it with --init_from=resume, "
+             f"or write the new run to another --out_dir")
+    checkpoint = ckpt_io.read(path)
+    return checkpoint["model_args"], checkpoint["model"]
+
+
+def pretrained(name_or_dir, requested):
+    """(model_args, state_dict) of a Hugging Face GPT2LMHeadModel / LlamaForCausalLM (hf.py)."""
+    try:
+        model_args, state_dict = hf.load_pretrained(name_or_dir)
+        return hf.fit_pretrained(model_args, state_dict, requested, source=f"init_from={name_or_dir}")
+    except hf.HFError as e:
+        fail(str(e))
+
+
+def build(c, explicit, proc, model_args, data_dir, meta):
+    """The model and its optimizers at the run's starting point (starting_point: scratch, this run's
+    checkpoint, or another's weights): the model built plain from the seed, then converted (the same
+    initial weights whatever the method), sharded under FSDP, the optimizers, a resumed run's state.
+    Returns (model, optimizers, (iter_num, best_val_loss, saved_step)), saved_step the step of the
+    checkpoint this run continues (None for a new run)."""
+    model_args, checkpoint, init_state = starting_point(c, explicit, model_args, {k: c[k] for k in ckpt_io.PQT_KEYS},
+                                                        meta)
+    if not model_args.get("vocab_size"):
+        model_args["vocab_size"] = meta["vocab_size"]
+    if meta["vocab_size"] > model_args["vocab_size"]:
+        fail(f"the data in {data_dir} has a vocabulary of {meta['vocab_size']} tokens ({meta.get('tokenizer')}), more "
+             f"than the model's vocab_size={model_args['vocab_size']}; prepare the data with a tokenizer of at most "
+             f"that many tokens, or pass --vocab_size={64 * -(-meta['vocab_size'] // 64)}")
+
+    # model: built plain, then converted (the same initial weights whatever the method)
+    torch.manual_seed(c["seed"])
+    mconf = ModelConfig(**model_args)
+    roles = ROLES[mconf.arch]
+    raw_model = gaussws.convert(GPT(mconf), c["method"], roles, b_init=c["b_init"], b_target=c["b_target"],
+                                seed=c["seed"], recompute=c["recompute_w_hat"])
+    if init_state is not None:
+        try:
+            gaussws.load_weights(raw_model, init_state)
+        except ValueError as e:
+            fail(f"the init_from checkpoint does not fit the model: {e}")
+        init_state = None
+    raw_model.to(proc.dev)
+    if proc.fsdp:
+        # FSDP2: each block's parameters are gathered whole for its forward, so PQTLinear adds the
+        # noise to the unsharded weight, and the block max sees every element of its block.
+        from torch.distributed.fsdp import fully_shard
+        for block in raw_model.transformer.h:
+            fully_shard(block)
+        fully_shard(raw_model)
+
+    # optimizer
+    optimizers = gaussws.build_optimizers(
+        raw_model, c["optimizer"], roles, lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]),
+        weight_decay=c["weight_decay"], bitwidth_weight_decay=c["bitwidth_weight_decay"],
+        n_embd=mconf.n_embd, n_head=mconf.n_head, n_kv_head=mconf.n_kv_head)
+    if checkpoint is None:
+        return raw_model, optimizers, (0, 1e9, None)
+    ckpt_io.load_state(raw_model, optimizers, checkpoint, proc.fsdp)
+    torch.set_rng_state(checkpoint["rng_state"])
+    if proc.device_type == "cuda" and "cuda_rng_state" in checkpoint:
+        torch.cuda.set_rng_state(checkpoint["cuda_rng_state"], proc.dev)
+    return raw_model, optimizers, (checkpoint["iter_num"], checkpoint["best_val_loss"], checkpoint["iter_num"])
+
+
+def for_training(c, proc, model):
+    """What the training forward calls: the model compiled (compile=True), and under DDP wrapped to
+    all-reduce the gradients in the backward (but those of gaussws.ddp_ignored_parameters)."""
+    train_model = torch.compile(model) if c["compile"] else model
+    if proc.ddp and not proc.fsdp:
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, gaussws.ddp_ignored_parameters(model))
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            train_model, device_ids=[proc.local_rank] if proc.device_type == "cuda" else None)
+    return train_model
+
+
+# --- the loop's: learning rate, logging, evaluation, checkpoints -----------------------------------
+
+def get_lr(it, c):
+    """The learning rate of step `it` under config `c`: linear warmup to learning_rate, cosine decay to
+    min_lr at lr_decay_iters (learning_rate throughout without decay_lr)."""
+    if not c["decay_lr"]:
+        return c["learning_rate"]
+    if it < c["warmup_iters"]:
+        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    if it > c["lr_decay_iters"]:
+        return c["min_lr"]
+    ratio = (it - c["warmup_iters"]) / max(1, c["lr_decay_iters"] - c["warmup_iters"])
+    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
+
+
+class Metrics:
+    """Where the run's records go: metrics.jsonl in out_dir (rank 0, not for eval_only; open_metrics)
+    and, with wandb_log, Weights & Biases (imported only then)."""
+
+    def __init__(self, c, proc, run_info, saved_step):
+        self.wandb = None
+        if c["wandb_log"] and proc.master:
+            import wandb
+            wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], mode=c["wandb_mode"], dir=c["out_dir"],
+                       config=run_info)
+            self.wandb = wandb
+        self.file = (open_metrics(os.path.join(c["out_dir"], "metrics.jsonl"), saved_step)
+                     if proc.master and not c["eval_only"] else None)
+
+    def log(self, record):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            if self.wandb:
+                self.wandb.log(record, step=record["iter"])
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+        if self.file:
+            self.file.close()
+
+
+def open_metrics(path, resumed_step):
+    """metrics.jsonl for appending, holding this run's records only: a new run starts it afresh; a
+    resumed one keeps the records up to its checkpoint's step (what came later is redone)."""
+    keep = []
+    if resumed_step is not None and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["iter"] <= resumed_step:
+                        keep.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+                    pass
+    with open(path, "w") as f:
+        f.writelines(keep)
+    return open(path, "a")
+
+
+def evaluate(c, proc, model, splits, iter_num, metrics, **eval_args):
+    """{split: loss} of the model at step iter_num on the fixed evaluation batches, noise off
+    (data/loader.estimate_loss); printed and logged, and the b_t histograms sent to wandb."""
+    losses = loader.estimate_loss(model, splits, seed=c["seed"], eval_iters=c["eval_iters"], rank=proc.rank,
+                                  world_size=proc.world_size, **eval_args)
+    proc.say(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    metrics.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"]})
+    if c["wandb_log"]:
+        hists = gaussws.bitwidth_histograms(model)  # collective under FSDP
+        if proc.master and hists:
+            metrics.wandb.log({f"b_t/{k}": metrics.wandb.Histogram(v) for k, v in hists.items()}, step=iter_num)
+    return losses
+
+
+def save_checkpoint(c, proc, model, optimizers, iter_num, best_val_loss, ckpt_path):
+    """The run's checkpoint (ckpt_path: ckpt.pt, or ckpt.dcp under FSDP), atomic and verifiable
+    (checkpoint.save_run): a crash, a full disk or a second writer leaves the previous one whole."""
+    state = {"model_args": asdict(model.config), "pqt": {k: c[k] for k in ckpt_io.PQT_KEYS}, "iter_num": iter_num,
+             "best_val_loss": best_val_loss, "config": c,
+             # What continues the run exactly besides the model and optimizers: the data
+             # order and the noise are functions of (seed, step), and seed is in config;
+             # dropout draws from the CPU generator, and on GPUs from the CUDA one.
+             "rng_state": torch.get_rng_state()}
+    if proc.device_type == "cuda":
+        state["cuda_rng_state"] = torch.cuda.get_rng_state(proc.dev)
+    if proc.fsdp or proc.master:  # under FSDP every process writes its own shards
+        try:
+            ckpt_io.save_run(c["out_dir"], state, model, optimizers, sharded=proc.fsdp)
+        except ckpt_io.CheckpointError as e:
+            fail(f"{e}; the run stops here")
+    proc.say(f"saved checkpoint to {ckpt_path}")
+
+
+def kept(saved_step, ckpt_path):
+    """What a stopped run leaves behind, named truthfully."""
+    if saved_step is None:
+        return "this run wrote no checkpoint"
+    return f"the last good checkpoint is {ckpt_path}, step {saved_step}"
 
 
 def main(argv):
@@ -336,7 +479,6 @@ def _main(argv, resources):
     explicit = configure(c, argv)
     validate(c, explicit)
     model_args = config_model_args(c, explicit)
-    pqt = {k: c[k] for k in ckpt_io.PQT_KEYS}
     roles = ROLES.get(model_args.get("arch", "gpt2"), {})
     try:  # a bad method or shape fails now, before data or checkpoints are touched
         gaussws.parse_method(c["method"], roles.values())
@@ -345,162 +487,57 @@ def _main(argv, resources):
         fail(str(e))
 
     # distributed set-up
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    if ddp:
-        torch.distributed.init_process_group(backend="nccl" if c["device"].startswith("cuda") else "gloo")
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        local_rank = int(os.environ["LOCAL_RANK"])
-        dev = f"cuda:{local_rank}" if c["device"].startswith("cuda") else c["device"]
-        if dev.startswith("cuda"):
-            torch.cuda.set_device(dev)
-        if c["gradient_accumulation_steps"] % world_size:
-            fail(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be a multiple of the "
-                 f"{world_size} processes: it counts micro-steps of all processes together")
-    else:
-        rank, world_size, local_rank, dev = 0, 1, 0, c["device"]
-    master = rank == 0
-    fsdp = ddp and c["parallel"] == "fsdp"
-    local_accum = c["gradient_accumulation_steps"] // world_size
-    device_type = "cuda" if dev.startswith("cuda") else "cpu"
-    if device_type == "cpu":
-        keep_freed_cpu_memory()
-    autocast = loader.autocast_for(c["dtype"], dev)
-
+    proc = setup_distributed(c)
     if c["dry_run"]:
-        if not model_args.get("vocab_size"):
-            model_args["vocab_size"] = 50304 if model_args.get("arch", "gpt2") == "gpt2" else 32000
-        with torch.device("meta"):
-            m = gaussws.convert(GPT(ModelConfig(**model_args)), c["method"], ROLES[model_args.get("arch", "gpt2")],
-                                b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"])
-        print(json.dumps({**c, "model_args": asdict(m.config)}, indent=1))
-        print(f"parameters: {m.get_num_params(non_embedding=False):,} ({m.get_num_params(non_embedding=False) / 1e6:.1f}M)"
-              f" + {m.get_num_bitwidth_params():,} b_i")
-        print(f"tokens per optimizer step: {c['gradient_accumulation_steps'] * c['batch_size'] * m.config.block_size:,}")
-        return
-
+        return show_dry_run(c, model_args)
     # one run per out_dir: a second one is refused before it reads or writes anything there
-    if master:
-        try:
-            resources.enter_context(ckpt_io.lock(c["out_dir"]))  # until main ends; the kernel drops it if we die
-        except ckpt_io.CheckpointError as e:
-            fail(str(e))
+    if proc.master:
+        resources.enter_context(ckpt_io.lock(c["out_dir"]))  # until main ends; the kernel drops it if we die
 
-    # data
-    data_dir = loader.data_dir(c["dataset"])
-    if c["dataset"] == "default" and not os.path.exists(os.path.join(data_dir, "meta.json")):
-        if master:
-            loader.prepare_default(data_dir)
-        if ddp:
-            torch.distributed.barrier()
-    meta = loader.read_meta(data_dir)
-
-    # the weights to start from: none (scratch), this run's checkpoint (resume), or another's
-    model_args, checkpoint, init_state = starting_point(c, explicit, model_args, pqt, meta)
-    ckpt_path = ckpt_io.paths(c["out_dir"])[1 if fsdp else 0]  # where this run saves
-    if not model_args.get("vocab_size"):
-        model_args["vocab_size"] = meta["vocab_size"]
-    if meta["vocab_size"] > model_args["vocab_size"]:
-        fail(f"the data in {data_dir} has a vocabulary of {meta['vocab_size']} tokens ({meta.get('tokenizer')}), more "
-             f"than the model's vocab_size={model_args['vocab_size']}; prepare the data with a tokenizer of at most "
-             f"that many tokens, or pass --vocab_size={64 * -(-meta['vocab_size'] // 64)}")
-
-    # model: built plain, then converted (the same initial weights whatever the method)
-    torch.manual_seed(c["seed"])
-    mconf = ModelConfig(**model_args)
-    roles = ROLES[mconf.arch]
-    raw_model = gaussws.convert(GPT(mconf), c["method"], roles, b_init=c["b_init"], b_target=c["b_target"],
-                                seed=c["seed"], recompute=c["recompute_w_hat"])
-    if init_state is not None:
-        load_weights(raw_model, init_state)
-        init_state = None
-    raw_model.to(dev)
-    if fsdp:
-        # FSDP2: each block's parameters are gathered whole for its forward, so PQTLinear adds the
-        # noise to the unsharded weight, and the block max sees every element of its block.
-        from torch.distributed.fsdp import fully_shard
-        for block in raw_model.transformer.h:
-            fully_shard(block)
-        fully_shard(raw_model)
-
-    # optimizer
-    optimizers = gaussws.build_optimizers(
-        raw_model, c["optimizer"], roles, lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]),
-        weight_decay=c["weight_decay"], bitwidth_weight_decay=c["bitwidth_weight_decay"],
-        n_embd=mconf.n_embd, n_head=mconf.n_head, n_kv_head=mconf.n_kv_head)
-    iter_num, best_val_loss, saved_step = 0, 1e9, None  # saved_step: of the checkpoint this run continues from
-    if checkpoint is not None:
-        ckpt_io.load_state(raw_model, optimizers, checkpoint, fsdp)
-        iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
-        saved_step = iter_num
-        torch.set_rng_state(checkpoint["rng_state"])
-        if device_type == "cuda" and "cuda_rng_state" in checkpoint:
-            torch.cuda.set_rng_state(checkpoint["cuda_rng_state"], dev)
-    checkpoint = None
+    # data, and the model at its starting point
+    data_dir, meta = open_data(c, proc)
+    raw_model, optimizers, (iter_num, best_val_loss, saved_step) = build(c, explicit, proc, model_args, data_dir, meta)
+    mconf = raw_model.config
+    ckpt_path = ckpt_io.paths(c["out_dir"])[1 if proc.fsdp else 0]  # where this run saves
     if saved_step is not None and saved_step >= c["max_iters"] and not c["eval_only"]:
-        if master:
-            print(f"{ckpt_path} is at step {saved_step}, max_iters={c['max_iters']}: the run is complete, nothing "
-                  f"to train (raise --max_iters to continue it)")
-        if ddp:
+        proc.say(f"{ckpt_path} is at step {saved_step}, max_iters={c['max_iters']}: the run is complete, nothing "
+                 f"to train (raise --max_iters to continue it)")
+        if proc.ddp:
             torch.distributed.destroy_process_group()
         return
-
-    train_model = torch.compile(raw_model) if c["compile"] else raw_model
-    if ddp and not fsdp:
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            raw_model, gaussws.ddp_ignored_parameters(raw_model))
-        train_model = torch.nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[local_rank] if device_type == "cuda" else None)
-
+    train_model = for_training(c, proc, raw_model)
     splits = {s: loader.open_split(data_dir, s, meta, mconf.block_size) for s in ("train", "val")}
-    batch_args = dict(batch_size=c["batch_size"], block_size=mconf.block_size, device=dev)
+    batch_args = dict(batch_size=c["batch_size"], block_size=mconf.block_size, device=proc.dev)
+    autocast = loader.autocast_for(c["dtype"], proc.dev)
     tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * mconf.block_size
 
     # logging
     versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    run_info = {**c, "model_args": asdict(mconf), "world_size": world_size, "versions": versions}
-    if master:
+    run_info = {**c, "model_args": asdict(mconf), "world_size": proc.world_size, "versions": versions}
+    if proc.master:
         os.makedirs(c["out_dir"], exist_ok=True)
         with open(os.path.join(c["out_dir"], "config.json"), "w") as f:
             json.dump(run_info, f, indent=1)
         print(f"{raw_model.get_num_params(non_embedding=False) / 1e6:.2f}M parameters "
               f"({mconf.arch}, {c['method']}, {len(gaussws.pqt_layers(raw_model))} PQT layers), "
-              f"{tokens_per_iter:,} tokens per step, {world_size} process(es) on {dev}")
+              f"{tokens_per_iter:,} tokens per step, {proc.world_size} process(es) on {proc.dev}")
         if "unigram_entropy_nats" in meta:
             print(f"unigram entropy of the corpus: {meta['unigram_entropy_nats']:.4f} nats/token "
                   f"(the loss of a model that ignores context)")
-    if c["wandb_log"] and master:
-        import wandb
-        wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], mode=c["wandb_mode"], dir=c["out_dir"],
-                   config=run_info)
-    metrics_file = open_metrics(os.path.join(c["out_dir"], "metrics.jsonl"), saved_step) if master and not c["eval_only"] else None
-
-    def log(record):
-        if metrics_file:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            if c["wandb_log"]:
-                wandb.log(record, step=record["iter"])
+    metrics = Metrics(c, proc, run_info, saved_step)
 
     # the loop
-    micro_batch = lambda it, micro: loader.get_batch(splits["train"], (c["seed"], "train", it, rank * local_accum + micro),
-                                                     **batch_args)
-    x, y = micro_batch(iter_num, 0)
+    micro_batch = lambda it, micro: loader.get_batch(  # noqa: E731
+        splits["train"], (c["seed"], "train", it, proc.rank * proc.local_accum + micro), **batch_args)
+    batch = micro_batch(iter_num, 0)
     t0, timed_steps = time.time(), 0
     while True:
         lr = get_lr(iter_num, c)
         for group in (g for o in optimizers for g in o.param_groups):
             group["lr"] = lr
-        evaluate = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
-        if c["eval_only"] or evaluate and iter_num != saved_step:  # the resumed step was evaluated and saved before
-            losses = loader.estimate_loss(raw_model, splits, seed=c["seed"], eval_iters=c["eval_iters"], autocast=autocast,
-                                   rank=rank, world_size=world_size, **batch_args)
-            if master:
-                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"]})
-            if c["wandb_log"]:
-                hists = gaussws.bitwidth_histograms(raw_model)  # collective under FSDP
-                if master and hists:
-                    wandb.log({f"b_t/{k}": wandb.Histogram(v) for k, v in hists.items()}, step=iter_num)
+        evaluate_now = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
+        if c["eval_only"] or evaluate_now and iter_num != saved_step:  # the resumed step was evaluated and saved before
+            losses = evaluate(c, proc, raw_model, splits, iter_num, metrics, autocast=autocast, **batch_args)
             if c["eval_only"]:
                 break
             if not all(map(math.isfinite, losses.values())):
@@ -508,63 +545,24 @@ def _main(argv, resources):
                      f"({kept(saved_step, ckpt_path)}). Try a lower --learning_rate or --grad_clip")
             if c["save_checkpoints"] and iter_num > 0 and (losses["val"] < best_val_loss or c["always_save_checkpoint"]):
                 best_val_loss = min(best_val_loss, losses["val"])
-                if not all_finite(raw_model, ddp):  # b_i, unseen by the eval, included
+                if not all_finite(raw_model, proc.ddp):  # b_i, unseen by the eval, included
                     fail(f"the model holds non-finite values at step {iter_num}; stopping without saving "
                          f"({kept(saved_step, ckpt_path)})")
-                state = {"model_args": asdict(mconf), "pqt": pqt, "iter_num": iter_num, "best_val_loss": best_val_loss,
-                         "config": c,
-                         # What continues the run exactly besides the model and optimizers: the data
-                         # order and the noise are functions of (seed, step), and seed is in config;
-                         # dropout draws from the CPU generator, and on GPUs from the CUDA one.
-                         "rng_state": torch.get_rng_state()}
-                if device_type == "cuda":
-                    state["cuda_rng_state"] = torch.cuda.get_rng_state(dev)
-                if fsdp:  # every process writes its own shards
-                    save_checkpoint(state, ckpt_path, raw_model, optimizers)
-                else:
-                    if master:
-                        save_checkpoint({"model": raw_model.state_dict(), "optimizer": [o.state_dict() for o in optimizers],
-                                         **state}, ckpt_path)
-                if master:
-                    for other in ckpt_io.paths(c["out_dir"]):  # one checkpoint per out_dir: resume finds this one
-                        if other != ckpt_path:
-                            ckpt_io.remove(other)
-                    print(f"saved checkpoint to {ckpt_path}")
+                save_checkpoint(c, proc, raw_model, optimizers, iter_num, best_val_loss, ckpt_path)
                 saved_step = iter_num
             t0, timed_steps = time.time(), 0  # evaluation is not training time
         if iter_num >= c["max_iters"]:
             break
 
-        # one optimizer step: gaussws.TrainStep selects its noise and applies Eq. 4 at its end
-        loss_sum = torch.zeros((), device=dev)
-        with gaussws.TrainStep(raw_model, iter_num):
-            for micro_step in range(local_accum):
-                if ddp and not fsdp:
-                    train_model.require_backward_grad_sync = micro_step == local_accum - 1
-                with autocast:
-                    _, loss = train_model(x, y)
-                    if c["bitwidth_lambda"]:
-                        loss = loss + c["bitwidth_lambda"] * gaussws.bitwidth_loss(raw_model)
-                    loss = loss / local_accum
-                # fetch the next micro-batch while this one's backward runs (on GPUs)
-                x, y = micro_batch(*((iter_num, micro_step + 1) if micro_step + 1 < local_accum else (iter_num + 1, 0)))
-                loss.backward()
-                loss_sum += loss.detach()  # on the device: no host sync per micro-step
-        # The gradient norm, clipped or not: a non-finite one must not reach the weights.
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c["grad_clip"] or float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        if ddp:
-            torch.distributed.all_reduce(loss_sum)
-            loss_sum /= world_size
-        step_loss, norm = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()  # one sync a step
-        if not (math.isfinite(step_loss) and math.isfinite(norm)):
-            what = f"loss is {step_loss}" if not math.isfinite(step_loss) else f"gradient norm is {norm} (loss {step_loss:.4f})"
-            fail(f"{what} at step {iter_num}; stopping before the update ({kept(saved_step, ckpt_path)}). "
+        # one optimizer step (step.py): gaussws.TrainStep around the micro-steps, the clipped
+        # gradient, the finite check, the update
+        try:
+            step_loss, _, batch = train_step(raw_model, optimizers, iter_num, batch, micro_batch, proc.local_accum,
+                                             forward=train_model, autocast=autocast, grad_clip=c["grad_clip"],
+                                             bitwidth_lambda=c["bitwidth_lambda"])
+        except NonFinite as e:
+            fail(f"{e} at step {iter_num}; stopping before the update ({kept(saved_step, ckpt_path)}). "
                  f"Try a lower --learning_rate or --grad_clip")
-        for o in optimizers:
-            o.step()
-            o.zero_grad(set_to_none=True)
         iter_num += 1
         timed_steps += 1
         if iter_num % c["log_interval"] == 0 or iter_num == c["max_iters"]:
@@ -575,14 +573,13 @@ def _main(argv, resources):
             stats = gaussws.bitwidth_stats(raw_model)
             if stats:
                 record.update({f"b_t/{k}": v for k, v in stats.items()})
-            log(record)
-            if master:
-                bits = f", b_t {stats['mean']:.2f} [{stats['min']:.2f}, {stats['max']:.2f}]" if stats else ""
-                print(f"iter {iter_num}: loss {step_loss:.4f}, lr {lr:.2e}, {1000 * dt:.0f} ms/iter, "
-                      f"{tokens_per_iter / dt:,.0f} tokens/s{bits}", flush=True)
-    if ddp:
+            metrics.log(record)
+            bits = f", b_t {stats['mean']:.2f} [{stats['min']:.2f}, {stats['max']:.2f}]" if stats else ""
+            proc.say(f"iter {iter_num}: loss {step_loss:.4f}, lr {lr:.2e}, {1000 * dt:.0f} ms/iter, "
+                     f"{tokens_per_iter / dt:,.0f} tokens/s{bits}", flush=True)
+    if proc.ddp:
         torch.distributed.destroy_process_group()
-        if fsdp:
+        if proc.fsdp:
             # fully_shard keeps the gloo process group referenced from C++, so destroy_process_group
             # cannot free it: its two worker threads and its TCP loop thread stay alive through the
             # interpreter's teardown and exit()'s C++ static destructors. A native thread that needs
@@ -590,10 +587,7 @@ def _main(argv, resources):
             # destructor aborts ("terminate called without an active exception"): the likely cause
             # of the random SIGABRT of 2-process FSDP runs. Everything is written and flushed by
             # now, so the process ends without that teardown.
-            if c["wandb_log"] and master:
-                wandb.finish()
-            if metrics_file:
-                metrics_file.close()
+            metrics.close()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)

@@ -494,9 +494,9 @@ def test_a_bad_config_is_one_line_before_anything_is_written(data_dir, tmp_path,
 
 def test_out_dir_must_be_a_writable_directory(data_dir, tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="is a file"):
+    with pytest.raises(UserError, match="is a file"):
         train.main(tiny(data_dir, tmp_path / "file"))
-    with pytest.raises(ConfigError, match="not a writable directory"):  # a directory that cannot be made
+    with pytest.raises(UserError, match="not a writable directory"):  # a directory that cannot be made
         train.main(tiny(data_dir, tmp_path / "file" / "out"))
 
 
