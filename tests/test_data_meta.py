@@ -12,8 +12,8 @@ import pytest
 import util
 from data import common
 from data.common import DataError
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RACE = """
 import os, sys, time

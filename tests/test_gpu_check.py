@@ -1,5 +1,4 @@
 """bench.py gpu-check: where there is no GPU, one line; its parts run on CPU tensors too."""
-import os
 import subprocess
 import sys
 
@@ -8,8 +7,7 @@ import torch
 
 import bench
 from kernels import torch_noise
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the message of a machine without CUDA")

@@ -8,8 +8,7 @@ import sys
 import pytest
 
 import util
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 def test_atomic_open_writes_the_file_and_leaves_no_temporary(tmp_path):
