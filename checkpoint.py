@@ -383,8 +383,8 @@ def remove(path):
 
 
 def load_model(path, map_location="cpu"):
-    """For readers (sample.py, export): {"model": full state dict, **the rest} from a single-file
-    checkpoint or a sharded one, in one process, without the optimizer state of a sharded one."""
+    """{"model": full state dict, **the rest} from a single-file checkpoint or a sharded one, in one
+    process, without the optimizer state of a sharded one (what read() gives the readers)."""
     path = os.fspath(path)
     if not _is_sharded(path):
         ckpt = load(path, map_location)

@@ -3,7 +3,7 @@
     python export.py --out_dir=out --format=auto
     python export.py --out_dir=out --format=auto,auto-int,mxfp8_e4m3,mxfp6_e3m2,mxfp4,int4,int3
 
-Reads <out_dir>/ckpt.pt (written by train.py) and
+Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoint.read) and
 1. reports the learned bitwidths b_t (one per 32x32 block, Eq. 11) per layer role and overall, as
    the paper's Fig. 5: their distribution and the share of weights in each tier of Table C.
    Printed, and written to bitwidths.json and bitwidths.png beside the exported files;
