@@ -18,9 +18,10 @@ The impls are timed interleaved (median of `repeats` blocks each) after warm-up 
 Table 1: tokens/s of one optimizer step for each method, taken as train.py takes it, with the same
 code: the model built plain from one seed (so every method starts from the same weights) and
 converted by gaussws.convert, the optimizers of gaussws.build_optimizers with train.py's default
-settings, then per step a gaussws.TrainStep around grad_accum micro-steps of batch_size x block_size
-random tokens (forward and backward under BF16 autocast), train.py's gradient clipping, the
-optimizer step and zero_grad. --recompute_w_hat=True converts as train.py does with it (w_hat made
+settings, then per step train.py's own step (step.train_step): a gaussws.TrainStep around
+grad_accum micro-steps of batch_size x block_size random tokens (forward and backward under BF16
+autocast), the gradient clipping, the check that loss and gradient norm are finite, the optimizer
+step and zero_grad. --recompute_w_hat=True converts as train.py does with it (w_hat made
 in every micro-step's forward and again in its backward). All methods run interleaved in one
 process: after `warmup` steps each, `rounds` rounds of one step per method. Reported: median
 tokens/s; overhead_pct = median over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16
@@ -53,7 +54,7 @@ Nothing here needs the network: the tokens are random (throughput does not depen
 Everything a first GPU should show, in one table: the Triton kernels against the PyTorch twin on
 CUDA tensors (gpu_parity), each kernel's bandwidth as a share of the device's peak and of a copy,
 Figure 6 (bench.py kernel) and Table 1 (bench.py train, Llama2-134M, 24 x 2048 tokens, bf16 /
-diffq[all] / gaussws[all]). Without CUDA it says so in one line and exits 2.
+diffq[all] / gaussws[all]). Without CUDA it says so in one line and exits 1.
 """
 import dataclasses
 import json
@@ -70,21 +71,16 @@ import torch
 
 import gaussws
 import model as model_lib
-from configurator import ConfigError, configure
+from configurator import configure
 from kernels import BL
-import train
-from train import keep_freed_cpu_memory
+from step import sync, train_step
+from util import UserError, cli, keep_freed_cpu_memory, write_atomic
 
 # --- small helpers ---------------------------------------------------------------------------------
 
 
-class BenchError(Exception):
-    """Bad input: main() prints it as one line and exits 2."""
-
-
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+class BenchError(UserError):
+    """Bad input; the message is one line."""
 
 
 def say(*args):
@@ -93,11 +89,7 @@ def say(*args):
 
 def write_json(path, records):
     """Write atomically, so an interrupted run never leaves half a file where a good one was."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(records, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(records, indent=1) + "\n")
 
 
 def markdown_table(header, rows):
@@ -288,6 +280,12 @@ def held_bytes(model, x, y, device):
     return sum(storages.values())
 
 
+# train.py's default optimizer and method settings, which the measured step uses (its cost does not
+# depend on their values; tests/test_bench.py checks that they are train.py's)
+STEP_SETTINGS = dict(optimizer="adamw", learning_rate=2e-3, beta1=0.9, beta2=0.99, weight_decay=0.1,
+                     bitwidth_weight_decay=0.1, grad_clip=1.0, bitwidth_lambda=0.0, b_init=6.0, b_target=4.0)
+
+
 class Runner:
     """One method's model, optimizers and data; step() is one optimizer step as train.py takes it."""
 
@@ -296,13 +294,12 @@ class Runner:
         config = build_config(args)
         torch.manual_seed(args.seed)  # the same initial weights for every method: convert draws nothing
         self.model = gaussws.convert(model_lib.GPT(config), method, model_lib.ROLES[config.arch],
-                                     b_init=train.DEFAULTS["b_init"], b_target=train.DEFAULTS["b_target"],
+                                     b_init=STEP_SETTINGS["b_init"], b_target=STEP_SETTINGS["b_target"],
                                      seed=args.seed, recompute=args.recompute_w_hat)
         self.model.to(args.device).train()
         self.step_mode = not args.recompute_w_hat  # as gaussws.TrainStep chooses for unsharded weights
         self.forward = torch.compile(self.model) if args.compile else self.model
-        d = train.DEFAULTS  # train.py's optimizer and clipping, built by the same function
-        self.grad_clip = d["grad_clip"]
+        d = STEP_SETTINGS  # train.py's optimizer, built by the same function
         self.optimizers = gaussws.build_optimizers(
             self.model, d["optimizer"], model_lib.ROLES[config.arch], lr=d["learning_rate"],
             betas=(d["beta1"], d["beta2"]), weight_decay=d["weight_decay"],
@@ -311,25 +308,15 @@ class Runner:
         self.step_count = 0
 
     def step(self, batches):
-        # pqt_seconds: the time of the step's begin and end, the method's own work in step mode
-        # (w_hat and R; Eq. 4); per micro-step it is inside the forwards and backwards instead.
-        train_step = gaussws.TrainStep(self.model, self.step_count)
-        t = time.perf_counter()
-        train_step.begin()
-        sync(self.device)
-        self.pqt_seconds = time.perf_counter() - t
-        for x, y in batches:
-            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
-                _, loss = self.forward(x, y)
-            (loss / len(batches)).backward()
-        t = time.perf_counter()
-        train_step.end()
-        sync(self.device)
-        self.pqt_seconds += time.perf_counter() - t
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
-        for o in self.optimizers:
-            o.step()
-            o.zero_grad(set_to_none=True)
+        """train.py's step (step.train_step) over the micro-batches, under BF16 autocast. pqt_seconds:
+        the time of TrainStep's begin and end, the method's own work in step mode (w_hat and R; Eq. 4);
+        per micro-step it is inside the forwards and backwards instead."""
+        timer = {}
+        train_step(self.model, self.optimizers, self.step_count, batches[0], lambda _, m: batches[m % len(batches)],
+                   len(batches), forward=self.forward, grad_clip=STEP_SETTINGS["grad_clip"],
+                   bitwidth_lambda=STEP_SETTINGS["bitwidth_lambda"], timer=timer,
+                   autocast=torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16))
+        self.pqt_seconds = timer["pqt_s"]
         self.step_count += 1
 
     def timed_step(self, batches):
@@ -391,23 +378,8 @@ def run_train(args):
 
     records = []
     for accum in args.grad_accum:
-        batches = micro[:accum]
         tokens = accum * args.batch_size * args.block_size
-        for r in runners:
-            for i in range(args.warmup):
-                say(f"grad_accum={accum} warm-up {i + 1}/{args.warmup} {r.method} ...")
-                r.step(batches)
-        seconds, cpu_seconds, peaks, pqt_seconds = ({r.method: [] for r in runners} for _ in range(4))
-        for round_ in range(args.rounds):
-            for r in runners:
-                s, c, peak = r.timed_step(batches)
-                seconds[r.method].append(s)
-                cpu_seconds[r.method].append(c)
-                peaks[r.method].append(peak)
-                pqt_seconds[r.method].append(r.pqt_seconds)
-            say(f"grad_accum={accum} round {round_ + 1}/{args.rounds}: " + "  ".join(
-                f"{m} {s[-1]:.2f} s ({tokens / s[-1]:.0f} tok/s)" for m, s in seconds.items())
-                + f"; {machine_load()}")
+        seconds, cpu_seconds, peaks, pqt_seconds = time_rounds(runners, micro[:accum], args, tokens)
         if torch.device(device).type == "cuda":
             memory = {m: max(p) for m, p in peaks.items()}
         for r in runners:
@@ -436,8 +408,35 @@ def run_train(args):
                 "memory_measure": ("cuda_max_memory_allocated" if torch.device(device).type == "cuda"
                                    else "cpu_saved_for_backward"),
             })
+    print_train_table(records, args)
+    return records
+
+
+def time_rounds(runners, batches, args, tokens):
+    """After `warmup` untimed steps of each runner, `rounds` rounds of one timed step per runner:
+    {method: [per round]} of wall seconds, CPU seconds, CUDA peak bytes and TrainStep seconds."""
+    accum = len(batches)
+    for r in runners:
+        for i in range(args.warmup):
+            say(f"grad_accum={accum} warm-up {i + 1}/{args.warmup} {r.method} ...")
+            r.step(batches)
+    seconds, cpu_seconds, peaks, pqt_seconds = ({r.method: [] for r in runners} for _ in range(4))
+    for round_ in range(args.rounds):
+        for r in runners:
+            s, c, peak = r.timed_step(batches)
+            seconds[r.method].append(s)
+            cpu_seconds[r.method].append(c)
+            peaks[r.method].append(peak)
+            pqt_seconds[r.method].append(r.pqt_seconds)
+        say(f"grad_accum={accum} round {round_ + 1}/{args.rounds}: " + "  ".join(
+            f"{m} {s[-1]:.2f} s ({tokens / s[-1]:.0f} tok/s)" for m, s in seconds.items())
+            + f"; {machine_load()}")
+    return seconds, cpu_seconds, peaks, pqt_seconds
+
+
+def print_train_table(records, args):
     say("")
-    say(f"{args.model}, {args.batch_size} x {args.block_size} tokens per micro-step, {device}, "
+    say(f"{args.model}, {args.batch_size} x {args.block_size} tokens per micro-step, {args.device}, "
         f"recompute_w_hat={args.recompute_w_hat}, median of {args.rounds} rounds; extra memory per weight element of the PQT layers vs bf16 "
         f"({records[0]['memory_measure']})")
     cpu = records[0]["overhead_cpu_time_pct"] is not None
@@ -447,7 +446,6 @@ def run_train(args):
                        [(r["method"], r["grad_accum"], f"{r['tokens_per_s']:.1f}", f"{r['overhead_pct']:+.2f} %")
                         + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu + (share(r), f"{r['extra_bytes_per_param']:.3f}")
                         for r in records]))
-    return records
 
 
 # --- gpu-check: the first GPU -----------------------------------------------------------------------
@@ -593,10 +591,7 @@ def gpu_check(argv):
         raise BenchError("gpu-check needs a CUDA GPU and torch.cuda.is_available() is False here; "
                          "the CPU checks are `pytest tests/test_kernels.py tests/test_triton_compile.py`")
     config = dict(GPU_CHECK_CONFIG)
-    try:
-        configure(config, argv)
-    except ConfigError as e:
-        raise BenchError(str(e)) from None
+    configure(config, argv)
     device = "cuda"
     parse_ints("repeats", config["repeats"])
     bandwidth_shape = parse_shapes(config["bandwidth_shape"])[0]
@@ -696,7 +691,7 @@ def parse_ints(key, text):
 
 
 def parse_args(argv):
-    """(command, namespace of settings) from the command line; BenchError for bad input."""
+    """(command, namespace of settings) from the command line; a UserError for bad input."""
     if not argv or argv[0] not in ("kernel", "train"):
         got = f"got {argv[0]!r}" if argv else "got nothing"
         raise BenchError(f"expected 'kernel' or 'train' as the first argument, or 'gpu-check' ({got}); "
@@ -705,10 +700,7 @@ def parse_args(argv):
     config = dict(KERNEL_CONFIG if command == "kernel" else TRAIN_CONFIG)
     defaults = dataclasses.asdict(model_lib.ModelConfig()) if command == "train" else {}
     config.update({k: defaults[k] for k in MODEL_KEYS if command == "train"})
-    try:
-        explicit = configure(config, argv[1:])
-    except ConfigError as e:
-        raise BenchError(str(e)) from None
+    explicit = configure(config, argv[1:])
     args = types.SimpleNamespace(command=command, **{k: v for k, v in config.items() if k not in MODEL_KEYS})
     args.model_overrides = {k: config[k] for k in MODEL_KEYS if k in explicit}
     for key in ("vocab_size", "n_layer", "n_head", "n_embd"):
@@ -744,21 +736,13 @@ def main(argv=None):
         print(__doc__)
         return []
     if argv[:1] == ["gpu-check"]:
-        try:
-            return gpu_check(argv[1:])
-        except BenchError as e:
-            print(f"bench.py: error: {e}", file=sys.stderr)
-            sys.exit(2)
-    try:
-        command, args = parse_args(argv)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        if torch.device(args.device).type == "cpu":
-            keep_freed_cpu_memory()  # as train.py: no page faults on every step's fresh tensors
-        records = run_kernel(args) if command == "kernel" else run_train(args)
-    except BenchError as e:
-        print(f"bench.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return gpu_check(argv[1:])
+    command, args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if torch.device(args.device).type == "cpu":
+        keep_freed_cpu_memory()  # as train.py: no page faults on every step's fresh tensors
+    records = run_kernel(args) if command == "kernel" else run_train(args)
     if args.json:
         write_json(args.json, records)
         say(f"wrote {len(records)} records to {args.json}")
@@ -766,4 +750,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli(main))

@@ -11,18 +11,21 @@ A sharded checkpoint is a directory written by torch.distributed.checkpoint (DCP
 header.pt (everything but the tensors of model and optimizers) and crc32.json (a CRC32 of every
 file). `path` itself is a symlink to the directory, swapped atomically, as the file above is renamed.
 
-Readers (sample.py, export): load_model(path) gives {"model": full state dict, **header} from either.
-One writer per out_dir: lock(out_dir), an fcntl lock on <out_dir>/.lock; a second run on the same
-out_dir is refused in one line naming the holder's pid, and the kernel drops the lock when the
-process ends, however it ends.
+The run directory (out_dir) holds one checkpoint, ckpt.pt or ckpt.dcp: find(out_dir) says which,
+read(out_dir) gives every reader (train.py's resume and init_from, sample.py, export.py, hf.py) its
+model_args, pqt settings, config, step and state from either layout; load_state(model, optimizers,
+read(...)) resumes. One writer per out_dir: lock(out_dir), an fcntl lock on <out_dir>/.lock; a second
+run on the same out_dir is refused in one line naming the holder's pid, and the kernel drops the lock
+when the process ends, however it ends.
 
 What a run's checkpoint holds (train.py writes it: out_dir/ckpt.pt, or out_dir/ckpt.dcp under FSDP,
 where model and optimizer are DCP's files and the rest is header.pt):
     model           the model's state dict, b_i included
     optimizer       a list of optimizer state dicts, one per optimizer
     model_args      the architecture: model.ModelConfig's fields
-    pqt             {"method", "b_init", "b_target"}; older checkpoints kept the method inside
-                    model_args, and train.py reads both layouts
+    pqt             PQT_KEYS: {"method", "b_init", "b_target", "pqt_start", "target_format",
+                    "ste_start", "bits_per_weight"}; older checkpoints kept the first three inside
+                    model_args, and read() gives both layouts (PQT_DEFAULTS for what they lack)
     iter_num, best_val_loss
     config          every key of train.py's config
     rng_state       torch's CPU generator (dropout draws from it), and cuda_rng_state on GPUs
@@ -50,6 +53,7 @@ written before this module existed. CRC32 catches every burst of up to 32 flippe
 but 2^-32 of other corruptions, which is what is to be caught here: bad disks, truncated copies,
 not an adversary (a weights_only load is what stops malicious pickles).
 """
+import dataclasses
 import errno
 import fcntl
 import json
@@ -65,11 +69,15 @@ import zlib
 
 import torch
 
+import gaussws
+from model import ModelConfig
+from util import UserError, atomic_open, first_line, fsync_dir, load_error, temp_path, write_atomic
+
 HEADER = "header.pt"  # sharded: everything but the model's and optimizers' tensors
 CRCS = "crc32.json"  # sharded: {file name: CRC32} of every other file in the directory
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint that is missing, corrupt, not one, or cannot be written; one line, says what to do."""
 
 
@@ -81,26 +89,6 @@ class Busy(CheckpointError):
         self.holder = holder
 
 
-def _first_line(e):
-    text = getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
-
-
-def _fsync_dir(directory):
-    """Make a rename in directory durable: without it a power cut can undo the rename."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temp_name(path):
-    """A name beside path that no other process uses (O_EXCL makes sure), hidden from globs."""
-    directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-
-
 def save(state, path):
     """torch.save(state) to path atomically: a crash, a full disk or a second writer leaves the
     previous file whole and no temporary file behind. Raises CheckpointError (one line)."""
@@ -108,27 +96,15 @@ def save(state, path):
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         raise CheckpointError(f"cannot save {path}: {directory} is not a directory")
-    tmp = _temp_name(path)
     try:
-        # tempfile's own recipe (O_CREAT | O_EXCL, a random name), but mode 0o666 so the umask
-        # decides, as for any file torch.save would create
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
+        with atomic_open(path) as f:  # a unique temporary file, fsync, rename, fsync of the directory
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the name points at it
-        os.replace(tmp, path)
-        _fsync_dir(directory)  # and the rename is on disk before we report success
     except BaseException as e:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
         # torch.save reports a full disk as RuntimeError: "... file write failed", or "unexpected pos
         # N vs M" with the file's own OSError as its context
         cause = e.__context__ if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError) else e
         if isinstance(cause, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
-            raise CheckpointError(f"cannot save {path}: {_first_line(cause)}; the previous checkpoint there, "
+            raise CheckpointError(f"cannot save {path}: {first_line(cause)}; the previous checkpoint there, "
                                   f"if any, is unchanged") from None
         raise
 
@@ -136,22 +112,11 @@ def save(state, path):
 def write_text(path, text):
     """text to path atomically, as save(): a crash or a full disk leaves the previous file whole (and
     no temporary file, but for a kill: clean_stale). Raises CheckpointError (one line)."""
-    path = os.path.abspath(path)
-    tmp = _temp_name(path)
     try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path))
+        write_atomic(path, text.encode("utf-8"))
     except OSError as e:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise CheckpointError(f"cannot write {path}: {_first_line(e)}; the previous file there, if any, "
-                              f"is unchanged") from None
+        raise CheckpointError(f"cannot write {os.path.abspath(path)}: {first_line(e)}; the previous file there, "
+                              f"if any, is unchanged") from None
 
 
 def copy(src, dst):
@@ -159,20 +124,11 @@ def copy(src, dst):
     study keeps a run's checkpoint of one step this way, for the runs that fork there)."""
     verify(src)
     dst = os.path.abspath(dst)
-    tmp = _temp_name(dst)
     try:
-        with open(src, "rb") as f, open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as g:
+        with open(src, "rb") as f, atomic_open(dst) as g:
             shutil.copyfileobj(f, g)
-            g.flush()
-            os.fsync(g.fileno())
-        os.replace(tmp, dst)
-        _fsync_dir(os.path.dirname(dst))
     except OSError as e:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise CheckpointError(f"cannot copy {src} to {dst}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot copy {src} to {dst}: {first_line(e)}") from None
 
 
 def verify(path):
@@ -185,7 +141,7 @@ def verify(path):
     except IsADirectoryError:
         raise CheckpointError(f"{path} is a directory, not a checkpoint file") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot read {path}: {first_line(e)}") from None
     if magic != b"PK\x03\x04":
         raise CheckpointError(f"{path} is not a checkpoint (not a torch.save zip archive)")
     try:
@@ -197,9 +153,9 @@ def verify(path):
     except CheckpointError:
         raise
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:  # truncated, or its directory damaged
-        raise CheckpointError(f"{path} is corrupt ({_first_line(e)}); use an earlier copy or start a new run") from None
+        raise CheckpointError(f"{path} is corrupt ({first_line(e)}); use an earlier copy or start a new run") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot read {path}: {first_line(e)}") from None
     if bad is not None:
         raise CheckpointError(f"{path} is corrupt: record {bad} fails its CRC32 check; "
                               f"use an earlier copy or start a new run")
@@ -216,9 +172,9 @@ def load(path, map_location="cpu"):
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:  # weights_only refused an object: not a checkpoint of ours
         raise CheckpointError(f"{path} is not a checkpoint this code can read: it holds objects that "
-                              f"weights_only loading refuses ({_first_line(e)[:200]})") from None
+                              f"weights_only loading refuses ({first_line(e)[:200]})") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot read {path}: {first_line(e)}") from None
 
 
 class Lock:
@@ -232,7 +188,7 @@ class Lock:
             os.makedirs(out_dir, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
-            raise CheckpointError(f"cannot lock {out_dir}: {_first_line(e)}") from None
+            raise CheckpointError(f"cannot lock {out_dir}: {first_line(e)}") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except OSError as e:
@@ -241,13 +197,13 @@ class Lock:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise Busy(f"{out_dir} is in use by another run (pid {holder}); wait for it to end, "
                            f"stop it, or choose another --out_dir", holder) from None
-            raise CheckpointError(f"cannot lock {out_dir}: {_first_line(e)}") from None
+            raise CheckpointError(f"cannot lock {out_dir}: {first_line(e)}") from None
         try:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # the holder, for the message above
         except OSError as e:  # a full disk: nothing is written yet, so stop here
             self.release()
-            raise CheckpointError(f"cannot write {self.path}: {_first_line(e)}; free some space") from None
+            raise CheckpointError(f"cannot write {self.path}: {first_line(e)}; free some space") from None
 
     def release(self):
         if self._fd is not None:
@@ -271,7 +227,7 @@ def lock(out_dir, wait=False, name=".lock"):
     return Lock(out_dir, wait, name)
 
 
-_TEMP = re.compile(r"\..+\.(\d{1,9})\.[0-9a-f]{8}\.tmp")  # _temp_name's: .<name>.<pid>.<8 hex>.tmp
+_TEMP = re.compile(r"\..+\.(\d{1,9})\.[0-9a-f]{8}\.tmp")  # util.temp_path's: .<name>.<pid>.<8 hex>.tmp
 _SHARDED = re.compile(r"(.+)\.[0-9a-f]{8}")  # save_sharded's directory beside its symlink: <name>.<8 hex>
 
 
@@ -287,7 +243,7 @@ def _alive(pid):
 
 def clean_stale(out_dir):
     """Remove what writers killed mid-write (kill -9, a power cut) left in out_dir: temporary files
-    named by _temp_name (save, write_text, the data tools) whose process no longer runs on this
+    named by util.temp_path (save, write_text, the data tools) whose process no longer runs on this
     machine, and sharded-checkpoint directories that no symlink points to. A live writer's temporary
     file is kept. Call it holding lock(out_dir): only the lock's holder writes sharded directories.
     Returns the names removed."""
@@ -337,7 +293,7 @@ def read_divergence(out_dir):
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {_first_line(e)}; delete it to run the run again") from None
+        raise CheckpointError(f"cannot read {path}: {first_line(e)}; delete it to run the run again") from None
     if not (isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("what"), str)):
         raise CheckpointError(f"{path} is not a divergence record of train.py (expected an object with an integer "
                               f"'step' and a string 'what'); delete it to run the run again")
@@ -428,7 +384,7 @@ def _target(path, part=(0, 1)):
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a sharded checkpoint of this code (no {CRCS})") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is corrupt: {CRCS} is not valid JSON ({_first_line(e)})") from None
+        raise CheckpointError(f"{path} is corrupt: {CRCS} is not valid JSON ({first_line(e)})") from None
     for name, crc in sorted(crcs.items())[part[0]::part[1]]:
         file = os.path.join(directory, name)
         try:
@@ -438,7 +394,7 @@ def _target(path, part=(0, 1)):
         except FileNotFoundError:
             raise CheckpointError(f"{path} is incomplete: {name} is missing") from None
         except OSError as e:
-            raise CheckpointError(f"cannot read {file}: {_first_line(e)}") from None
+            raise CheckpointError(f"cannot read {file}: {first_line(e)}") from None
     return directory
 
 
@@ -471,23 +427,19 @@ def save_sharded(path, model, optimizers, header):
         if rank == 0:
             save(header, os.path.join(directory, HEADER))
             crcs = {f: _crc32(os.path.join(directory, f)) for f in sorted(os.listdir(directory))}
-            with open(os.path.join(directory, CRCS), "w") as f:
-                json.dump(crcs, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(directory)
+            write_atomic(os.path.join(directory, CRCS), json.dumps(crcs, indent=1))  # and fsyncs the directory
             old = os.path.realpath(path) if os.path.islink(path) else None
-            link = _temp_name(path)
+            link = temp_path(path)
             os.symlink(os.path.basename(directory), link)  # relative: out_dir can be moved
             os.replace(link, path)
-            _fsync_dir(parent)
+            fsync_dir(parent)
             if old and old != directory and os.path.isdir(old):
                 shutil.rmtree(old, ignore_errors=True)
     except (OSError, CheckpointException) as e:  # DCP gathers every rank's failure into the latter
         if rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
         causes = _causes(e) or [e]
-        raise CheckpointError(f"cannot save {path}: {_first_line(causes[0])}; the previous checkpoint there, "
+        raise CheckpointError(f"cannot save {path}: {first_line(causes[0])}; the previous checkpoint there, "
                               f"if any, is unchanged") from None
     finally:
         if dist.is_initialized():
@@ -519,11 +471,11 @@ def _dcp_load(path, state, directory, empty):
         for cause in causes:
             if isinstance(cause, (MemoryError, torch.OutOfMemoryError)):
                 raise cause from e
-        raise CheckpointError(f"cannot load {path}: {_first_line(causes[0]) if causes else _first_line(e)}") from None
+        raise CheckpointError(f"cannot load {path}: {first_line(causes[0]) if causes else first_line(e)}") from None
     except (pickle.UnpicklingError, AssertionError, RuntimeError, KeyError, ValueError) as e:
         if isinstance(e, torch.OutOfMemoryError):
             raise
-        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {first_line(e)}") from None
 
 
 def load_sharded(path, model, optimizers):
@@ -573,12 +525,12 @@ def remove(path):
         os.unlink(path)
     else:
         return
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def load_model(path, map_location="cpu"):
-    """For readers (sample.py, export): {"model": full state dict, **the rest} from a single-file
-    checkpoint or a sharded one, in one process, without the optimizer state of a sharded one."""
+    """{"model": full state dict, **the rest} from a single-file checkpoint or a sharded one, in one
+    process, without the optimizer state of a sharded one (what read() gives the readers)."""
     path = os.fspath(path)
     if not _is_sharded(path):
         ckpt = load(path, map_location)
@@ -590,3 +542,245 @@ def load_model(path, map_location="cpu"):
     state = {}
     _dcp_load(path, state, directory, empty=True)
     return {**header, "model": {k: v.to(map_location) for k, v in state["model"].items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# the run directory: where a run's checkpoint is, and what its readers need from it
+
+# the checkpoint's "pqt" entry: the method's settings, and their values in a checkpoint that lacks them
+# (older ones kept the first three in model_args, and had no phase, target format or bit budget)
+PQT_DEFAULTS = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, "pqt_start": 0.0, "target_format": "",
+                "ste_start": 0.0, "bits_per_weight": 0.0}
+PQT_KEYS = tuple(PQT_DEFAULTS)
+
+
+def check_out_dir(out_dir):
+    """Refuse, before anything is written, an out_dir that is a file or cannot be made or written."""
+    out = os.path.abspath(out_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CheckpointError(f"out_dir={out_dir!r} is a file; expected a directory (or a path where one can be made)")
+    parent = out
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"out_dir={out_dir!r}: {parent} is not a writable directory; choose another --out_dir")
+
+
+def paths(out_dir):
+    """A run's checkpoint: ckpt.pt (one file, written by rank 0) or, under FSDP, ckpt.dcp (sharded:
+    each process writes its own part, checkpoint.save_sharded)."""
+    return os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "ckpt.dcp")
+
+
+def is_checkpoint_dir(path):
+    """A sharded checkpoint (ckpt.dcp) rather than an out_dir or a model directory."""
+    return os.path.isfile(os.path.join(path, HEADER))
+
+
+def find(path):
+    """The checkpoint that path names, or None: path itself where it is one (a ckpt.pt, a sharded
+    ckpt.dcp), else the one in the run directory path (ckpt.pt before ckpt.dcp)."""
+    if os.path.isdir(path) and not is_checkpoint_dir(path):
+        return next((p for p in paths(path) if os.path.lexists(p)), None)
+    return path if os.path.lexists(path) else None
+
+
+def read(path, header_only=False):
+    """What every reader of a run needs from its checkpoint (find(path): a ckpt.pt, a ckpt.dcp or a
+    run directory holding one), verified and loaded to CPU with weights_only=True, as a dict:
+        path        the checkpoint read
+        model_args  the architecture: model.ModelConfig's fields
+        pqt         {PQT_KEYS: value}: its "pqt" entry, or (older checkpoints) these keys of its
+                    model_args; PQT_DEFAULTS' values for what it has in neither
+        config      train.py's resolved config of the run ({} if none), iter_num its step (None if none)
+        model       the full state dict; absent with header_only from a sharded checkpoint, whose
+                    "sharded" (its path) load_state then loads in place
+    and everything else the checkpoint holds (optimizer, best_val_loss, rng_state, ...).
+    CheckpointError, one line, for a missing, corrupt or foreign checkpoint."""
+    found = find(path)
+    if found is None:
+        run_dir = os.path.dirname(path) if str(path).endswith((".pt", ".dcp")) else path
+        raise CheckpointError(f"no checkpoint at {path}: train one (python train.py --out_dir={run_dir or '.'}) "
+                              f"or point at a run directory that holds ckpt.pt (or ckpt.dcp)")
+    if header_only and os.path.isdir(found):
+        checkpoint = {**load_header(found), "sharded": found}
+    else:
+        checkpoint = load_model(found)
+    if not isinstance(checkpoint, dict) or "model_args" not in checkpoint:
+        raise CheckpointError(f"{found} is not a checkpoint of train.py: it lacks 'model_args'")
+    model_args = dict(checkpoint["model_args"])
+    pqt = {k: model_args.pop(k) for k in PQT_KEYS if k in model_args}
+    model_keys = [f.name for f in dataclasses.fields(ModelConfig)]
+    unknown = sorted(set(model_args) - set(model_keys))
+    if unknown:
+        raise CheckpointError(f"the checkpoint's model_args hold {', '.join(map(repr, unknown))}, which this code's "
+                              f"model does not have (expected fields of model.ModelConfig: {', '.join(model_keys)})")
+    pqt = {**PQT_DEFAULTS, **pqt, **(checkpoint.get("pqt") or {})}
+    return {**checkpoint, "path": found, "model_args": model_args, "pqt": pqt,
+            "config": dict(checkpoint.get("config") or {}), "iter_num": checkpoint.get("iter_num")}
+
+
+def save_run(out_dir, state, model, optimizers, sharded=False):
+    """Save a run's checkpoint into out_dir as the one checkpoint there, which find() and resume then
+    take: ckpt.pt (state and the model's and optimizers' state dicts; rank 0 calls it) or, sharded
+    (FSDP: every rank calls it), ckpt.dcp; the other one is removed. Returns the path written."""
+    import torch.distributed as dist
+    path = paths(out_dir)[1 if sharded else 0]
+    if sharded:
+        save_sharded(path, model, optimizers, state)
+    else:
+        save({"model": model.state_dict(), "optimizer": [o.state_dict() for o in optimizers], **state}, path)
+    if not sharded or not dist.is_initialized() or dist.get_rank() == 0:
+        for other in paths(out_dir):
+            if other != path:
+                remove(other)
+    return path
+
+
+def load_state(model, optimizers, checkpoint, fsdp=False):
+    """Resume: load what read(path, header_only=True) gave into the model and its optimizers, in
+    place: a sharded checkpoint's parts (load_sharded, at any world size), a single file's state
+    dicts (under FSDP each process takes its shards of them), or a forked run's (read_fork)."""
+    if "sharded" in checkpoint:  # ckpt.dcp: each process loads its part, at any world size
+        load_sharded(checkpoint["sharded"], model, optimizers)
+        return
+    if "forked" in checkpoint:
+        if fsdp:
+            raise CheckpointError("fork_from is for one process or DDP; an FSDP phase run starts from scratch")
+        return _load_fork(model, optimizers, checkpoint)
+    if len(checkpoint["optimizer"]) != len(optimizers):
+        raise CheckpointError(f"the checkpoint has {len(checkpoint['optimizer'])} optimizer state(s), this run "
+                              f"{len(optimizers)}: resume with the optimizer it was trained with")
+    try:
+        if not fsdp:
+            model.load_state_dict(checkpoint["model"])
+            for o, state in zip(optimizers, checkpoint["optimizer"]):
+                o.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, checkpoint["model"], options=options)
+        for o, state in zip(optimizers, checkpoint["optimizer"]):
+            set_optimizer_state_dict(model, o, state, options=options)
+    except (RuntimeError, ValueError, KeyError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise CheckpointError(f"the checkpoint's weights do not fit the model its model_args describe "
+                              f"({load_error(e)}): it cannot be resumed; start a new run with --overwrite=True or "
+                              f"use another --out_dir") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# a run's start in its directory (resume, a new run, a fork) and its records there
+
+def resume(out_dir, wanted):
+    """The checkpoint a resumed run continues, read(header_only=True): refused where out_dir holds
+    none, where it lacks what resuming needs, or where its model or method is not `wanted` (this
+    run's {ModelConfig field or PQT key: value})."""
+    path = find(out_dir)
+    if path is None:
+        raise CheckpointError(f"init_from=resume but {out_dir} holds no checkpoint (ckpt.pt or ckpt.dcp); start with "
+                              f"--init_from=scratch")
+    checkpoint = read(path, header_only=True)
+    needed = {"iter_num", "best_val_loss", "rng_state"} | ({"optimizer"} if "sharded" not in checkpoint else set())
+    missing = sorted(needed - set(checkpoint))
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}: it cannot be resumed; start a new run from its "
+                              f"weights with --init_from={path} --out_dir=<new dir>")
+    saved = {**checkpoint["model_args"], **checkpoint["pqt"]}
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, config {v!r}" for k, v in wanted.items() if saved.get(k) != v]
+    if diff:
+        raise CheckpointError(f"{path} holds another model ({'; '.join(diff)}); resume with the settings it was "
+                              f"trained with, or use another --out_dir")
+    return checkpoint
+
+
+def check_new(out_dir, overwrite):
+    """A new run in out_dir: refused where another run's checkpoint is there, unless overwrite."""
+    path = find(out_dir)
+    if path is not None and not overwrite:
+        raise CheckpointError(f"{path} holds another run; resume it with --init_from=resume, choose another --out_dir, "
+                              f"or pass --overwrite=True to replace it")
+
+
+def read_fork(path, config, free):
+    """The checkpoint a phase run forks from (train.py --fork_from): a bf16 run's ckpt.pt at a step
+    from 1 to this run's pqt_start, whose config equals this run's `config` but for the keys in
+    `free`. Until its switch a phase run is that run bit for bit, so continuing it gives the losses
+    the whole phase run would have had, without training the shared steps again (study.py's deploy
+    study). load_state then loads it."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"fork_from={path!r}: expected the ckpt.pt file of a bf16 run (not a directory or a "
+                              f"sharded checkpoint)")
+    checkpoint = read(path)
+    theirs, step = checkpoint["config"], checkpoint["iter_num"]
+    if checkpoint["pqt"]["method"] != "bf16":
+        raise CheckpointError(f"fork_from={path!r} is a {checkpoint['pqt']['method']} run; a phase run forks from a "
+                              f"bf16 run")
+    if not isinstance(step, int) or not 0 < step <= config["pqt_start"]:
+        raise CheckpointError(f"fork_from={path!r} is at step {step}, pqt_start={config['pqt_start']:g}: a phase run "
+                              f"forks from the bf16 run at a step from 1 to its switch")
+    diff = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in config.items() if k not in free and theirs.get(k) != v]
+    if diff:
+        raise CheckpointError(f"fork_from={path!r} was trained with other settings ({'; '.join(diff[:3])}): a phase "
+                              f"run forks only from the bf16 run it equals until its switch")
+    return {**checkpoint, "forked": path}
+
+
+def _load_fork(model, optimizers, checkpoint):
+    """The bf16 run's state in this phase run: its weights (b_i keep their fresh init, b_t = b_init)
+    and each optimizer's state; the groups this run has beyond the bf16 run's (b_i's) start empty, as
+    in the whole phase run, where they get no gradient before the switch."""
+    try:
+        gaussws.load_weights(model, checkpoint["model"])
+    except ValueError as e:
+        raise CheckpointError(f"{checkpoint['forked']} does not fit this run's model: {e}") from None
+    if len(checkpoint["optimizer"]) > len(optimizers):
+        raise CheckpointError(f"{checkpoint['forked']} has {len(checkpoint['optimizer'])} optimizers, this run "
+                              f"{len(optimizers)}")
+    for o, state in zip(optimizers, checkpoint["optimizer"]):
+        own = o.state_dict()["param_groups"]
+        try:
+            o.load_state_dict({"state": state["state"], "param_groups": state["param_groups"] + own[len(state["param_groups"]):]})
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"the optimizer state of {checkpoint['forked']} does not fit this run's: {e}") from None
+
+
+def open_metrics(path, resumed_step, source=None):
+    """metrics.jsonl for appending, holding this run's records only: a new run starts it afresh; a
+    resumed one keeps the records up to its checkpoint's step (what came later is redone), and a forked
+    one those of the run it forks from (source). The kept lines are written to a temporary file renamed
+    over the old one: a crash keeps one or the other."""
+    keep, source = [], source or path
+    if resumed_step is not None and os.path.exists(source):
+        with open(source) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["iter"] <= resumed_step:
+                        keep.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+                    pass
+    write_text(path, "".join(keep))
+    try:
+        return open(path, "a")
+    except OSError as e:
+        raise CheckpointError(f"cannot open {path}: {e.strerror}") from None
+
+
+def start_run(out_dir, run_info, resumed_step, new, forked=None):
+    """What a run writes into out_dir before its first step (rank 0; an evaluation, eval_only, writes
+    nothing): a new run first removes the checkpoint it replaces (--overwrite), so that a kill before
+    its first save cannot leave that checkpoint to be resumed as this run's; a divergence record goes
+    (the run is tried again); metrics.jsonl keeps this run's records (open_metrics; forked: the path
+    of the checkpoint it forks from, whose run's records it continues); config.json is run_info,
+    written atomically. Returns metrics.jsonl opened for appending."""
+    if new:
+        for path in paths(out_dir):
+            remove(path)
+    if os.path.exists(os.path.join(out_dir, DIVERGED)):
+        os.remove(os.path.join(out_dir, DIVERGED))
+    metrics = open_metrics(os.path.join(out_dir, "metrics.jsonl"), resumed_step,
+                           source=forked and os.path.join(os.path.dirname(forked), "metrics.jsonl"))
+    write_text(os.path.join(out_dir, "config.json"), json.dumps(run_info, indent=1))
+    return metrics

@@ -14,8 +14,10 @@ import ast
 import difflib
 import os
 
+from util import UserError
 
-class ConfigError(Exception):
+
+class ConfigError(UserError):
     """Bad user input; the message is one line that says what to do."""
 
 

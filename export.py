@@ -4,7 +4,7 @@
     python export.py --out_dir=out --format=auto,auto-int,mxfp8_e4m3,mxfp6_e3m2,mxfp4,int4,int3
     python export.py --out_dir=out --format=auto-int,error-int,int3 --bits_per_weight=3.0   # mixed int2/3/4
 
-Reads <out_dir>/ckpt.pt (written by train.py) and
+Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoint.read) and
 1. reports the learned bitwidths b_t (one per 32x32 block, Eq. 11) per layer role and overall, as
    the paper's Fig. 5: their distribution and the share of weights in each tier of Table C.
    Printed, and written to bitwidths.json and bitwidths.png beside the exported files;
@@ -40,7 +40,6 @@ import math
 import os
 import struct
 import sys
-from contextlib import nullcontext
 from dataclasses import fields
 
 import numpy as np
@@ -48,15 +47,14 @@ import torch
 
 import checkpoint
 import gaussws
-import train
-from configurator import ConfigError, configure
-from data.common import unusable_dir, write_atomic
+from configurator import configure
+from data import loader
+from data.common import DataError, unusable_dir
 from formats import (BY_NAME, FORMATS, block_weights, budget_format_ids, dequantize_blocks, from_blocks,
                      quantize_blocks, to_blocks)
 from kernels import BL
 from model import GPT, ROLES, ModelConfig
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
+from util import UserError, cli, first_line, write_atomic
 
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
@@ -78,7 +76,7 @@ DEFAULTS = dict(
 # -----------------------------------------------------------------------------------------------
 
 
-class ExportError(Exception):
+class ExportError(UserError):
     """Bad input or an unusable checkpoint; the message is one line that says what to do."""
 
 
@@ -169,27 +167,6 @@ def dequantize_weight(tensors, m, n):
 
 # --- the checkpoint --------------------------------------------------------------------------
 
-def read_checkpoint(path):
-    """(state_dict, architecture args, pqt settings, train config, iter_num) of a train.py checkpoint.
-
-    Reads both layouts: method/b_init/b_target under "pqt", or (older checkpoints) inside model_args.
-    """
-    if not os.path.lexists(path):
-        raise ExportError(f"no checkpoint at {path}: train one (python train.py --out_dir="
-                          f"{os.path.dirname(path) or '.'}) or point --out_dir at a directory that holds ckpt.pt")
-    try:
-        ckpt = checkpoint.load_model(path)  # verified first; a sharded (FSDP) checkpoint gathered here
-    except checkpoint.CheckpointError as e:
-        raise ExportError(str(e)) from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        raise ExportError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
-    arch_args, pqt = dict(ckpt["model_args"]), dict(ckpt.get("pqt") or {})
-    for key in ("method", "b_init", "b_target"):
-        if key in arch_args:
-            pqt.setdefault(key, arch_args.pop(key))
-    return ckpt["model"], arch_args, pqt, dict(ckpt.get("config") or {}), ckpt.get("iter_num")
-
-
 def layer_roles(arch):
     """Module path inside a transformer block (transformer.h.<i>.<path>) -> the layer's role."""
     return ROLES[arch]
@@ -224,8 +201,7 @@ def build_model(state_dict, arch_args):
         model = GPT(ModelConfig(**arch_args))
         result = model.load_state_dict(state_dict, strict=False)
     except (TypeError, ValueError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExportError(f"the checkpoint does not fit this project's model: {first}")
+        raise ExportError(f"the checkpoint does not fit this project's model: {first_line(e)}")
     unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", ".format_ids"))]
     if result.missing_keys or unexpected:
         raise ExportError(f"the checkpoint does not fit this project's model: missing {result.missing_keys[:3]}, "
@@ -239,8 +215,6 @@ def learned_bitwidths(state_dict, pqt):
     Eq. 11: b_t = b_target + b_i (b_init - b_target), b_i saved beside each PQT layer's weight.
     """
     b_i = {k[:-len(".b_i")]: v for k, v in state_dict.items() if k.endswith(".b_i")}
-    if b_i and not {"b_init", "b_target"} <= set(pqt):
-        raise ExportError("the checkpoint has b_i but no b_init/b_target, so its bitwidths b_t are unknown")
     b_t = {name: gaussws.eq11_float64(v, pqt["b_init"], pqt["b_target"]) for name, v in b_i.items()}
     for name, v in b_t.items():
         if not torch.isfinite(v).all():
@@ -577,34 +551,20 @@ def load(path, device="cpu"):
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise ExportError(f"cannot read {path}: {e.strerror}")
+        raise ExportError(f"cannot read {path}: {first_line(e)}")
     return rebuild(data, device, where=path)
 
 
 # --- evaluation ----------------------------------------------------------------------------------
 
-def eval_batches(config, block_size, eval_iters):
-    """train.py's evaluation batches of the val split: for k < eval_iters, batch_size windows of
-    block_size + 1 tokens drawn by batch_generator(seed, "val", "eval", k)."""
-    data_dir = os.path.join(ROOT, "data", config["dataset"])  # a path stays a path, as in train.py
-    meta = train.read_meta(data_dir)
-    data = train.open_split(data_dir, "val", meta, block_size)
-    return [train.get_batch(data, (config["seed"], "val", "eval", k), batch_size=config["batch_size"],
-                            block_size=block_size, device="cpu") for k in range(eval_iters)]
-
-
-@torch.no_grad()
-def val_loss(model, batches, dtype, device):
-    """Mean loss over the batches, with train.py's autocast (dtype "bfloat16" or "float32")."""
-    model.eval()
-    device_type = torch.device(device).type
-    autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-    total = 0.0
-    for x, y in batches:
-        with autocast:
-            _, loss = model(x.to(device), y.to(device))
-        total += loss.item()
-    return total / len(batches)
+def run_val_loss(config, meta, block_size, eval_iters, device):
+    """model -> its val loss on the batches of its run's evaluation (seed, "val", "eval", k), k <
+    eval_iters, by train.py's own estimator (data/loader.py) with the run's autocast dtype."""
+    data = loader.open_split(loader.data_dir(config["dataset"]), "val", meta, block_size)
+    autocast = loader.autocast_for(config["dtype"], device)
+    return lambda model: loader.estimate_loss(model, {"val": data}, seed=config["seed"], eval_iters=eval_iters,
+                                              batch_size=config["batch_size"], block_size=block_size, device=device,
+                                              autocast=autocast)["val"]
 
 
 # --- the command ---------------------------------------------------------------------------------
@@ -665,7 +625,7 @@ def check_args(cfg):
 
 
 def write_output(path, data):
-    """bytes to path atomically (data.common.write_atomic): a full disk is one line, the old file kept."""
+    """bytes to path atomically (util.write_atomic): a full disk is one line, the old file kept."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_atomic(path, data)
@@ -679,10 +639,8 @@ def main(argv):
     configure(cfg, argv)
     formats, export_dir, paths = check_args(cfg)
 
-    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
-    if not os.path.lexists(ckpt_path) and os.path.lexists(os.path.join(cfg["out_dir"], "ckpt.dcp")):
-        ckpt_path = os.path.join(cfg["out_dir"], "ckpt.dcp")  # sharded, written by an FSDP run
-    state_dict, arch_args, pqt, train_config, iter_num = read_checkpoint(ckpt_path)
+    ckpt = checkpoint.read(cfg["out_dir"])  # verified first; a sharded (FSDP) checkpoint gathered here
+    ckpt_path, state_dict, arch_args, pqt, iter_num = (ckpt[k] for k in ("path", "model", "model_args", "pqt", "iter_num"))
     model = build_model(state_dict, arch_args)
     for key, value in model.state_dict().items():
         if not torch.isfinite(value).all():
@@ -698,24 +656,24 @@ def main(argv):
         notes.append(f"{ckpt_path} has no PQT layers (method {pqt.get('method', 'bf16')!r}), so auto and auto-int have "
                      f"no learned b_t to choose a format from: they keep its block Linears in bf16")
 
-    config = train_config
+    config = ckpt["config"]
     lacking = [k for k in ("dataset", "seed", "batch_size", "eval_iters", "dtype") if k not in config]
     if cfg["evaluate"] and lacking:
         raise ExportError(f"{ckpt_path} does not record {', '.join(lacking)} of its run, so train.py's evaluation "
                           f"batches cannot be drawn again; pass --evaluate=False to export without the loss")
     meta = None
     try:
-        meta = train.read_meta(os.path.join(ROOT, "data", config["dataset"])) if "dataset" in config else None
-    except ConfigError:
+        meta = loader.read_meta(loader.data_dir(config["dataset"])) if "dataset" in config else None
+    except DataError:
         if cfg["evaluate"]:
             raise
     if cfg["gguf"]:
         import export_gguf  # needs the gguf package, and only here
         gguf_plan = export_gguf.plan(model, quantized, meta, config, formats, export_dir, cfg)
-    batches = None
     if cfg["evaluate"]:
-        batches = eval_batches(config, model.config.block_size, cfg["eval_iters"] or config["eval_iters"])
-        reference = val_loss(model.to(cfg["device"]), batches, config["dtype"], cfg["device"])
+        eval_iters = cfg["eval_iters"] or config["eval_iters"]
+        val_loss = run_val_loss(config, meta, model.config.block_size, eval_iters, cfg["device"])
+        reference = val_loss(model.to(cfg["device"]))
     report = bitwidth_report(b_t, shapes, linears, pqt) if b_t else None
     if report:
         write_output(os.path.join(export_dir, "bitwidths.json"), json.dumps(report, indent=1).encode())
@@ -745,22 +703,29 @@ def main(argv):
             write_output(paths[fmt_name], data)  # atomic: a crash leaves no half-written model file
         if cfg["evaluate"]:
             exported, _ = rebuild(data, cfg["device"])
-            loss = val_loss(exported, batches, config["dtype"], cfg["device"])
+            loss = val_loss(exported)
             result.update(val_loss=loss, val_loss_unquantized=reference, increase_pct=100 * (loss / reference - 1))
         if cfg["gguf"]:
             result["gguf"] = export_gguf.write(gguf_plan, fmt_name, data, log=None if cfg["json"] else print, evaluate=(
-                (lambda m: val_loss(m, batches, config["dtype"], cfg["device"])) if cfg["evaluate"] else None))
+                val_loss if cfg["evaluate"] else None))
         results.append(result)
 
+    summary = dict(checkpoint=ckpt_path, iter_num=iter_num, notes=notes, bitwidths=report, exports=results)
     if cfg["json"]:
-        print(json.dumps(dict(checkpoint=ckpt_path, iter_num=iter_num, notes=notes, bitwidths=report,
-                              exports=results), indent=1))
-        return
+        print(json.dumps(summary, indent=1))
+    else:
+        print_summary(summary, export_dir, cfg["plot"], (eval_iters, config["dtype"]) if cfg["evaluate"] else None)
+
+
+def print_summary(summary, export_dir, plot, evaluation):
+    """The tables of main's summary (what --json=True prints as one object); evaluation: (batches,
+    dtype) of the val losses, or None."""
+    ckpt_path, notes, report, results = (summary[k] for k in ("checkpoint", "notes", "bitwidths", "exports"))
     for note in notes:
         print(f"note: {note}")
     if report:
         print_bitwidths(report)
-        print(f"wrote {os.path.join(export_dir, 'bitwidths.json')}" + (" and bitwidths.png" if cfg["plot"] else ""))
+        print(f"wrote {os.path.join(export_dir, 'bitwidths.json')}" + (" and bitwidths.png" if plot else ""))
     else:
         print(f"{ckpt_path} has no PQT layers: no learned bitwidths to report")
     print(f"\n{'format':<12}{'bits/w':>8}{'file MB':>9}  mix (share of quantized weights)")
@@ -768,23 +733,13 @@ def main(argv):
         bpw = f"{r['bits_per_weight']:.3f}" if r["bits_per_weight"] is not None else "-"
         mix = ", ".join(f"{f} {100 * s:.1f}%" for f, s in r["share"].items())
         print(f"{r['format']:<12}{bpw:>8}{r['file_bytes'] / 1e6:>9.3f}  {mix}")
-    if cfg["evaluate"]:
-        print(f"\nval loss on {len(batches)} batches of train.py's evaluation ({config['dtype']}):")
+    if evaluation:
+        print(f"\nval loss on {evaluation[0]} batches of train.py's evaluation ({evaluation[1]}):")
         print(f"{'format':<12}{'val loss':>10}{'unquantized':>13}{'increase':>10}")
         for r in results:
             print(f"{r['format']:<12}{r['val_loss']:>10.4f}{r['val_loss_unquantized']:>13.4f}"
                   f"{r['increase_pct']:>9.2f}%")
 
 
-def cli(argv):
-    """main(argv) with bad input reported as one line on stderr and exit status 1."""
-    try:
-        main(argv)
-    except (ExportError, ConfigError) as e:
-        print(f"export.py: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(cli(main))

@@ -56,7 +56,9 @@ import torch
 import export
 import tokenizer
 from configurator import ConfigError, configure
+from data import loader
 from model import GPT, ModelConfig
+from util import cli, commit, temp_path
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 QK = 32  # weights per GGUF block of MXFP4, Q4_0, Q8_0: a row of one of our 32x32 blocks
@@ -397,8 +399,9 @@ def _add_header(writer, config, vocab):
 
 
 def _write_atomic(path, config, vocab, tensors):
-    """The GGUF file at path, written to path.tmp, synced, renamed: a crash leaves no half file."""
-    tmp = path + ".tmp"
+    """The GGUF file at path, written to a temporary file beside it (gguf's writer opens it by name),
+    synced, renamed (util.commit): a crash leaves no half file."""
+    tmp = temp_path(path)
     try:
         writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[ARCH[config.arch]])
         _add_header(writer, config, vocab)
@@ -408,9 +411,7 @@ def _write_atomic(path, config, vocab, tensors):
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        commit(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -541,7 +542,11 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
     import torch.nn.functional as F
     model, info = export.load(os.path.splitext(path)[0] + ".safetensors")
     config = info["config"]
-    batches = export.eval_batches(config, model.config.block_size, eval_iters or config["eval_iters"])
+    directory = loader.data_dir(config["dataset"])
+    data = loader.open_split(directory, "val", loader.read_meta(directory), model.config.block_size)
+    batches = [loader.eval_batch(data, "val", k, seed=config["seed"], batch_size=config["batch_size"],
+                                 block_size=model.config.block_size, device="cpu")
+               for k in range(eval_iters or config["eval_iters"])]
     llm = llama_cpp_model(path, model.config.block_size, plain_cpu)
     ours_nll = theirs_nll = worst = top = same = n = 0.0
     for x, y in batches:
@@ -577,8 +582,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ConfigError, export.ExportError) as e:
-        print(f"export_gguf.py: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(cli(main))

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from formats import BY_NAME, FORMATS, budget_format_ids, e8m0_exponents, int_scales, pow2
 from kernels import BL
 from kernels.torch_noise import Compiled
+from util import load_error
 
 METHODS = ("bf16", "gaussws", "diffq", "ste")
 GROUPS = {"all": None, "od": ("out", "down")}  # None: every role of the model
@@ -842,6 +843,25 @@ def build_optimizers(model, optimizer="adamw", roles=None, *, lr, betas, weight_
         elif role == "out":
             mini.attn_proj_names.add(key + ".")
     return [mini] + ([torch.optim.AdamW(bitwidth_group, lr=lr, betas=betas, **extra)] if b_i else [])
+
+
+def load_weights(model, state_dict):
+    """Load a state dict into a converted model: b_i the source lacks keep their fresh init (b_t =
+    b_init); b_i of layers the new method leaves plain are dropped; a budget's format_ids are never
+    taken (the new run chooses its own at its switch). Anything else must match, else ValueError
+    names what is missing and unexpected, or the shape that differs."""
+    own = model.state_dict()
+    state_dict = {k: v for k, v in state_dict.items() if (k in own or not k.endswith(".b_i"))
+                  and not k.endswith(".format_ids")}
+    try:
+        result = model.load_state_dict(state_dict, strict=False)
+    except RuntimeError as e:  # a shape that differs is an error even when not strict
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise ValueError(load_error(e)) from None
+    missing = [k for k in result.missing_keys if not k.endswith((".b_i", ".format_ids"))]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
 
 
 def ddp_ignored_parameters(model):

@@ -16,23 +16,21 @@ import glob
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 
-from tokenizer import reason  # "Type: first line" of an error's innermost cause
+import checkpoint
+from util import UserError, atomic_dir, cli, reason
 
 GPT2_HUB = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 SUPPORTED = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama2"}
 MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama2"}  # config.json without "architectures"
 GPT2_GELU = {"gelu": None, "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # HF activation -> ModelConfig.gelu
-PQT_KEYS = ("method", "b_init", "b_target")  # older checkpoints kept these in model_args: not architecture
 WEIGHT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 
 
-class HFError(ValueError):
+class HFError(UserError, ValueError):
     """A model that cannot be read or written: the message is one line for the user."""
 
 
@@ -282,7 +280,7 @@ def fit_pretrained(model_args, state_dict, requested, source="the pretrained mod
     for key, value in requested.items():
         if key == "dropout":
             args[key] = value
-        elif key in PQT_KEYS or value is None or value == args.get(key, value):  # None: not set
+        elif key in checkpoint.PQT_KEYS or value is None or value == args.get(key, value):  # None: not set
             continue
         elif key == "block_size" and 0 < value < args["block_size"]:
             args[key] = value
@@ -364,7 +362,7 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
     out_dir must not exist or be empty; it is written whole or not at all. Returns (the names of the
     files written, None or why no tokenizer files were written)."""
     from model import ModelConfig
-    args = {k: v for k, v in model_args.items() if k not in PQT_KEYS}
+    args = {k: v for k, v in model_args.items() if k not in checkpoint.PQT_KEYS}
     sd = {k.removeprefix("_orig_mod."): v.detach().cpu() for k, v in state_dict.items()
           if not k.endswith((".b_i", ".format_ids"))}
     _check_shapes(args, sd, "the checkpoint")
@@ -381,42 +379,23 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
     out_dir = os.path.abspath(out_dir)
     check_out(out_dir)
     from safetensors.torch import save_file
-    tmp = None
     try:
         os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(out_dir), prefix=f".{os.path.basename(out_dir)}.")
-        save_file({k: v.contiguous().clone() for k, v in out.items()}, os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})  # clone: safetensors refuses tensors that share memory
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
-        for name, blob in files.items():
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.write(blob)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty, checked above
-        os.replace(tmp, out_dir)
+        with atomic_dir(out_dir) as tmp:  # an empty out_dir, checked above, is replaced
+            save_file({k: v.contiguous().clone() for k, v in out.items()}, os.path.join(tmp, "model.safetensors"),
+                      metadata={"format": "pt"})  # clone: safetensors refuses tensors that share memory
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(hf, f, indent=2)
+            for name, blob in files.items():
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(blob)
     except OSError as e:
         raise HFError(f"cannot write {out_dir} ({e.strerror or e}): free space or choose another --out; nothing "
                       f"was written") from None
-    finally:
-        if tmp is not None and os.path.isdir(tmp):
-            shutil.rmtree(tmp)
     return sorted(["config.json", "model.safetensors", *files]), why
 
 
 # --- the command line -----------------------------------------------------------------------------
-
-def read_checkpoint(path):
-    """A training checkpoint (train.py's ckpt.pt), read without running pickled code."""
-    import checkpoint
-    try:
-        ckpt = checkpoint.load_model(path)  # verified first; ckpt.pt or a sharded ckpt.dcp
-    except checkpoint.CheckpointError as e:
-        raise HFError(str(e)) from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        raise HFError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
-    return ckpt
-
 
 def read_exported(path):
     """A file of export.py as a checkpoint dict: its model's dequantized weights, architecture and config."""
@@ -449,7 +428,8 @@ def data_tokenizer(ckpt, data_dir=None):
 
 def main(argv):
     p = argparse.ArgumentParser(description="Export a train.py checkpoint as a Hugging Face transformers directory.")
-    p.add_argument("--ckpt", default="out/ckpt.pt", help="the training checkpoint (ckpt.pt or ckpt.dcp), or a "
+    p.add_argument("--ckpt", default="out/ckpt.pt", help="the training checkpoint (ckpt.pt, ckpt.dcp, or a run "
+                   "directory holding one), or a "
                    "low-precision file of export.py (.safetensors: its dequantized weights) (default: %(default)s)")
     p.add_argument("--out", required=True, help="the directory to write (must not exist, or be empty)")
     p.add_argument("--data_dir", help="where the data's meta.json and tokenizer files are (default: "
@@ -457,7 +437,7 @@ def main(argv):
     args = p.parse_args(argv)
     import tokenizer
     check_out(args.out)  # before reading the checkpoint
-    ckpt = read_exported(args.ckpt) if args.ckpt.endswith(".safetensors") else read_checkpoint(args.ckpt)
+    ckpt = read_exported(args.ckpt) if args.ckpt.endswith(".safetensors") else checkpoint.read(args.ckpt)
     try:
         tok, why = data_tokenizer(ckpt, args.data_dir)
     except tokenizer.TokenizerError as e:
@@ -468,8 +448,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except HFError as e:
-        print(f"hf.py: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(cli(main))

@@ -21,6 +21,8 @@ import math
 import os
 import sys
 
+from util import UserError, cli
+
 FIGSIZE, DPI = (12.0, 4.5), 100  # 1200 x 450 pixels
 # config.json keys that do not change what a run computes (or only its seed): runs that differ only
 # in these are seeds of one setting.
@@ -33,7 +35,7 @@ NEEDED = ("method", "learning_rate", "optimizer", "b_init", "b_target", "bitwidt
           "n_embd", "dataset", "max_iters", "batch_size", "block_size", "gradient_accumulation_steps")
 
 
-class PlotError(Exception):
+class PlotError(UserError):
     """Bad input; the message is one line."""
 
 
@@ -365,8 +367,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except PlotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(cli(main))

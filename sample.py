@@ -14,9 +14,9 @@ import torch
 
 import checkpoint
 import gaussws
-from configurator import ConfigError, configure
+from configurator import configure
 from model import GPT, ROLES, ModelConfig
-from train import checkpoint_args
+from util import UserError, cli, first_line
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -34,7 +34,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:
 CONFIG_KEYS = ("init_from", "out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed", "device")
 
 
-class UsageError(Exception):
+class UsageError(UserError):
     """Something the user can fix; reported as one line, no traceback."""
 
 
@@ -52,29 +52,17 @@ def load_tokenizer(meta):
 
 def load_checkpoint(out_dir, device):
     """(model in eval mode, checkpoint dict) from <out_dir>/ckpt.pt, or from the sharded
-    checkpoint <out_dir>/ckpt.dcp of an FSDP run; verified before it is loaded (checkpoint.py)."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    if not os.path.exists(path) and os.path.lexists(os.path.join(out_dir, "ckpt.dcp")):
-        path = os.path.join(out_dir, "ckpt.dcp")
-    if not os.path.lexists(path):
-        raise UsageError(f"no checkpoint at {path}: train one (python train.py --out_dir={out_dir}) "
-                         f"or point --out_dir at a directory that holds ckpt.pt")
+    checkpoint <out_dir>/ckpt.dcp of an FSDP run; verified before it is loaded (checkpoint.read)."""
+    ckpt = checkpoint.read(out_dir)
+    path, pqt = ckpt["path"], ckpt["pqt"]
     try:
-        ckpt = checkpoint.load_model(path, map_location="cpu")
-    except checkpoint.CheckpointError as e:
-        raise UsageError(str(e)) from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        raise UsageError(f"{path} is not a checkpoint of train.py: it lacks 'model' or 'model_args'")
-    try:
-        model_args, pqt = checkpoint_args(ckpt)
-        model = GPT(ModelConfig(**model_args))
+        model = GPT(ModelConfig(**ckpt["model_args"]))
         gaussws.convert(model, pqt["method"], ROLES[model.config.arch], b_init=pqt["b_init"], b_target=pqt["b_target"],
                         fmt=pqt["target_format"], ste_start=int(pqt["ste_start"]),
                         bits_per_weight=pqt["bits_per_weight"])
         model.load_state_dict(ckpt["model"])
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path} is not a checkpoint of this project's model: {first}")
+        raise UsageError(f"{path} is not a checkpoint of this project's model: {first_line(e)}")
     model.eval()  # also turns the PQT noise off: eval-mode PQTLinear is a plain Linear
     return model.to(device), ckpt
 
@@ -139,7 +127,7 @@ def main(argv):
             with open(prompt[5:], encoding="utf-8") as f:
                 prompt = f.read()
         except OSError as e:
-            raise UsageError(f"cannot read the prompt file {prompt[5:]}: {e.strerror}")
+            raise UsageError(f"cannot read the prompt file {prompt[5:]}: {first_line(e)}")
         except UnicodeDecodeError as e:
             raise UsageError(f"the prompt file {prompt[5:]} is not UTF-8 text (byte {e.start}); save it as UTF-8")
     ids = encode(prompt)
@@ -159,8 +147,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (UsageError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(cli(main))

@@ -42,6 +42,7 @@ import time
 
 import checkpoint as ckpt_io
 import plot
+from util import UserError, cli
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 GPT2, LLAMA2 = "config/mini_gpt2.py", "config/mini_llama2.py"
@@ -187,7 +188,7 @@ STUDY_LOCK = ".study.lock"  # a runner's lock of a run directory (train.py's own
 BUSY = "busy"  # train_one: another process holds the run
 
 
-class StudyError(Exception):
+class StudyError(UserError):
     """Bad input or a state the runner will not touch; the message is one line."""
 
 
@@ -890,10 +891,7 @@ def main(argv):
 
 if __name__ == "__main__":
     try:
-        sys.exit(main(sys.argv[1:]))
-    except (StudyError, plot.PlotError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(cli(main))
     except KeyboardInterrupt:
         print("\ninterrupted; run the same command again to resume", file=sys.stderr)
         sys.exit(130)

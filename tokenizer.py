@@ -13,22 +13,15 @@ the tokenizer's own end-of-sequence token (<|endoftext|> for tiktoken, </s> for 
 import json
 import os
 
+from util import UserError, reason
+
 TIKTOKEN_EOT = "<|endoftext|>"
 # the files a Hugging Face tokenizer directory may hold that we read; a hub download fetches these only
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """A tokenizer that cannot be used or reached: the message is one line for the user."""
-
-
-def reason(e):
-    """'Type: first line' of the innermost cause, the part a user can act on."""
-    while e.__cause__ is not None:
-        e = e.__cause__
-    line = (str(e).strip().splitlines() or [""])[0]
-    line = line if len(line) <= 160 else line[:160] + "..."
-    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 class Tokenizer:

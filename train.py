@@ -9,31 +9,36 @@ Data parallel, one node of 8 GPUs (gloo on CPU, nccl on CUDA):
 Several nodes, e.g. 2 x 8 GPUs (run on each node, --node_rank=0 on the master):
     torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 train.py ...
 
-It reads top to bottom: config, distributed set-up, data, model, convert, optimizer, loop. Every
-run is reproducible from its seed: the initial weights do not depend on the method (the model is
-built plain, then gaussws.convert swaps Linears without drawing random numbers), the batches of
+_main reads top to bottom as nanoGPT's train.py does: config, distributed set-up, data, the model
+and its optimizers (build: the model built plain, converted, sharded, the optimizers, the resumed
+state), logging, and the loop with its decisions (evaluate, save, stop); the optimizer step itself
+is step.py's. The functions above _main are its named steps, in the order it takes them.
+
+Every run is reproducible from its seed: the initial weights do not depend on the method (the model
+is built plain, then gaussws.convert swaps Linears without drawing random numbers), the batches of
 step i are a function of (seed, i) and the noise of step i a function of (seed, layer, i), so a
 resumed run repeats an uninterrupted one exactly, and the global batch (and so the loss) does not
 depend on the number of processes.
 """
-import ctypes
-import hashlib
 import json
 import math
 import os
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import asdict, fields
+from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 import checkpoint as ckpt_io
 import gaussws
+import hf
 from configurator import ConfigError, configure
-from data.common import DataError, load_meta
+from data import loader
 from model import GPT, PRESETS, ROLES, ModelConfig
+from step import NonFinite, all_finite, train_step
+from util import cli, keep_freed_cpu_memory
 
 # -----------------------------------------------------------------------------------------------
 # default config values: a small gaussws[all] GPT2 on the offline default corpus
@@ -106,19 +111,22 @@ parallel = "ddp"  # how torchrun processes share the work: "ddp" (replicated) or
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 MODEL_KEYS = [f.name for f in fields(ModelConfig)]
-PQT_KEYS = ("method", "b_init", "b_target", "pqt_start", "target_format", "ste_start", "bits_per_weight")  # ckpt's "pqt"
 
 
 def fail(msg):
     raise ConfigError(msg)
 
 
+EXIT_DIVERGED = 3
+
+
 class Diverged(ConfigError):
     """The run stopped because it diverged (a result of its settings, not bad input): one line,
     exit status EXIT_DIVERGED, and out_dir/diverged.json names the step and what went wrong."""
 
+    exit_status = EXIT_DIVERGED
 
-EXIT_DIVERGED = 3
+
 # A model is kept (trained on, saved) only while every evaluation finds it sane: its eval losses
 # and weights finite; after its first step its val loss at most ln(vocab_size) + VAL_LOSS_MARGIN
 # nats, where a model that predicts every token uniformly scores ln(vocab_size) and an untrained one
@@ -142,299 +150,6 @@ def insanity(losses, b_t, vocab_size, b_floor, trained):
     return None
 
 
-def keep_freed_cpu_memory():
-    """Make glibc keep freed memory for reuse instead of returning it to the OS.
-
-    By default every tensor over 32 MB is a fresh mmap, so each CPU step page-faults (and the kernel
-    zeroes) its activations and logits again: a large part of a GPT2-124M step on a CPU, and of its
-    step-to-step jitter. The process then keeps its peak memory, as the CUDA caching allocator does
-    on GPUs. Returns False (and changes nothing) where libc has no mallopt.
-    """
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, Windows, ...)
-        return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-
-
-# --- data ----------------------------------------------------------------------------------------
-
-def prepare_hint(data_dir):
-    """How to (re)make a dataset: its prepare.py where it has one."""
-    script = os.path.join(data_dir, "prepare.py")
-    if os.path.isfile(script):
-        return f"python {os.path.relpath(script) if not os.path.isabs(data_dir) else script}"
-    return f"write train.bin, val.bin and meta.json into {data_dir} (it has no prepare.py)"
-
-
-def read_meta(data_dir):
-    """meta.json of a prepared dataset, checked against its .bin files (data.common.load_meta)."""
-    try:
-        return load_meta(data_dir)
-    except DataError as e:
-        fail(f"{e}: {prepare_hint(data_dir)}")
-
-
-def open_split(data_dir, split, meta, block_size):
-    path = os.path.join(data_dir, f"{split}.bin")
-    dt = np.dtype(meta.get("dtype", "uint16"))
-    if not os.path.exists(path):
-        fail(f"{path} not found; prepare the data first: {prepare_hint(data_dir)}")
-    size = os.path.getsize(path)
-    if size % dt.itemsize:
-        fail(f"{path} is corrupt ({size} bytes, not a whole number of {dt.name} tokens); prepare the data again: "
-             f"{prepare_hint(data_dir)}")
-    if size // dt.itemsize <= block_size + 1:
-        fail(f"{path} holds {size // dt.itemsize} tokens, too few for block_size={block_size}: "
-             f"use --block_size below {max(size // dt.itemsize - 1, 1)}, or prepare more data")
-    return np.memmap(path, dtype=dt, mode="r")
-
-
-def batch_generator(*key):
-    """A torch.Generator seeded by a tuple: the sampler's state is the step, nothing to save.
-
-    blake2b rather than hash(): str hashes differ between processes (PYTHONHASHSEED)."""
-    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-
-
-def get_batch(data, key, *, batch_size, block_size, device):
-    """batch_size random windows of block_size (+1) tokens of `data`, drawn by batch_generator(*key):
-    training micro-steps use key (seed, "train", step, micro-step), evaluation (seed, split, "eval", k)."""
-    T = block_size
-    ix = torch.randint(len(data) - T - 1, (batch_size,), generator=batch_generator(*key)).tolist()
-    x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in ix])
-    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
-    if torch.device(device).type == "cuda":  # pinned and non-blocking: the copy overlaps the compute
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
-
-
-@torch.no_grad()
-def estimate_loss(model, splits, *, seed, eval_iters, batch_size, block_size, device, autocast=nullcontext(),
-                  rank=0, world_size=1):
-    """{split: mean loss} on the fixed batches (seed, split, "eval", k), k < eval_iters, noise off.
-
-    The batches are shared out over the processes; every rank runs the same number of forwards
-    (FSDP forwards are collective) and batches past eval_iters count zero, so the result does not
-    depend on the world size.
-    """
-    was_training = model.training
-    model.eval()
-    out = {}
-    for split, data in splits.items():
-        total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of losses, count
-        for k in range(rank, -(-eval_iters // world_size) * world_size, world_size):
-            x, y = get_batch(data, (seed, split, "eval", k), batch_size=batch_size, block_size=block_size,
-                             device=device)
-            with autocast:
-                _, loss = model(x, y)
-            if k < eval_iters:
-                total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=device)])
-        if world_size > 1:
-            torch.distributed.all_reduce(total)
-        out[split] = (total[0] / total[1]).item()
-    model.train(was_training)
-    return out
-
-
-def get_lr(it, c):
-    """The learning rate of step `it` under config `c`: linear warmup to learning_rate, cosine decay to
-    min_lr at lr_decay_iters (learning_rate throughout without decay_lr)."""
-    if not c["decay_lr"]:
-        return c["learning_rate"]
-    if it < c["warmup_iters"]:
-        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
-    if it > c["lr_decay_iters"]:
-        return c["min_lr"]
-    ratio = (it - c["warmup_iters"]) / max(1, c["lr_decay_iters"] - c["warmup_iters"])
-    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
-
-
-# --- checkpoints ------------------------------------------------------------------------------------
-
-def checkpoint_paths(out_dir):
-    """A run's checkpoint: ckpt.pt (one file, written by rank 0) or, under FSDP, ckpt.dcp (sharded:
-    each process writes its own part, checkpoint.save_sharded)."""
-    return os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "ckpt.dcp")
-
-
-def find_checkpoint(out_dir):
-    """The checkpoint in out_dir (ckpt.pt before ckpt.dcp), or None."""
-    return next((p for p in checkpoint_paths(out_dir) if os.path.lexists(p)), None)
-
-
-def load_checkpoint(path, header_only=False):
-    """The checkpoint dict at `path`, verified (checkpoint.py) and loaded to CPU with weights_only=True;
-    one line for a missing, corrupt or foreign file. header_only: of a sharded checkpoint, everything
-    but the tensors (the model and optimizers are then loaded in place, checkpoint.load_sharded)."""
-    try:
-        if header_only and os.path.isdir(path):
-            checkpoint = {**ckpt_io.load_header(path), "sharded": path}
-        else:
-            checkpoint = ckpt_io.load_model(path)
-    except ckpt_io.CheckpointError as e:
-        fail(str(e))
-    if not isinstance(checkpoint, dict) or "model_args" not in checkpoint:
-        fail(f"{path} is not a checkpoint of train.py: it lacks 'model_args'")
-    return checkpoint
-
-
-def checkpoint_args(checkpoint):
-    """(model_args, pqt) of a checkpoint: the architecture (ModelConfig's fields) and the method
-    {"method", "b_init", "b_target"}. Older checkpoints kept the method inside model_args."""
-    model_args = dict(checkpoint["model_args"])
-    pqt = {k: model_args.pop(k) for k in PQT_KEYS if k in model_args}
-    unknown = sorted(set(model_args) - set(MODEL_KEYS))
-    if unknown:
-        fail(f"the checkpoint's model_args hold {', '.join(map(repr, unknown))}, which this code's model does not "
-             f"have (expected fields of model.ModelConfig: {', '.join(MODEL_KEYS)})")
-    pqt = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, "pqt_start": 0.0, "target_format": "", "ste_start": 0.0,
-           "bits_per_weight": 0.0, **pqt,
-           **checkpoint.get("pqt", {})}
-    return model_args, pqt
-
-
-def resolve_init(init_from, out_dir, requested):
-    """(model_args, state_dict) of the weights a run starts from: a checkpoint of train.py (ckpt.pt,
-    ckpt.dcp, or an out_dir holding one), a Hugging Face model directory, or a GPT-2 of the hub.
-    requested: the shape keys the user set (a pretrained GPT-2's block_size may shrink)."""
-    path = init_from
-    if os.path.isdir(init_from) and not is_checkpoint_dir(init_from):
-        if os.path.isfile(os.path.join(init_from, "config.json")) and not find_checkpoint(init_from):
-            return pretrained(init_from, requested)  # a Hugging Face model directory
-        path = find_checkpoint(init_from)
-    elif not os.path.exists(init_from) and init_from in HF_NAMES:
-        return pretrained(init_from, requested)
-    if not path or not os.path.exists(path):
-        fail(f"init_from={init_from!r}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, a "
-             f"Hugging Face model directory, or one of {', '.join(HF_NAMES)}")
-    if os.path.realpath(path) in map(os.path.realpath, checkpoint_paths(out_dir)):
-        fail(f"init_from={init_from!r} is this run's own checkpoint: continue it with --init_from=resume, "
-             f"or write the new run to another --out_dir")
-    checkpoint = load_checkpoint(path)
-    model_args, _ = checkpoint_args(checkpoint)
-    return model_args, checkpoint["model"]
-
-
-HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # nanoGPT's init_from names (the hub's GPT-2)
-
-
-def is_checkpoint_dir(path):
-    """A sharded checkpoint (ckpt.dcp) rather than an out_dir or a model directory."""
-    return os.path.isfile(os.path.join(path, ckpt_io.HEADER))
-
-
-def pretrained(name_or_dir, requested):
-    """(model_args, state_dict) of a Hugging Face GPT2LMHeadModel / LlamaForCausalLM (hf.py)."""
-    import hf
-    try:
-        model_args, state_dict = hf.load_pretrained(name_or_dir)
-        return hf.fit_pretrained(model_args, state_dict, requested, source=f"init_from={name_or_dir}")
-    except hf.HFError as e:
-        fail(str(e))
-
-
-def load_weights(model, state_dict):
-    """Load a state dict into a converted model: b_i the source lacks keep their fresh init (b_t =
-    b_init); b_i of layers the new method leaves plain are dropped; a budget's format_ids are never
-    taken (the new run chooses its own at its switch). Anything else must match."""
-    own = model.state_dict()
-    state_dict = {k: v for k, v in state_dict.items() if (k in own or not k.endswith(".b_i"))
-                  and not k.endswith(".format_ids")}
-    try:
-        result = model.load_state_dict(state_dict, strict=False)
-    except RuntimeError as e:  # a shape that differs is an error even when not strict
-        if isinstance(e, torch.OutOfMemoryError):
-            raise
-        fail(f"the init_from checkpoint does not fit the model: {load_error(e)}")
-    missing = [k for k in result.missing_keys if not k.endswith((".b_i", ".format_ids"))]
-    if missing or result.unexpected_keys:
-        fail(f"the init_from checkpoint does not fit the model: missing {missing[:3]}, unexpected "
-             f"{result.unexpected_keys[:3]}")
-
-
-def load_state(model, optimizers, checkpoint, fsdp):
-    if len(checkpoint["optimizer"]) != len(optimizers):
-        fail(f"the checkpoint has {len(checkpoint['optimizer'])} optimizer state(s), this run {len(optimizers)}: "
-             f"resume with the optimizer it was trained with")
-    try:
-        if not fsdp:
-            model.load_state_dict(checkpoint["model"])
-            for o, state in zip(optimizers, checkpoint["optimizer"]):
-                o.load_state_dict(state)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, checkpoint["model"], options=options)
-        for o, state in zip(optimizers, checkpoint["optimizer"]):
-            set_optimizer_state_dict(model, o, state, options=options)
-    except (RuntimeError, ValueError, KeyError) as e:
-        if isinstance(e, torch.OutOfMemoryError):
-            raise
-        fail(f"the checkpoint's weights do not fit the model its model_args describe ({load_error(e)}): it cannot "
-             f"be resumed; start a new run with --overwrite=True or use another --out_dir")
-
-
-def load_error(e):
-    """The telling line of a load_state_dict error (its first line only says that loading failed)."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-    return lines[1 if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else 0][:300]
-
-
-def all_finite(model, distributed):
-    """Whether every parameter is finite on every process (each checks its own shard under FSDP)."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    ok = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
-    if distributed:
-        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
-    return bool(ok)
-
-
-def kept(saved_step, ckpt_path):
-    """What a stopped run leaves behind, named truthfully."""
-    if saved_step is None:
-        return "this run wrote no checkpoint"
-    return f"the last good checkpoint is {ckpt_path}, step {saved_step}"
-
-
-def open_metrics(path, resumed_step, source=None):
-    """metrics.jsonl for appending, holding this run's records only: a new run starts it afresh; a
-    resumed one keeps the records up to its checkpoint's step (what came later is redone), and a forked
-    one those of the run it forks from (source). The kept lines are written to a temporary file renamed
-    over the old one: a crash keeps one or the other."""
-    keep, source = [], source or path
-    if resumed_step is not None and os.path.exists(source):
-        with open(source) as f:
-            for line in f:
-                try:
-                    if json.loads(line)["iter"] <= resumed_step:
-                        keep.append(line if line.endswith("\n") else line + "\n")
-                except (ValueError, KeyError, TypeError):  # a line cut short by a crash
-                    pass
-    try:
-        ckpt_io.write_text(path, "".join(keep))
-        return open(path, "a")
-    except ckpt_io.CheckpointError as e:
-        fail(str(e))
-    except OSError as e:
-        fail(f"cannot open {path}: {e.strerror}")
-
-
-def save_checkpoint(state, path, model=None, optimizers=None):
-    """Atomic and verifiable (checkpoint.py): a crash, a full disk or a second writer leaves the
-    previous checkpoint whole. With model and optimizers (FSDP, every process calls it) the tensors
-    are written sharded and `state` is the rest."""
-    try:
-        if model is not None:
-            ckpt_io.save_sharded(path, model, optimizers, state)
-        else:
-            ckpt_io.save(state, path)
-    except ckpt_io.CheckpointError as e:
-        fail(f"{e}; the run stops here")
-
-
 # --- config ------------------------------------------------------------------------------------------
 
 def validate(c, explicit):
@@ -450,6 +165,9 @@ def validate(c, explicit):
             fail(f"{k}={c[k]!r}: expected one of {', '.join(accepted)}")
     if c["init_from"] == "":
         fail("init_from='': expected 'scratch', 'resume', or a ckpt.pt or an out_dir holding one")
+    if c["fork_from"] and c["init_from"] != "scratch":
+        fail(f"fork_from starts a new run from {c['fork_from']}: it goes with --init_from=scratch, not "
+             f"{c['init_from']!r}")
     if c["model"] and c["model"] not in PRESETS:
         fail(f"model={c['model']!r} is not a preset; expected one of {', '.join(PRESETS)} or '' (set the shape by hand)")
     at_least = dict(batch_size=1, gradient_accumulation_steps=1, eval_iters=1, eval_interval=1, log_interval=1,
@@ -480,112 +198,7 @@ def validate(c, explicit):
     if dev.type == "cuda" and not torch.cuda.is_available():
         fail(f"device={c['device']!r}, but torch finds no CUDA GPU here; use --device=cpu")
     if not c["dry_run"]:
-        out = os.path.abspath(c["out_dir"])
-        if os.path.exists(out) and not os.path.isdir(out):
-            fail(f"out_dir={c['out_dir']!r} is a file; expected a directory (or a path where one can be made)")
-        parent = out
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            fail(f"out_dir={c['out_dir']!r}: {parent} is not a writable directory; choose another --out_dir")
-
-
-# What a phase run may set otherwise than the bf16 run it forks from: the method and its settings,
-# which change nothing before the switch (the layers are plain Linears, b_i get no gradient), and
-# what is not training (the run's length beyond the fork step, evaluation, logging, files).
-FORK_FREE = {"method", "b_init", "b_target", "pqt_start", "target_format", "ste_start", "bits_per_weight",
-             "bitwidth_weight_decay", "bitwidth_lambda", "recompute_w_hat", "max_iters", "eval_interval",
-             "log_interval", "eval_iters", "always_save_checkpoint", "save_checkpoints", "out_dir", "init_from",
-             "fork_from", "overwrite", "dry_run", "eval_only", "wandb_log", "wandb_project", "wandb_run_name",
-             "wandb_mode"}
-
-
-def fork_checkpoint(c):
-    """The checkpoint a phase run forks from (fork_from): a bf16 run's, at a step <= this run's
-    pqt_start, trained with this run's settings but FORK_FREE's. Until its switch a phase run is that
-    run bit for bit, so continuing it gives the losses the whole phase run would have had, without
-    training the shared steps again (study.py's deploy study)."""
-    path = c["fork_from"]
-    if c["init_from"] != "scratch":
-        fail(f"fork_from starts a new run from {path}: it goes with --init_from=scratch, not {c['init_from']!r}")
-    if not os.path.isfile(path):
-        fail(f"fork_from={path!r}: expected the ckpt.pt file of a bf16 run (not a directory or a sharded checkpoint)")
-    checkpoint = load_checkpoint(path)
-    theirs, step = dict(checkpoint.get("config") or {}), checkpoint.get("iter_num")
-    if checkpoint_args(checkpoint)[1]["method"] != "bf16":
-        fail(f"fork_from={path!r} is a {checkpoint_args(checkpoint)[1]['method']} run; a phase run forks from a bf16 run")
-    if not isinstance(step, int) or not 0 < step <= c["pqt_start"]:
-        fail(f"fork_from={path!r} is at step {step}, pqt_start={c['pqt_start']:g}: a phase run forks from the bf16 "
-             f"run at a step from 1 to its switch")
-    diff = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in c.items() if k not in FORK_FREE and theirs.get(k) != v]
-    if diff:
-        fail(f"fork_from={path!r} was trained with other settings ({'; '.join(diff[:3])}): a phase run forks only from "
-             f"the bf16 run it equals until its switch")
-    return {**checkpoint, "forked": path}
-
-
-def fork_state(model, optimizers, checkpoint):
-    """The bf16 run's state in this phase run: its weights (b_i keep their fresh init, b_t = b_init)
-    and each optimizer's state; the groups this run has beyond the bf16 run's (b_i's) start empty, as
-    in the whole phase run, where they get no gradient before the switch."""
-    load_weights(model, checkpoint["model"])
-    if len(checkpoint["optimizer"]) > len(optimizers):
-        fail(f"{checkpoint['forked']} has {len(checkpoint['optimizer'])} optimizers, this run {len(optimizers)}")
-    for o, state in zip(optimizers, checkpoint["optimizer"]):
-        own = o.state_dict()["param_groups"]
-        try:
-            o.load_state_dict({"state": state["state"], "param_groups": state["param_groups"] + own[len(state["param_groups"]):]})
-        except (ValueError, KeyError, TypeError) as e:
-            fail(f"the optimizer state of {checkpoint['forked']} does not fit this run's: {e}")
-
-
-def starting_point(c, explicit, model_args, pqt, meta):
-    """(model_args, checkpoint, init_state) for init_from: the checkpoint to resume (init_from=resume),
-    or the state dict a new run starts from (a path), with the architecture each implies."""
-    checkpoint = init_state = None
-    ckpt_path = find_checkpoint(c["out_dir"])
-    if c["init_from"] == "resume":
-        if ckpt_path is None:
-            fail(f"init_from=resume but {c['out_dir']} holds no checkpoint (ckpt.pt or ckpt.dcp); start with "
-                 f"--init_from=scratch")
-        checkpoint = load_checkpoint(ckpt_path, header_only=True)
-        needed = {"iter_num", "best_val_loss", "rng_state"} | ({"optimizer"} if "sharded" not in checkpoint else set())
-        missing = sorted(needed - set(checkpoint))
-        if missing:
-            fail(f"{ckpt_path} lacks {', '.join(missing)}: it cannot be resumed; start a new run from its weights "
-                 f"with --init_from={ckpt_path} --out_dir=<new dir>")
-        saved_args, saved_pqt = checkpoint_args(checkpoint)
-        if not model_args.get("vocab_size"):
-            model_args["vocab_size"] = meta["vocab_size"]
-        try:
-            wanted = {**asdict(ModelConfig(**model_args)), **pqt}
-        except (ValueError, TypeError) as e:
-            fail(str(e))
-        saved = {**saved_args, **saved_pqt}
-        diff = [f"{k}: checkpoint {saved.get(k)!r}, config {v!r}" for k, v in wanted.items() if saved.get(k) != v]
-        if diff:
-            fail(f"{ckpt_path} holds another model ({'; '.join(diff)}); resume with the settings it was trained "
-                 f"with, or use another --out_dir")
-        model_args = saved_args
-    else:
-        if ckpt_path is not None and not c["overwrite"]:
-            fail(f"{ckpt_path} holds another run; resume it with --init_from=resume, choose another --out_dir, "
-                 f"or pass --overwrite=True to replace it")
-        if c["fork_from"]:
-            checkpoint = fork_checkpoint(c)
-            return checkpoint_args(checkpoint)[0], checkpoint, None
-        if c["init_from"] != "scratch":
-            requested = {k: v for k, v in model_args.items() if k in explicit}
-            source_args, init_state = resolve_init(c["init_from"], c["out_dir"], requested)
-            # The architecture is the source's; a shape the user set explicitly must agree with it.
-            asked = {k: v for k, v in model_args.items() if (k in explicit or c["model"] and "model" in explicit)
-                     and k != "dropout" and v is not None}
-            clash = [f"{k}: {c['init_from']} has {source_args.get(k)!r}, config {v!r}" for k, v in asked.items()
-                     if source_args.get(k) != v]
-            if clash:
-                fail(f"init_from={c['init_from']} has another shape ({'; '.join(clash)}); drop those keys")
-            model_args = {**source_args, **({"dropout": c["dropout"]} if "dropout" in explicit else {})}
-    return model_args, checkpoint, init_state
+        ckpt_io.check_out_dir(c["out_dir"])
 
 
 def config_model_args(c, explicit):
@@ -601,6 +214,326 @@ def config_model_args(c, explicit):
     if model_args.get("block_size", 0) == 0:
         model_args.pop("block_size", None)
     return model_args
+
+
+def method_args(c):
+    """gaussws.convert's settings of the method from the config (resolved by gaussws.phase_settings)."""
+    return dict(b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"], start=int(c["pqt_start"]),
+                fmt=c["target_format"], ste_start=int(c["ste_start"]), bits_per_weight=c["bits_per_weight"])
+
+
+# --- set-up ----------------------------------------------------------------------------------------
+
+def setup_distributed(c):
+    """This process among those torchrun started (RANK set), or alone: a namespace of ddp, fsdp, rank,
+    world_size, local_rank, master (rank 0), dev, device_type, local_accum (this process's
+    micro-steps per optimizer step) and say (print on rank 0)."""
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    if ddp:
+        torch.distributed.init_process_group(backend="nccl" if c["device"].startswith("cuda") else "gloo")
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        local_rank = int(os.environ["LOCAL_RANK"])
+        dev = f"cuda:{local_rank}" if c["device"].startswith("cuda") else c["device"]
+        if dev.startswith("cuda"):
+            torch.cuda.set_device(dev)
+        if c["gradient_accumulation_steps"] % world_size:
+            fail(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be a multiple of the "
+                 f"{world_size} processes: it counts micro-steps of all processes together")
+    else:
+        rank, world_size, local_rank, dev = 0, 1, 0, c["device"]
+    device_type = "cuda" if dev.startswith("cuda") else "cpu"
+    if device_type == "cpu":
+        keep_freed_cpu_memory()
+    return SimpleNamespace(ddp=ddp, fsdp=ddp and c["parallel"] == "fsdp", rank=rank, world_size=world_size,
+                           local_rank=local_rank, master=rank == 0, dev=dev, device_type=device_type,
+                           local_accum=c["gradient_accumulation_steps"] // world_size,
+                           say=print if rank == 0 else lambda *args, **kwargs: None)  # print on rank 0
+
+
+def show_dry_run(c, model_args):
+    """Print the resolved config and the model's size, built on the meta device (no memory)."""
+    if not model_args.get("vocab_size"):
+        model_args["vocab_size"] = 50304 if model_args.get("arch", "gpt2") == "gpt2" else 32000
+    with torch.device("meta"):
+        m = gaussws.convert(GPT(ModelConfig(**model_args)), c["method"], ROLES[model_args.get("arch", "gpt2")],
+                            **method_args(c))
+    print(json.dumps({**c, "model_args": asdict(m.config)}, indent=1))
+    print(f"parameters: {m.get_num_params(non_embedding=False):,} ({m.get_num_params(non_embedding=False) / 1e6:.1f}M)"
+          f" + {m.get_num_bitwidth_params():,} b_i")
+    print(f"tokens per optimizer step: {c['gradient_accumulation_steps'] * c['batch_size'] * m.config.block_size:,}")
+
+
+def open_data(c, proc):
+    """(data_dir, meta) of the dataset, meta.json checked against its files (data/loader.py). The
+    default corpus is prepared where it is missing, by rank 0 while the others wait."""
+    data_dir = loader.data_dir(c["dataset"])
+    if c["dataset"] == "default" and not os.path.exists(os.path.join(data_dir, "meta.json")):
+        if proc.master:
+            loader.prepare_default(data_dir)  # a full disk, an unwritable data/default: one line (DataError)
+        if proc.ddp:
+            torch.distributed.barrier()
+    return data_dir, loader.read_meta(data_dir)
+
+
+# --- the starting point: scratch, resume, a fork, or another run's (or a pretrained model's) weights --
+
+# What a phase run may set otherwise than the bf16 run it forks from: the method and its settings,
+# which change nothing before the switch (the layers are plain Linears, b_i get no gradient), and
+# what is not training (the run's length beyond the fork step, evaluation, logging, files).
+FORK_FREE = {"method", "b_init", "b_target", "pqt_start", "target_format", "ste_start", "bits_per_weight",
+             "bitwidth_weight_decay", "bitwidth_lambda", "recompute_w_hat", "max_iters", "eval_interval",
+             "log_interval", "eval_iters", "always_save_checkpoint", "save_checkpoints", "out_dir", "init_from",
+             "fork_from", "overwrite", "dry_run", "eval_only", "wandb_log", "wandb_project", "wandb_run_name",
+             "wandb_mode"}
+
+
+def starting_point(c, explicit, model_args, meta):
+    """(model_args, checkpoint, init_state) for init_from: the checkpoint to continue (this run's, to
+    resume; a bf16 run's, to fork from), or the state dict a new run starts from (a path), with the
+    architecture each implies. The run directory's rules are checkpoint.py's (resume, check_new,
+    read_fork)."""
+    if c["init_from"] == "resume":
+        if not model_args.get("vocab_size"):
+            model_args["vocab_size"] = meta["vocab_size"]
+        try:
+            wanted = {**asdict(ModelConfig(**model_args)), **{k: c[k] for k in ckpt_io.PQT_KEYS}}
+        except (ValueError, TypeError) as e:
+            fail(str(e))
+        checkpoint = ckpt_io.resume(c["out_dir"], wanted)
+        return checkpoint["model_args"], checkpoint, None
+    ckpt_io.check_new(c["out_dir"], c["overwrite"])
+    if c["fork_from"]:
+        checkpoint = ckpt_io.read_fork(c["fork_from"], c, FORK_FREE)
+        return checkpoint["model_args"], checkpoint, None
+    if c["init_from"] == "scratch":
+        return model_args, None, None
+    requested = {k: v for k, v in model_args.items() if k in explicit}
+    source_args, init_state = resolve_init(c["init_from"], c["out_dir"], requested)
+    # The architecture is the source's; a shape the user set explicitly must agree with it.
+    asked = {k: v for k, v in model_args.items() if (k in explicit or c["model"] and "model" in explicit)
+             and k != "dropout" and v is not None}
+    clash = [f"{k}: {c['init_from']} has {source_args.get(k)!r}, config {v!r}" for k, v in asked.items()
+             if source_args.get(k) != v]
+    if clash:
+        fail(f"init_from={c['init_from']} has another shape ({'; '.join(clash)}); drop those keys")
+    return {**source_args, **({"dropout": c["dropout"]} if "dropout" in explicit else {})}, None, init_state
+
+
+def resolve_init(init_from, out_dir, requested):
+    """(model_args, state_dict) of the weights a run starts from: a checkpoint of train.py (ckpt.pt,
+    ckpt.dcp, or an out_dir holding one), a Hugging Face model directory, or a GPT-2 of the hub.
+    requested: the shape keys the user set (a pretrained GPT-2's block_size may shrink)."""
+    path = ckpt_io.find(init_from)
+    if os.path.isdir(init_from) and os.path.isfile(os.path.join(init_from, "config.json")) and not path:
+        return pretrained(init_from, requested)  # a Hugging Face model directory
+    if not os.path.exists(init_from) and init_from in hf.GPT2_HUB:  # nanoGPT's init_from names
+        return pretrained(init_from, requested)
+    if not path or not os.path.exists(path):
+        fail(f"init_from={init_from!r}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, a "
+             f"Hugging Face model directory, or one of {', '.join(hf.GPT2_HUB)}")
+    if os.path.realpath(path) in map(os.path.realpath, ckpt_io.paths(out_dir)):
+        fail(f"init_from={init_from!r} is this run's own checkpoint: continue it with --init_from=resume, "
+             f"or write the new run to another --out_dir")
+    checkpoint = ckpt_io.read(path)
+    return checkpoint["model_args"], checkpoint["model"]
+
+
+def pretrained(name_or_dir, requested):
+    """(model_args, state_dict) of a Hugging Face GPT2LMHeadModel / LlamaForCausalLM (hf.py)."""
+    try:
+        model_args, state_dict = hf.load_pretrained(name_or_dir)
+        return hf.fit_pretrained(model_args, state_dict, requested, source=f"init_from={name_or_dir}")
+    except hf.HFError as e:
+        fail(str(e))
+
+
+def build(c, explicit, proc, model_args, data_dir, meta):
+    """The model and its optimizers at the run's starting point (starting_point: scratch, this run's
+    checkpoint, a fork's, or another's weights): the model built plain from the seed, then converted
+    (the same initial weights whatever the method), sharded under FSDP, the optimizers, the state of
+    the checkpoint it continues. Returns (model, optimizers, (iter_num, best_val_loss, saved_step),
+    forked), saved_step the step of the checkpoint this run continues (None for a new run), forked
+    the path of the checkpoint it forks from (or None)."""
+    model_args, checkpoint, init_state = starting_point(c, explicit, model_args, meta)
+    if not model_args.get("vocab_size"):
+        model_args["vocab_size"] = meta["vocab_size"]
+    if meta["vocab_size"] > model_args["vocab_size"]:
+        fail(f"the data in {data_dir} has a vocabulary of {meta['vocab_size']} tokens ({meta.get('tokenizer')}), more "
+             f"than the model's vocab_size={model_args['vocab_size']}; prepare the data with a tokenizer of at most "
+             f"that many tokens, or pass --vocab_size={64 * -(-meta['vocab_size'] // 64)}")
+
+    # model: built plain, then converted (the same initial weights whatever the method)
+    torch.manual_seed(c["seed"])
+    mconf = ModelConfig(**model_args)
+    roles = ROLES[mconf.arch]
+    raw_model = gaussws.convert(GPT(mconf), c["method"], roles, recompute=c["recompute_w_hat"], **method_args(c))
+    if init_state is not None:
+        try:
+            gaussws.load_weights(raw_model, init_state)
+        except ValueError as e:
+            fail(f"the init_from checkpoint does not fit the model: {e}")
+        init_state = None
+    raw_model.to(proc.dev)
+    if proc.fsdp:
+        # FSDP2: each block's parameters are gathered whole for its forward, so PQTLinear adds the
+        # noise to the unsharded weight, and the block max sees every element of its block.
+        from torch.distributed.fsdp import fully_shard
+        for block in raw_model.transformer.h:
+            fully_shard(block)
+        fully_shard(raw_model)
+
+    # optimizer
+    optimizers = gaussws.build_optimizers(
+        raw_model, c["optimizer"], roles, lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]),
+        weight_decay=c["weight_decay"], bitwidth_weight_decay=c["bitwidth_weight_decay"],
+        n_embd=mconf.n_embd, n_head=mconf.n_head, n_kv_head=mconf.n_kv_head)
+    if checkpoint is None:
+        return raw_model, optimizers, (0, 1e9, None), None
+    ckpt_io.load_state(raw_model, optimizers, checkpoint, proc.fsdp)
+    torch.set_rng_state(checkpoint["rng_state"])
+    if proc.device_type == "cuda" and "cuda_rng_state" in checkpoint:
+        torch.cuda.set_rng_state(checkpoint["cuda_rng_state"], proc.dev)
+    return (raw_model, optimizers, (checkpoint["iter_num"], checkpoint["best_val_loss"], checkpoint["iter_num"]),
+            checkpoint.get("forked"))
+
+
+def for_training(c, proc, model):
+    """What the training forward calls: the model compiled (compile=True), and under DDP wrapped to
+    all-reduce the gradients in the backward (but those of gaussws.ddp_ignored_parameters)."""
+    train_model = torch.compile(model) if c["compile"] else model
+    if proc.ddp and not proc.fsdp:
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, gaussws.ddp_ignored_parameters(model))
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            train_model, device_ids=[proc.local_rank] if proc.device_type == "cuda" else None)
+    return train_model
+
+
+# --- the loop's: learning rate, logging, evaluation, checkpoints, stopping --------------------------
+
+def get_lr(it, c):
+    """The learning rate of step `it` under config `c`: linear warmup to learning_rate, cosine decay to
+    min_lr at lr_decay_iters (learning_rate throughout without decay_lr)."""
+    if not c["decay_lr"]:
+        return c["learning_rate"]
+    if it < c["warmup_iters"]:
+        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    if it > c["lr_decay_iters"]:
+        return c["min_lr"]
+    ratio = (it - c["warmup_iters"]) / max(1, c["lr_decay_iters"] - c["warmup_iters"])
+    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
+
+
+class Saved:
+    """The checkpoint a stopped run leaves behind (path, step; step None: none yet), named truthfully
+    in every message that stops it."""
+
+    def __init__(self, path, step):
+        self.path, self.step = path, step
+
+    def __str__(self):
+        return "this run wrote no checkpoint" if self.step is None else \
+            f"the last good checkpoint is {self.path}, step {self.step}"
+
+
+class Metrics:
+    """Where the run's records go: out_dir's metrics.jsonl and config.json (rank 0; none for eval_only,
+    which leaves the run's record as it is; checkpoint.start_run) and, with wandb_log, Weights &
+    Biases (imported only then). A full disk stops the run in one line naming what it kept (saved)."""
+
+    def __init__(self, c, proc, run_info, saved, forked):
+        self.saved, self.wandb, self.file = saved, None, None
+        if proc.master and not c["eval_only"]:
+            self.file = ckpt_io.start_run(c["out_dir"], run_info, saved.step, new=c["init_from"] != "resume",
+                                          forked=forked)
+        if c["wandb_log"] and proc.master:
+            import wandb
+            wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], mode=c["wandb_mode"], dir=c["out_dir"],
+                       config=run_info)
+            self.wandb = wandb
+
+    def log(self, record):
+        if self.file:
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk
+                try:
+                    self.file.close()
+                except OSError:
+                    pass
+                fail(f"cannot write {self.file.name}: {e.strerror or e}; the run stops here ({self.saved})")
+            if self.wandb:
+                self.wandb.log(record, step=record["iter"])
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+        if self.file:
+            self.file.close()
+
+
+def evaluate(c, proc, model, splits, iter_num, metrics, **eval_args):
+    """{split: loss} of the model at step iter_num on the fixed evaluation batches, noise off
+    (data/loader.estimate_loss); printed and logged, and the b_t histograms sent to wandb."""
+    losses = loader.estimate_loss(model, splits, seed=c["seed"], eval_iters=c["eval_iters"], rank=proc.rank,
+                                  world_size=proc.world_size, **eval_args)
+    proc.say(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    metrics.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"]})
+    if c["wandb_log"]:
+        hists = gaussws.bitwidth_histograms(model)  # collective under FSDP
+        if proc.master and hists:
+            metrics.wandb.log({f"b_t/{k}": metrics.wandb.Histogram(v) for k, v in hists.items()}, step=iter_num)
+    return losses
+
+
+def diverged(c, proc, step, saved, what, value, message, limit=None):
+    """Stop the run as diverged: the one line (Diverged, exit status 3), and out_dir/diverged.json
+    for whoever runs it (study.py): the step, what broke, its value and limit, the checkpoint kept."""
+    if proc.master:
+        record = {"step": step, "what": what, "value": value, "limit": limit, "message": message,
+                  "checkpoint": None if saved.step is None else saved.path, "checkpoint_step": saved.step}
+        try:
+            ckpt_io.write_divergence(c["out_dir"], record)
+        except ckpt_io.CheckpointError as e:
+            message += f" ({e})"
+    raise Diverged(message)
+
+
+def check_sane(c, proc, model, losses, step, saved):
+    """Stop as diverged, saving nothing, unless the evaluated model is sane: finite weights (b_i,
+    unseen by the eval, included) and none of insanity's rules broken."""
+    if not all_finite(model, proc.ddp):
+        diverged(c, proc, step, saved, "model", None, f"the model holds non-finite values at step {step}; stopping "
+                                                      f"without saving ({saved})")
+    broken = insanity(losses, gaussws.bitwidth_stats(model), model.config.vocab_size, min(c["b_init"], c["b_target"]),
+                      trained=step > 0)
+    if broken:
+        what, value, limit = broken
+        told = (f"eval loss is {losses}" if what == "eval_loss" else
+                f"val loss is {value:.4g}, above ln(vocab_size) + {VAL_LOSS_MARGIN:g} = {limit:.4f}"
+                if what == "val_loss" else f"b_t fell to {value:.4g}, below min(b_init, b_target) - {B_T_MARGIN:g} = {limit:g}")
+        diverged(c, proc, step, saved, what, value, f"{told} at step {step}; stopping without saving ({saved}). Try a "
+                                                    f"lower --learning_rate or --grad_clip", limit)
+
+
+def save_checkpoint(c, proc, model, optimizers, iter_num, best_val_loss, ckpt_path):
+    """The run's checkpoint (ckpt_path: ckpt.pt, or ckpt.dcp under FSDP), atomic and verifiable
+    (checkpoint.save_run): a crash, a full disk or a second writer leaves the previous one whole."""
+    state = {"model_args": asdict(model.config), "pqt": {k: c[k] for k in ckpt_io.PQT_KEYS}, "iter_num": iter_num,
+             "best_val_loss": best_val_loss, "config": c,
+             # What continues the run exactly besides the model and optimizers: the data
+             # order and the noise are functions of (seed, step), and seed is in config;
+             # dropout draws from the CPU generator, and on GPUs from the CUDA one.
+             "rng_state": torch.get_rng_state()}
+    if proc.device_type == "cuda":
+        state["cuda_rng_state"] = torch.cuda.get_rng_state(proc.dev)
+    if proc.fsdp or proc.master:  # under FSDP every process writes its own shards
+        try:
+            ckpt_io.save_run(c["out_dir"], state, model, optimizers, sharded=proc.fsdp)
+        except ckpt_io.CheckpointError as e:
+            fail(f"{e}; the run stops here")
+    proc.say(f"saved checkpoint to {ckpt_path}")
 
 
 def main(argv):
@@ -623,289 +556,78 @@ def _main(argv, resources):
         ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
     except (ValueError, TypeError) as e:
         fail(str(e))
-    pqt = {k: c[k] for k in PQT_KEYS}
 
     # distributed set-up
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    if ddp:
-        torch.distributed.init_process_group(backend="nccl" if c["device"].startswith("cuda") else "gloo")
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        local_rank = int(os.environ["LOCAL_RANK"])
-        dev = f"cuda:{local_rank}" if c["device"].startswith("cuda") else c["device"]
-        if dev.startswith("cuda"):
-            torch.cuda.set_device(dev)
-        if c["gradient_accumulation_steps"] % world_size:
-            fail(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be a multiple of the "
-                 f"{world_size} processes: it counts micro-steps of all processes together")
-    else:
-        rank, world_size, local_rank, dev = 0, 1, 0, c["device"]
-    master = rank == 0
-    fsdp = ddp and c["parallel"] == "fsdp"
-    local_accum = c["gradient_accumulation_steps"] // world_size
-    device_type = "cuda" if dev.startswith("cuda") else "cpu"
-    if device_type == "cpu":
-        keep_freed_cpu_memory()
-    ptdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[c["dtype"]]
-    autocast = nullcontext() if c["dtype"] == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
-
+    proc = setup_distributed(c)
     if c["dry_run"]:
-        if not model_args.get("vocab_size"):
-            model_args["vocab_size"] = 50304 if model_args.get("arch", "gpt2") == "gpt2" else 32000
-        with torch.device("meta"):
-            m = gaussws.convert(GPT(ModelConfig(**model_args)), c["method"], ROLES[model_args.get("arch", "gpt2")],
-                                b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"], start=int(c["pqt_start"]),
-                                fmt=c["target_format"], ste_start=int(c["ste_start"]),
-                                bits_per_weight=c["bits_per_weight"])
-        print(json.dumps({**c, "model_args": asdict(m.config)}, indent=1))
-        print(f"parameters: {m.get_num_params(non_embedding=False):,} ({m.get_num_params(non_embedding=False) / 1e6:.1f}M)"
-              f" + {m.get_num_bitwidth_params():,} b_i")
-        print(f"tokens per optimizer step: {c['gradient_accumulation_steps'] * c['batch_size'] * m.config.block_size:,}")
-        return
-
+        return show_dry_run(c, model_args)
     # one run per out_dir: a second one is refused before it reads or writes anything there
-    if master:
-        try:
-            resources.enter_context(ckpt_io.lock(c["out_dir"]))  # until main ends; the kernel drops it if we die
-        except ckpt_io.CheckpointError as e:
-            fail(str(e))
+    if proc.master:
+        resources.enter_context(ckpt_io.lock(c["out_dir"]))  # until main ends; the kernel drops it if we die
         ckpt_io.clean_stale(c["out_dir"])  # the temporary files of a run killed while it wrote them
 
-    # data
-    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", c["dataset"])  # a path stays a path
-    if c["dataset"] == "default" and not os.path.exists(os.path.join(data_dir, "meta.json")):
-        if master:
-            print("preparing the default corpus (Python's standard library) ...")
-            sys.path.insert(0, data_dir)
-            import prepare as default_prepare
-            try:
-                default_prepare.prepare_if_missing(data_dir)  # two first runs at once: the second waits for the first
-            except DataError as e:  # a full disk, an unwritable data/default
-                fail(str(e))
-        if ddp:
-            torch.distributed.barrier()
-    meta = read_meta(data_dir)
-
-    # the weights to start from: none (scratch), this run's checkpoint (resume), or another's
-    model_args, checkpoint, init_state = starting_point(c, explicit, model_args, pqt, meta)
-    ckpt_path = checkpoint_paths(c["out_dir"])[1 if fsdp else 0]  # where this run saves
-    if not model_args.get("vocab_size"):
-        model_args["vocab_size"] = meta["vocab_size"]
-    if meta["vocab_size"] > model_args["vocab_size"]:
-        fail(f"the data in {data_dir} has a vocabulary of {meta['vocab_size']} tokens ({meta.get('tokenizer')}), more "
-             f"than the model's vocab_size={model_args['vocab_size']}; prepare the data with a tokenizer of at most "
-             f"that many tokens, or pass --vocab_size={64 * -(-meta['vocab_size'] // 64)}")
-
-    # model: built plain, then converted (the same initial weights whatever the method)
-    torch.manual_seed(c["seed"])
-    mconf = ModelConfig(**model_args)
-    roles = ROLES[mconf.arch]
-    raw_model = gaussws.convert(GPT(mconf), c["method"], roles, b_init=c["b_init"], b_target=c["b_target"],
-                                seed=c["seed"], recompute=c["recompute_w_hat"], start=int(c["pqt_start"]),
-                                fmt=c["target_format"], ste_start=int(c["ste_start"]),
-                                bits_per_weight=c["bits_per_weight"])
-    if init_state is not None:
-        load_weights(raw_model, init_state)
-        init_state = None
-    raw_model.to(dev)
-    if fsdp:
-        # FSDP2: each block's parameters are gathered whole for its forward, so PQTLinear adds the
-        # noise to the unsharded weight, and the block max sees every element of its block.
-        from torch.distributed.fsdp import fully_shard
-        for block in raw_model.transformer.h:
-            fully_shard(block)
-        fully_shard(raw_model)
-
-    # optimizer
-    optimizers = gaussws.build_optimizers(
-        raw_model, c["optimizer"], roles, lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]),
-        weight_decay=c["weight_decay"], bitwidth_weight_decay=c["bitwidth_weight_decay"],
-        n_embd=mconf.n_embd, n_head=mconf.n_head, n_kv_head=mconf.n_kv_head)
-    iter_num, best_val_loss, saved_step = 0, 1e9, None  # saved_step: of the checkpoint this run continues from
-    if checkpoint is not None:
-        if "sharded" in checkpoint:  # ckpt.dcp: each process loads its part, at any world size
-            try:
-                ckpt_io.load_sharded(checkpoint["sharded"], raw_model, optimizers)
-            except ckpt_io.CheckpointError as e:
-                fail(str(e))
-        elif "forked" in checkpoint:
-            if fsdp:
-                fail("fork_from is for one process or DDP; an FSDP phase run starts from scratch")
-            fork_state(raw_model, optimizers, checkpoint)
-        else:
-            load_state(raw_model, optimizers, checkpoint, fsdp)
-        iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
-        saved_step = iter_num
-        torch.set_rng_state(checkpoint["rng_state"])
-        if device_type == "cuda" and "cuda_rng_state" in checkpoint:
-            torch.cuda.set_rng_state(checkpoint["cuda_rng_state"], dev)
-    forked, checkpoint = (checkpoint or {}).get("forked"), None
-    if saved_step is not None and saved_step >= c["max_iters"] and not c["eval_only"]:
-        if master:
-            print(f"{ckpt_path} is at step {saved_step}, max_iters={c['max_iters']}: the run is complete, nothing "
-                  f"to train (raise --max_iters to continue it)")
-        if ddp:
+    # data, and the model at its starting point
+    data_dir, meta = open_data(c, proc)
+    raw_model, optimizers, (iter_num, best_val_loss, saved_step), forked = build(c, explicit, proc, model_args,
+                                                                                 data_dir, meta)
+    mconf = raw_model.config
+    saved = Saved(ckpt_io.paths(c["out_dir"])[1 if proc.fsdp else 0], saved_step)  # where this run saves
+    if saved.step is not None and saved.step >= c["max_iters"] and not c["eval_only"]:
+        proc.say(f"{saved.path} is at step {saved.step}, max_iters={c['max_iters']}: the run is complete, nothing "
+                 f"to train (raise --max_iters to continue it)")
+        if proc.ddp:
             torch.distributed.destroy_process_group()
         return
-
-    train_model = torch.compile(raw_model) if c["compile"] else raw_model
-    if ddp and not fsdp:
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            raw_model, gaussws.ddp_ignored_parameters(raw_model))
-        train_model = torch.nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[local_rank] if device_type == "cuda" else None)
-
-    splits = {s: open_split(data_dir, s, meta, mconf.block_size) for s in ("train", "val")}
-    batch_args = dict(batch_size=c["batch_size"], block_size=mconf.block_size, device=dev)
+    train_model = for_training(c, proc, raw_model)
+    splits = {s: loader.open_split(data_dir, s, meta, mconf.block_size) for s in ("train", "val")}
+    batch_args = dict(batch_size=c["batch_size"], block_size=mconf.block_size, device=proc.dev)
+    autocast = loader.autocast_for(c["dtype"], proc.dev)
     tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * mconf.block_size
 
     # logging
     versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    run_info = {**c, "model_args": asdict(mconf), "world_size": world_size, "versions": versions}
-    metrics_file = None
-    if master and not c["eval_only"]:  # an evaluation leaves the run's record (config, metrics) as it is
-        if c["init_from"] != "resume":  # a new run: the checkpoint it replaces (--overwrite) goes first, so
-            for path in checkpoint_paths(c["out_dir"]):  # that a kill before its first save cannot
-                ckpt_io.remove(path)  # leave that checkpoint to be resumed as this run's
-        if os.path.exists(os.path.join(c["out_dir"], ckpt_io.DIVERGED)):
-            os.remove(os.path.join(c["out_dir"], ckpt_io.DIVERGED))
-        metrics_file = open_metrics(os.path.join(c["out_dir"], "metrics.jsonl"), saved_step,
-                                    source=forked and os.path.join(os.path.dirname(forked), "metrics.jsonl"))
-        try:
-            ckpt_io.write_text(os.path.join(c["out_dir"], "config.json"), json.dumps(run_info, indent=1))
-        except ckpt_io.CheckpointError as e:
-            fail(str(e))
-    if master:
-        print(f"{raw_model.get_num_params(non_embedding=False) / 1e6:.2f}M parameters "
-              f"({mconf.arch}, {c['method']}, {len(gaussws.method_layers(raw_model))} converted Linears"
-              + (f" from step {c['pqt_start']:.0f}" if c["pqt_start"] else "") + "), "
-              f"{tokens_per_iter:,} tokens per step, {world_size} process(es) on {dev}")
-        if "unigram_entropy_nats" in meta:
-            print(f"unigram entropy of the corpus: {meta['unigram_entropy_nats']:.4f} nats/token "
-                  f"(the loss of a model that ignores context)")
-    if c["wandb_log"] and master:
-        import wandb
-        wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], mode=c["wandb_mode"], dir=c["out_dir"],
-                   config=run_info)
-
-    def log(record):
-        if metrics_file:
-            try:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            except OSError as e:  # a full disk
-                try:
-                    metrics_file.close()
-                except OSError:
-                    pass
-                fail(f"cannot write {metrics_file.name}: {e.strerror or e}; the run stops here "
-                     f"({kept(saved_step, ckpt_path)})")
-            if c["wandb_log"]:
-                wandb.log(record, step=record["iter"])
-
-    def diverged(what, value, message, limit=None):
-        """Stop the run as diverged: the one line, and diverged.json for whoever runs it (study.py)."""
-        if master:
-            record = {"step": iter_num, "what": what, "value": value, "limit": limit, "message": message,
-                      "checkpoint": None if saved_step is None else ckpt_path, "checkpoint_step": saved_step}
-            try:
-                ckpt_io.write_divergence(c["out_dir"], record)
-            except ckpt_io.CheckpointError as e:
-                message += f" ({e})"
-        raise Diverged(message)
+    run_info = {**c, "model_args": asdict(mconf), "world_size": proc.world_size, "versions": versions}
+    metrics = Metrics(c, proc, run_info, saved, forked)
+    proc.say(f"{raw_model.get_num_params(non_embedding=False) / 1e6:.2f}M parameters "
+             f"({mconf.arch}, {c['method']}, {len(gaussws.method_layers(raw_model))} converted Linears"
+             + (f" from step {c['pqt_start']:.0f}" if c["pqt_start"] else "") + "), "
+             f"{tokens_per_iter:,} tokens per step, {proc.world_size} process(es) on {proc.dev}")
+    if "unigram_entropy_nats" in meta:
+        proc.say(f"unigram entropy of the corpus: {meta['unigram_entropy_nats']:.4f} nats/token "
+                 f"(the loss of a model that ignores context)")
 
     # the loop
-    micro_batch = lambda it, micro: get_batch(splits["train"], (c["seed"], "train", it, rank * local_accum + micro),
-                                              **batch_args)
-    x, y = micro_batch(iter_num, 0)
+    micro_batch = lambda it, micro: loader.get_batch(  # noqa: E731
+        splits["train"], (c["seed"], "train", it, proc.rank * proc.local_accum + micro), **batch_args)
+    batch = micro_batch(iter_num, 0)
     t0, timed_steps = time.time(), 0
     while True:
         lr = get_lr(iter_num, c)
         for group in (g for o in optimizers for g in o.param_groups):
             group["lr"] = lr
-        evaluate = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
-        if c["eval_only"] or evaluate and iter_num != saved_step:  # the resumed step was evaluated and saved before
-            losses = estimate_loss(raw_model, splits, seed=c["seed"], eval_iters=c["eval_iters"], autocast=autocast,
-                                   rank=rank, world_size=world_size, **batch_args)
-            if master:
-                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"]})
-            if c["wandb_log"]:
-                hists = gaussws.bitwidth_histograms(raw_model)  # collective under FSDP
-                if master and hists:
-                    wandb.log({f"b_t/{k}": wandb.Histogram(v) for k, v in hists.items()}, step=iter_num)
+        evaluate_now = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
+        if c["eval_only"] or evaluate_now and iter_num != saved.step:  # the resumed step was evaluated and saved before
+            losses = evaluate(c, proc, raw_model, splits, iter_num, metrics, autocast=autocast, **batch_args)
             if c["eval_only"]:
                 break
-            if not all_finite(raw_model, ddp):  # b_i, unseen by the eval, included
-                diverged("model", None, f"the model holds non-finite values at step {iter_num}; stopping without "
-                                        f"saving ({kept(saved_step, ckpt_path)})")
-            broken = insanity(losses, gaussws.bitwidth_stats(raw_model), mconf.vocab_size,
-                              min(c["b_init"], c["b_target"]), trained=iter_num > 0)
-            if broken:
-                what, value, limit = broken
-                told = (f"eval loss is {losses}" if what == "eval_loss" else
-                        f"val loss is {value:.4g}, above ln(vocab_size) + {VAL_LOSS_MARGIN:g} = {limit:.4f}"
-                        if what == "val_loss" else f"b_t fell to {value:.4g}, below min(b_init, b_target) - {B_T_MARGIN:g} = {limit:g}")
-                diverged(what, value, f"{told} at step {iter_num}; stopping without saving "
-                                      f"({kept(saved_step, ckpt_path)}). Try a lower --learning_rate or --grad_clip",
-                         limit)
+            check_sane(c, proc, raw_model, losses, iter_num, saved)  # at every evaluation, before any save
             if c["save_checkpoints"] and iter_num > 0 and (losses["val"] < best_val_loss or c["always_save_checkpoint"]):
                 best_val_loss = min(best_val_loss, losses["val"])
-                state = {"model_args": asdict(mconf), "pqt": pqt, "iter_num": iter_num, "best_val_loss": best_val_loss,
-                         "config": c,
-                         # What continues the run exactly besides the model and optimizers: the data
-                         # order and the noise are functions of (seed, step), and seed is in config;
-                         # dropout draws from the CPU generator, and on GPUs from the CUDA one.
-                         "rng_state": torch.get_rng_state()}
-                if device_type == "cuda":
-                    state["cuda_rng_state"] = torch.cuda.get_rng_state(dev)
-                if fsdp:  # every process writes its own shards
-                    save_checkpoint(state, ckpt_path, raw_model, optimizers)
-                else:
-                    if master:
-                        save_checkpoint({"model": raw_model.state_dict(), "optimizer": [o.state_dict() for o in optimizers],
-                                         **state}, ckpt_path)
-                if master:
-                    for other in checkpoint_paths(c["out_dir"]):  # one checkpoint per out_dir: resume finds this one
-                        if other != ckpt_path:
-                            ckpt_io.remove(other)
-                    print(f"saved checkpoint to {ckpt_path}")
-                saved_step = iter_num
+                save_checkpoint(c, proc, raw_model, optimizers, iter_num, best_val_loss, saved.path)
+                saved.step = iter_num
             t0, timed_steps = time.time(), 0  # evaluation is not training time
         if iter_num >= c["max_iters"]:
             break
 
-        # one optimizer step: gaussws.TrainStep selects its noise and applies Eq. 4 at its end
-        loss_sum = torch.zeros((), device=dev)
-        with gaussws.TrainStep(raw_model, iter_num):
-            for micro_step in range(local_accum):
-                if ddp and not fsdp:
-                    train_model.require_backward_grad_sync = micro_step == local_accum - 1
-                with autocast:
-                    _, loss = train_model(x, y)
-                    if c["bitwidth_lambda"]:
-                        loss = loss + c["bitwidth_lambda"] * gaussws.bitwidth_loss(raw_model)
-                    loss = loss / local_accum
-                # fetch the next micro-batch while this one's backward runs (on GPUs)
-                x, y = micro_batch(*((iter_num, micro_step + 1) if micro_step + 1 < local_accum else (iter_num + 1, 0)))
-                loss.backward()
-                loss_sum += loss.detach()  # on the device: no host sync per micro-step
-        # The gradient norm, clipped or not: a non-finite one must not reach the weights.
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), c["grad_clip"] or float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        if ddp:
-            torch.distributed.all_reduce(loss_sum)
-            loss_sum /= world_size
-        step_loss, norm = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()  # one sync a step
-        if not (math.isfinite(step_loss) and math.isfinite(norm)):
-            what = f"loss is {step_loss}" if not math.isfinite(step_loss) else f"gradient norm is {norm} (loss {step_loss:.4f})"
-            diverged("loss" if not math.isfinite(step_loss) else "grad_norm",
-                     step_loss if not math.isfinite(step_loss) else norm,
-                     f"{what} at step {iter_num}; stopping before the update ({kept(saved_step, ckpt_path)}). "
-                     f"Try a lower --learning_rate or --grad_clip")
-        for o in optimizers:
-            o.step()
-            o.zero_grad(set_to_none=True)
+        # one optimizer step (step.py): gaussws.TrainStep around the micro-steps, the clipped
+        # gradient, the finite check, the update
+        try:
+            step_loss, _, batch = train_step(raw_model, optimizers, iter_num, batch, micro_batch, proc.local_accum,
+                                             forward=train_model, autocast=autocast, grad_clip=c["grad_clip"],
+                                             bitwidth_lambda=c["bitwidth_lambda"])
+        except NonFinite as e:
+            diverged(c, proc, iter_num, saved, e.what, e.value, f"{e} at step {iter_num}; stopping before the update "
+                                                                f"({saved}). Try a lower --learning_rate or --grad_clip")
         iter_num += 1
         timed_steps += 1
         if iter_num % c["log_interval"] == 0 or iter_num == c["max_iters"]:
@@ -916,14 +638,13 @@ def _main(argv, resources):
             stats = gaussws.bitwidth_stats(raw_model)
             if stats:
                 record.update({f"b_t/{k}": v for k, v in stats.items()})
-            log(record)
-            if master:
-                bits = f", b_t {stats['mean']:.2f} [{stats['min']:.2f}, {stats['max']:.2f}]" if stats else ""
-                print(f"iter {iter_num}: loss {step_loss:.4f}, lr {lr:.2e}, {1000 * dt:.0f} ms/iter, "
-                      f"{tokens_per_iter / dt:,.0f} tokens/s{bits}", flush=True)
-    if ddp:
+            metrics.log(record)
+            bits = f", b_t {stats['mean']:.2f} [{stats['min']:.2f}, {stats['max']:.2f}]" if stats else ""
+            proc.say(f"iter {iter_num}: loss {step_loss:.4f}, lr {lr:.2e}, {1000 * dt:.0f} ms/iter, "
+                     f"{tokens_per_iter / dt:,.0f} tokens/s{bits}", flush=True)
+    if proc.ddp:
         torch.distributed.destroy_process_group()
-        if fsdp:
+        if proc.fsdp:
             # fully_shard keeps the gloo process group referenced from C++, so destroy_process_group
             # cannot free it: its two worker threads and its TCP loop thread stay alive through the
             # interpreter's teardown and exit()'s C++ static destructors. A native thread that needs
@@ -931,18 +652,11 @@ def _main(argv, resources):
             # destructor aborts ("terminate called without an active exception"): the likely cause
             # of the random SIGABRT of 2-process FSDP runs. Everything is written and flushed by
             # now, so the process ends without that teardown.
-            if c["wandb_log"] and master:
-                wandb.finish()
-            if metrics_file:
-                metrics_file.close()
+            metrics.close()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_DIVERGED if isinstance(e, Diverged) else 1)
+    sys.exit(cli(main))

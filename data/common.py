@@ -10,7 +10,6 @@ import glob
 import json
 import math
 import os
-import secrets
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 import tokenizer  # the repo root's; the prepare scripts put the root on sys.path
-from tokenizer import reason  # "Type: first line" of an error's innermost cause
+from util import UserError, cli, commit, reason, temp_path
 
 # datasets' builder for each local file type; a .txt file is one document, as in OpenWebText's
 # own archives (one .txt per web page)
@@ -29,8 +28,8 @@ COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 WRITE_BATCH = 4096  # documents per memmap write: big enough to be fast, small enough for RAM
 
 
-class DataError(Exception):
-    """Bad input or an unreachable source: main() prints it as one line and exits 1."""
+class DataError(UserError):
+    """Bad input or an unreachable source: the message is one line that says what to do."""
 
 
 def get_encoding(encoding):
@@ -152,42 +151,6 @@ def check_texts(ds, what):
 # writing and reading a prepared dataset safely
 
 DTYPES = ("uint16", "uint32")  # token ids on disk: uint16 while the vocabulary fits, else uint32
-
-
-def temp_path(path):
-    """A temporary name beside path that no other process uses (pid and a random token), so two
-    runs preparing the same folder never write into each other's files."""
-    directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-
-
-def fsync_dir(directory):
-    """Make the renames in directory durable: without it a power cut can undo them."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def commit(tmp, path):
-    """Rename the finished file tmp to path: its data on disk first (fsync), then the rename."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def write_atomic(path, data):
-    """bytes to path through a unique temporary file: a reader sees the old file or the new one."""
-    tmp = temp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        commit(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def reserve(path, nbytes):
@@ -390,7 +353,4 @@ def run(prepare, **kwargs):
     """Call prepare(**kwargs) for a command line: a DataError becomes one line on stderr and exit 1."""
     from huggingface_hub.utils import logging as hub_logging
     hub_logging.set_verbosity_error()  # one line on failure, not the hub client's retry log before it
-    try:
-        prepare(**kwargs)
-    except DataError as e:
-        sys.exit(f"error: {e}")
+    sys.exit(cli(lambda argv: prepare(**kwargs)))

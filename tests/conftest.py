@@ -1,6 +1,16 @@
+"""What several test files share: the repository's root (ROOT), a tiny model (tiny_model), a small
+byte corpus to train on (the tiny_corpus fixture), the train.py settings of a tiny GPT2 on it
+(TINY_RUN), and a SentencePiece
+model set up as Llama 2's (train_sentencepiece, on make_docs' documents). Test files import the
+constants and helpers with `from conftest import ...`."""
+import io
+import json
 import os
+import random
 import sys
 
+import numpy as np
+import pytest
 import torch
 
 # Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. It must be chosen
@@ -10,3 +20,53 @@ if not torch.cuda.is_available():
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+def tiny_model(arch, **kw):
+    """A tiny ModelConfig of either architecture; odd widths so that b_i's edge blocks are partial."""
+    from model import ModelConfig
+    base = dict(arch=arch, n_layer=2, n_head=4, n_embd=48, vocab_size=97, block_size=16, ffn_hidden=80)
+    if arch == "llama2":
+        base["n_kv_head"] = 2
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+# train.py's settings of a tiny GPT2 that learns the corpus below in a few seconds on a CPU
+TINY_RUN = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=8, max_iters=30, eval_interval=10,
+                log_interval=1, eval_iters=2, warmup_iters=5, lr_decay_iters=30, learning_rate=3e-3, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """A small corpus with structure to learn: 40,000 words of Python-like text drawn at random,
+    byte tokens (vocab 256), the first 9/10 train.bin, the rest val.bin."""
+    d = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    words = [b"def ", b"return ", b"self", b"(x)", b": ", b"\n", b"    ", b"import os", b" = ", b"1"]
+    text = b"".join(words[i] for i in rng.integers(0, len(words), 40000))
+    ids = np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
+    ids[: len(ids) * 9 // 10].tofile(d / "train.bin")
+    ids[len(ids) * 9 // 10:].tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}))
+    return str(d)
+
+
+WORDS = ["the", "river", "bank", "money", "sat", "on", "a", "mat", "héllo", "数据", "don't", "42", "1999", "\n"]
+
+
+def make_docs(n, seed):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) for _ in range(n)]
+
+
+def train_sentencepiece(path, docs, vocab_size=320):
+    """A SentencePiece BPE model set up as Llama 2's (byte fallback, split digits, no normalization,
+    unk/bos/eos = 0/1/2), on generated documents."""
+    import sentencepiece as spm
+    f = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_writer=f, vocab_size=vocab_size,
+                                   model_type="bpe", byte_fallback=True, split_digits=True, unk_id=0, bos_id=1,
+                                   eos_id=2, pad_id=-1, character_coverage=1.0, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, minloglevel=2)
+    path.write_bytes(f.getvalue())
+    return spm.SentencePieceProcessor(model_file=str(path))

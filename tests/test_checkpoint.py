@@ -12,8 +12,7 @@ import torch
 
 import checkpoint
 from checkpoint import CheckpointError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 def a_state():
@@ -308,58 +307,58 @@ def test_sharded_checkpoint_saved_by_2_loads_in_1_and_2(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# readers: sample.py
+# the run directory: find and read
 
 
-def a_model_checkpoint(out_dir):
+def test_read_gives_every_reader_the_same_from_either_layout_and_any_path(tmp_path):
     from dataclasses import asdict
 
-    from model import GPT, ModelConfig
-    torch.manual_seed(0)
-    config = ModelConfig(n_layer=1, n_head=2, n_embd=64, block_size=16, vocab_size=256)
-    model = GPT(config)
-    checkpoint.save({"model": model.state_dict(), "model_args": asdict(config), "iter_num": 1,
-                     "config": {"dataset": "default"}}, out_dir / "ckpt.pt")
-    return model
+    from model import ModelConfig
+    args = asdict(ModelConfig(n_layer=1, n_head=2, n_embd=64, block_size=16, vocab_size=256))
+    pqt = {"method": "gaussws[od]", "b_init": 7.0, "b_target": 3.0}
+    layouts = {"new": {"model_args": args, "pqt": pqt}, "old": {"model_args": {**args, **pqt}},
+               "none": {"model_args": args}}  # no pqt at all: train.py's defaults
+    for name, layout in layouts.items():
+        (tmp_path / name).mkdir()
+        checkpoint.save({"model": a_state()["model"], "iter_num": 3, "config": {"seed": 5}, **layout},
+                        tmp_path / name / "ckpt.pt")
+    for name in layouts:
+        for path in (tmp_path / name, tmp_path / name / "ckpt.pt"):  # a run directory, or the file itself
+            ckpt = checkpoint.read(str(path))
+            assert ckpt["path"] == str(tmp_path / name / "ckpt.pt") and ckpt["model_args"] == args
+            unset = {"pqt_start": 0.0, "target_format": "", "ste_start": 0.0, "bits_per_weight": 0.0}  # no phase
+            assert ckpt["pqt"] == {**unset, **(pqt if name != "none" else {"method": "bf16", "b_init": 6.0,
+                                                                            "b_target": 4.0})}
+            assert ckpt["config"] == {"seed": 5} and ckpt["iter_num"] == 3
+            assert_same(ckpt["model"], a_state()["model"])
 
 
-def test_sample_refuses_a_checkpoint_with_flipped_bytes_in_one_line(tmp_path):
-    import sample
-    model = a_model_checkpoint(tmp_path)
-    loaded, _ = sample.load_checkpoint(str(tmp_path), "cpu")  # the intact one loads, weights equal
-    for k, v in model.state_dict().items():
-        assert torch.equal(loaded.state_dict()[k], v), k
-    start, size = data_offset(tmp_path / "ckpt.pt", "data/0")
-    flip(tmp_path / "ckpt.pt", start + size // 2, 0x04)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={tmp_path}", "--device=cpu",
-                        "--num_samples=1", "--max_new_tokens=2"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    (line,) = r.stderr.strip().splitlines()
-    assert "is corrupt" in line and "CRC32" in line
+def test_find_prefers_ckpt_pt_and_reads_a_sharded_header(tmp_path):
+    run = tmp_path / "run"
+    target = run / "ckpt.dcp.1234"
+    target.mkdir(parents=True)
+    checkpoint.save({"model_args": {"n_layer": 1}, "iter_num": 4}, target / checkpoint.HEADER)
+    os.symlink("ckpt.dcp.1234", run / "ckpt.dcp")
+    assert checkpoint.find(str(run)) == str(run / "ckpt.dcp")
+    assert checkpoint.find(str(run / "ckpt.dcp")) == str(run / "ckpt.dcp")  # a sharded checkpoint names itself
+    header = checkpoint.read(str(run), header_only=True)
+    assert header["sharded"] == str(run / "ckpt.dcp") and header["iter_num"] == 4 and "model" not in header
+    checkpoint.save({"model": {}, "model_args": {}}, run / "ckpt.pt")
+    assert checkpoint.find(str(run)) == str(run / "ckpt.pt")
+    assert checkpoint.find(str(tmp_path / "nothing")) is None and checkpoint.find(str(tmp_path)) is None
 
 
-def test_sample_refuses_a_non_finite_model_in_one_line(tmp_path):
-    """A diverged model's logits are NaN, whose argmax is token 0: NUL bytes at temperature 0."""
-    model = a_model_checkpoint(tmp_path)
-    state = model.state_dict()
-    state["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
-    ckpt = checkpoint.load(tmp_path / "ckpt.pt")
-    checkpoint.save({**ckpt, "model": state}, tmp_path / "ckpt.pt")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={tmp_path}", "--device=cpu",
-                        "--num_samples=1", "--max_new_tokens=4", "--temperature=0"], capture_output=True, timeout=120)
-    assert r.returncode == 1 and b"Traceback" not in r.stderr and b"\0" not in r.stdout, r.stderr
-    (line,) = r.stderr.decode().strip().splitlines()
-    assert line.startswith("error: ") and "non-finite values" in line and "transformer.h.0.mlp.c_fc.weight" in line
-
-
-def test_sample_refuses_a_seed_torch_cannot_take_in_one_line(tmp_path):
-    a_model_checkpoint(tmp_path)
-    for seed in (2**63, -1):
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={tmp_path}", "--device=cpu",
-                            f"--seed={seed}"], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-        (line,) = r.stderr.strip().splitlines()
-        assert f"--seed={seed}: expected an integer in [0, 2^63)" in line
+def test_read_refuses_what_is_not_a_checkpoint_of_this_code_in_one_line(tmp_path):
+    with pytest.raises(CheckpointError, match=r"no checkpoint at .*: train one \(python train.py --out_dir=") as e:
+        checkpoint.read(str(tmp_path / "none"))
+    one_line(e.value)
+    checkpoint.save({"model": {}}, tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="lacks 'model_args'"):
+        checkpoint.read(str(tmp_path))
+    checkpoint.save({"model": {}, "model_args": {"n_layer": 1, "n_expert": 4}}, tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="'n_expert', which this code's model does not have") as e:
+        checkpoint.read(str(tmp_path))
+    one_line(e.value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("prepare_default", os.path.join(ROOT, "data", "default", "prepare.py"))
 prepare_default = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(prepare_default)

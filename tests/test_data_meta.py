@@ -9,10 +9,11 @@ import time
 import numpy as np
 import pytest
 
+import util
 from data import common
 from data.common import DataError
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RACE = """
 import os, sys, time
@@ -131,7 +132,7 @@ def test_train_py_refuses_tokens_beyond_the_vocabulary_in_one_line(tmp_path):
     import train
     ids = np.arange(2000) % 300  # tokens up to 299, meta.json says 256 and has no max_token
     d = dataset(tmp_path, {"vocab_size": 256}, train=ids.astype(np.uint16).tobytes(), val=ids[:500].astype(np.uint16).tobytes())
-    with pytest.raises(train.ConfigError) as e:
+    with pytest.raises(DataError) as e:
         train.main([f"--dataset={d}", f"--out_dir={tmp_path / 'out'}", "--n_layer=1", "--n_head=2", "--n_embd=32",
                     "--block_size=16", "--batch_size=2", "--max_iters=1", "--device=cpu", "--compile=False"])
     assert "holds token id 299, but meta.json says vocab_size=256" in str(e.value) and "\n" not in str(e.value)
@@ -154,7 +155,7 @@ def test_write_atomic_leaves_the_old_file_when_writing_fails(tmp_path, monkeypat
     path.write_bytes(b"old")
     monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     with pytest.raises(OSError):
-        common.write_atomic(str(path), b"new data")
+        util.write_atomic(str(path), b"new data")
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["train.bin"]
 
 

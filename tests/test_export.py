@@ -16,27 +16,16 @@ import torch.nn.functional as F
 import export as E
 import formats
 import train
+import util
+from data import loader
 from model import GPT, ModelConfig
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Contract of the model: the role of each Linear of a transformer block, by its path in the block.
 ROLES = {"gpt2": {"attn.c_attn": "qkv", "attn.c_proj": "out", "mlp.c_fc": "up", "mlp.c_proj": "down"},
          "llama2": {"attn.q": "q", "attn.k": "k", "attn.v": "v", "attn.out": "out",
                     "mlp.gate": "gate", "mlp.up": "up", "mlp.down": "down"}}
 FMT = {f.name: f for f in E.FORMATS}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(0)
-    words = [b"def ", b"return ", b"self", b"(x)", b": ", b"\n", b"    ", b"import os", b" = ", b"1"]
-    ids = np.frombuffer(b"".join(words[i] for i in rng.integers(0, len(words), 8000)), dtype=np.uint8)
-    ids = ids.astype(np.uint16)
-    ids[: len(ids) * 9 // 10].tofile(d / "train.bin")
-    ids[len(ids) * 9 // 10:].tofile(d / "val.bin")
-    (d / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}))
-    return str(d)
 
 
 def make_checkpoint(out_dir, data_dir, arch="gpt2", pqt_roles=None, b_t=None, layout="new", nan=False, seed=0):
@@ -77,7 +66,7 @@ def make_checkpoint(out_dir, data_dir, arch="gpt2", pqt_roles=None, b_t=None, la
 def run(argv, capsys):
     if not any(a.startswith("--plot=") for a in argv):
         argv = [*argv, "--plot=False"]  # matplotlib takes seconds; one test draws
-    rc = E.cli([str(a) for a in argv])
+    rc = util.cli(E.main, [str(a) for a in argv])
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -223,7 +212,7 @@ AUTO = {1: "mxfp4", 4: "mxfp6_e3m2", 4.01: "mxfp8_e4m3", 5: "mxfp8_e4m3", 5.01: 
 AUTO_INT = {1: "int2", 4: "int4", 4.01: "int5", 5: "int5", 5.01: "int6", 9: "int9", 12: "int12", 12.01: "int13"}
 
 
-def test_auto_and_auto_int_pick_the_rules_format_from_the_file(data_dir, tmp_path, capsys):
+def test_auto_and_auto_int_pick_the_rules_format_from_the_file(tiny_corpus, tmp_path, capsys):
     values = list(AUTO)
 
     def b_t(name, shape):  # the first layer gets the tier edges, one per block; the rest b_t = 6
@@ -231,7 +220,7 @@ def test_auto_and_auto_int_pick_the_rules_format_from_the_file(data_dir, tmp_pat
         if name == "transformer.h.0.mlp.c_fc":  # (192, 48): 6 x 2 blocks
             out.view(-1)[:len(values)] = torch.tensor(values, dtype=torch.float64)
         return out
-    make_checkpoint(tmp_path, data_dir, b_t=b_t)
+    make_checkpoint(tmp_path, tiny_corpus, b_t=b_t)
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=auto,auto-int", "--evaluate=False"], capsys)
     assert rc == 0, err
     for fmt, table in (("auto", AUTO), ("auto-int", AUTO_INT)):
@@ -288,12 +277,12 @@ def expected_weight(w, b_t, fmt):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
-def test_file_gives_back_the_quantized_values_bit_for_bit_and_its_size_is_the_bits(arch, data_dir, tmp_path, capsys):
+def test_file_gives_back_the_quantized_values_bit_for_bit_and_its_size_is_the_bits(arch, tiny_corpus, tmp_path, capsys):
     def b_t(name, shape):  # every tier of auto, and all-zero blocks below
         out = 0.5 + 13.0 * torch.rand(shape, generator=torch.Generator().manual_seed(len(name)), dtype=torch.float64)
         out.view(-1)[0] = 0.7
         return out
-    sd = make_checkpoint(tmp_path, data_dir, arch=arch, b_t=b_t)
+    sd = make_checkpoint(tmp_path, tiny_corpus, arch=arch, b_t=b_t)
     pqt_layers = [k[:-4] for k in sd if k.endswith(".b_i")]
     zeroed = pqt_layers[0] + ".weight"
     sd[zeroed][:32, :32] = 0.0
@@ -337,17 +326,17 @@ def test_file_gives_back_the_quantized_values_bit_for_bit_and_its_size_is_the_bi
     assert set(exports["auto"]["share"]) == {"mxfp4", "mxfp6_e3m2", "mxfp8_e4m3", "bf16", "fp16", "fp32"}
 
 
-def test_reported_loss_is_the_loss_of_the_model_rebuilt_from_the_file(data_dir, tmp_path, capsys):
-    sd = make_checkpoint(tmp_path, data_dir, layout="old")  # the older checkpoint layout reads the same
+def test_reported_loss_is_the_loss_of_the_model_rebuilt_from_the_file(tiny_corpus, tmp_path, capsys):
+    sd = make_checkpoint(tmp_path, tiny_corpus, layout="old")  # the older checkpoint layout reads the same
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4,auto,int3", "--json=True"], capsys)
     assert rc == 0, err
     report = json.loads(out)
-    val = np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16).astype(np.int64)
+    val = np.fromfile(os.path.join(tiny_corpus, "val.bin"), dtype=np.uint16).astype(np.int64)
 
     def loss_of(model):  # train.py's evaluation batches, written out again
         losses = []
         for k in range(3):
-            ix = torch.randint(len(val) - 33, (4,), generator=train.batch_generator(1337, "val", "eval", k)).tolist()
+            ix = torch.randint(len(val) - 33, (4,), generator=loader.batch_generator(1337, "val", "eval", k)).tolist()
             x = torch.stack([torch.from_numpy(val[i:i + 32]) for i in ix])
             y = torch.stack([torch.from_numpy(val[i + 1:i + 33]) for i in ix])
             with torch.no_grad():
@@ -366,13 +355,13 @@ def test_reported_loss_is_the_loss_of_the_model_rebuilt_from_the_file(data_dir, 
 
 # --- the bitwidth report ---------------------------------------------------------------------
 
-def test_bitwidth_report_shares_of_weights_per_tier(data_dir, tmp_path, capsys):
+def test_bitwidth_report_shares_of_weights_per_tier(tiny_corpus, tmp_path, capsys):
     tiers = {"qkv": 3.5, "out": 4.5, "up": 7.0, "down": 13.0}
     roles = ROLES["gpt2"]
 
     def b_t(name, shape):
         return torch.full(shape, tiers[roles[".".join(name.split(".")[3:])]], dtype=torch.float64)
-    sd = make_checkpoint(tmp_path, data_dir, b_t=b_t)
+    sd = make_checkpoint(tmp_path, tiny_corpus, b_t=b_t)
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=auto", "--evaluate=False", "--plot=True"], capsys)
     assert rc == 0, err
     report = json.loads((tmp_path / "bitwidths.json").read_text())
@@ -390,11 +379,11 @@ def test_bitwidth_report_shares_of_weights_per_tier(data_dir, tmp_path, capsys):
 
 # --- bad input -------------------------------------------------------------------------------
 
-def test_bad_input_is_one_line_and_changes_nothing(data_dir, tmp_path, capsys):
+def test_bad_input_is_one_line_and_changes_nothing(tiny_corpus, tmp_path, capsys):
     rc, out, err = run([f"--out_dir={tmp_path / 'none'}"], capsys)
     assert rc == 1 and "no checkpoint at" in err and len(err.strip().splitlines()) == 1
 
-    make_checkpoint(tmp_path, data_dir)
+    make_checkpoint(tmp_path, tiny_corpus)
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=auto,mxfp5"], capsys)
     assert rc == 1 and "unknown format 'mxfp5'" in err and "mxfp4" in err and len(err.strip().splitlines()) == 1
 
@@ -409,14 +398,14 @@ def test_bad_input_is_one_line_and_changes_nothing(data_dir, tmp_path, capsys):
     with pytest.raises(E.ExportError, match="not a model file written by export.py"):
         E.load(str(tmp_path / "ckpt.pt"))
 
-    make_checkpoint(tmp_path / "nan", data_dir, nan=True)
+    make_checkpoint(tmp_path / "nan", tiny_corpus, nan=True)
     rc, out, err = run([f"--out_dir={tmp_path / 'nan'}", "--format=mxfp4"], capsys)
     assert rc == 1 and "non-finite" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "nan" / "model-mxfp4.safetensors").exists()
 
 
-def test_a_run_without_pqt_layers_has_nothing_for_auto_to_choose_from(data_dir, tmp_path, capsys):
-    make_checkpoint(tmp_path, data_dir, pqt_roles=())
+def test_a_run_without_pqt_layers_has_nothing_for_auto_to_choose_from(tiny_corpus, tmp_path, capsys):
+    make_checkpoint(tmp_path, tiny_corpus, pqt_roles=())
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=auto,mxfp4", "--evaluate=False"], capsys)
     assert rc == 0, err
     note = [line for line in out.splitlines() if line.startswith("note:")]
@@ -463,9 +452,9 @@ def test_cpu_configs_pull_b_t_into_the_low_tiers_and_have_a_bf16_twin(capsys):
     assert settings["bf16"]["method"] == "bf16" and settings["bf16"]["seed"] == settings["gaussws_lowbit"]["seed"]
 
 
-def test_sample_py_generates_from_an_exported_file(data_dir, tmp_path, capsys):
+def test_sample_py_generates_from_an_exported_file(tiny_corpus, tmp_path, capsys):
     import sample
-    make_checkpoint(tmp_path, data_dir)
+    make_checkpoint(tmp_path, tiny_corpus)
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", "--json=True"], capsys)
     assert rc == 0, err
     path = str(tmp_path / "model-mxfp4.safetensors")
@@ -483,10 +472,10 @@ def test_sample_py_generates_from_an_exported_file(data_dir, tmp_path, capsys):
         sample.main([f"--init_from={tmp_path / 'ckpt.pt'}", "--device=cpu"])
 
 
-def test_an_exported_file_goes_to_transformers_with_its_dequantized_weights(data_dir, tmp_path, capsys):
+def test_an_exported_file_goes_to_transformers_with_its_dequantized_weights(tiny_corpus, tmp_path, capsys):
     transformers = pytest.importorskip("transformers", reason="the truth here is transformers' own model")
     import hf
-    make_checkpoint(tmp_path, data_dir)
+    make_checkpoint(tmp_path, tiny_corpus)
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=int4", "--json=True"], capsys)
     assert rc == 0, err
     path = str(tmp_path / "model-int4.safetensors")

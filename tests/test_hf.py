@@ -12,10 +12,8 @@ the tests show (a missing rotary permutation or transpose moves logits by > 1e-1
 """
 import gzip
 import importlib.util
-import io
 import json
 import os
-import random
 import subprocess
 import sys
 
@@ -24,11 +22,11 @@ import pytest
 import torch
 
 import hf
-import tokenizer
+from checkpoint import PQT_KEYS, CheckpointError
 from model import GPT, ModelConfig
+from conftest import ROOT, make_docs, train_sentencepiece
 
 transformers = pytest.importorskip("transformers", reason="the truth here is transformers' own models")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, T = 96, 16
 
 
@@ -400,16 +398,13 @@ def test_hub_names_offline_fail_in_one_line_that_says_how_to_use_local_files(tmp
     with pytest.raises(hf.HFError) as e:
         hf.load_pretrained("gpt2")
     assert "openai-community/gpt2" in one_line(e.value) and "local directory" in str(e.value)
-    with pytest.raises(tokenizer.TokenizerError) as e:
-        tokenizer.load("meta-llama/Llama-2-7b-hf")
-    assert "--tokenizer=path/to/tokenizer.model" in one_line(e.value)
 
 
 def test_export_of_a_missing_or_foreign_checkpoint_is_refused(tmp_path):
-    with pytest.raises(hf.HFError, match="no checkpoint at"):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
         hf.main([f"--ckpt={tmp_path / 'missing.pt'}", f"--out={tmp_path / 'x'}"])
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    with pytest.raises(hf.HFError) as e:
+    with pytest.raises(CheckpointError) as e:
         hf.main([f"--ckpt={tmp_path / 'other.pt'}", f"--out={tmp_path / 'x'}"])
     assert "not a checkpoint of train.py" in one_line(e.value) and not (tmp_path / "x").exists()
 
@@ -426,27 +421,6 @@ def test_prepare_cli_bad_tokenizer_is_one_line(tmp_path):
 
 
 # --- Llama 2's tokenizer, end to end --------------------------------------------------------------
-
-WORDS = ["the", "river", "bank", "money", "sat", "on", "a", "mat", "héllo", "数据", "don't", "42", "1999", "\n"]
-
-
-def make_docs(n, seed):
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) for _ in range(n)]
-
-
-def train_sentencepiece(path, docs, vocab_size=320):
-    """A SentencePiece BPE model set up as Llama 2's (byte fallback, split digits, no normalization,
-    unk/bos/eos = 0/1/2), on generated documents."""
-    import sentencepiece as spm
-    f = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_writer=f, vocab_size=vocab_size,
-                                   model_type="bpe", byte_fallback=True, split_digits=True, unk_id=0, bos_id=1,
-                                   eos_id=2, pad_id=-1, character_coverage=1.0, normalization_rule_name="identity",
-                                   remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, minloglevel=2)
-    path.write_bytes(f.getvalue())
-    return spm.SentencePieceProcessor(model_file=str(path))
-
 
 def write_c4(path, docs):
     with gzip.open(path, "wt", encoding="utf-8") as f:
@@ -509,7 +483,7 @@ def test_sentencepiece_c4_prepare_train_sample_export(tmp_path, capsys, monkeypa
     # export: transformers' model gives our checkpoint's logits; its tokenizer is SentencePiece's
     hf.main([f"--ckpt={tmp_path / 'out' / 'ckpt.pt'}", f"--out={tmp_path / 'hf'}"])
     assert "tokenizer.json" in capsys.readouterr().out
-    args = {k: v for k, v in ckpt["model_args"].items() if k not in hf.PQT_KEYS}
+    args = {k: v for k, v in ckpt["model_args"].items() if k not in PQT_KEYS}
     ours = ours_from(args, {k: v for k, v in ckpt["model"].items() if not k.endswith(".b_i")})
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     x = torch.tensor([sp.encode(val_docs[0])[:32]])
@@ -519,33 +493,6 @@ def test_sentencepiece_c4_prepare_train_sample_export(tmp_path, capsys, monkeypa
         assert hf_tok(d)["input_ids"] == sp.encode(d)  # no BOS, as in the data
         assert hf_tok.decode(sp.encode(d)) == sp.decode(sp.encode(d))
     assert hf_tok.eos_token_id == theirs.config.eos_token_id == sp.eos_id()
-
-
-def test_sample_names_a_missing_tokenizer_file_in_one_line(tmp_path):
-    meta = {"tokenizer": "sentencepiece:tokenizer.model", "eot_token": 2, "vocab_size": 320}
-    with pytest.raises(tokenizer.TokenizerError) as e:
-        tokenizer.from_meta(meta, str(tmp_path))
-    assert str(tmp_path / "tokenizer.model") in one_line(e.value) and "prepare the data again" in str(e.value)
-    (tmp_path / "tokenizer.model").write_bytes(b"not a model")
-    with pytest.raises(tokenizer.TokenizerError) as e:
-        tokenizer.from_meta(meta, str(tmp_path))
-    assert f"{tmp_path / 'tokenizer.model'} is not a SentencePiece model" in one_line(e.value)
-
-
-def test_a_tokenizer_json_directory_separates_documents_with_its_eos(tmp_path):
-    """A transformers tokenizer directory (tokenizer.json + tokenizer_config.json), as on the hub."""
-    sp = train_sentencepiece(tmp_path / "tokenizer.model", make_docs(60, seed=3), vocab_size=300)
-    files, why = tokenizer.load(str(tmp_path / "tokenizer.model")).hf_files()
-    assert why is None
-    (tmp_path / "dir").mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / "dir" / name).write_bytes(files[name])
-    tok = tokenizer.load(str(tmp_path / "dir"))
-    assert tok.kind == "tokenizers" and tok.eot == sp.eos_id() and tok.vocab_size == sp.get_piece_size()
-    doc = "the river bank</s> is text"
-    assert tok.encode(doc) == sp.encode(doc)  # "</s>" inside a document stays text
-    assert tok.encode("a</s>b", special=True) == sp.encode("a") + [2] + sp.encode("b")  # prompts may name it
-    assert tok.decode(sp.encode("a") + [2] + sp.encode("b")) == "a</s>b"
 
 
 def test_convert_puts_pqt_on_a_transformers_gpt2_in_its_own_layout():

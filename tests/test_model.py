@@ -1,11 +1,6 @@
 """model.py: GPT2 is GPT-2, Llama2 is Llama 2, and ROLES with gaussws.convert puts PQT where the method
-string says, from the same initial weights for every method. And sample.py, which turns a checkpoint
-of this model back into text."""
-import json
+string says, from the same initial weights for every method (sample.py's tests: tests/test_sample.py)."""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,25 +8,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gaussws
-import sample
-from configurator import ConfigError
 from model import GPT, PRESETS, ROLES, ModelConfig, apply_rope, rope_cos_sin
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import tiny_model
 
 # The modules of a block that each layer name of the method switch denotes (docs/METHOD.md).
 GPT2_MODULES = {"qkv": "attn.c_attn", "out": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"}
 LLAMA2_MODULES = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "out": "attn.out",
                   "gate": "mlp.gate", "up": "mlp.up", "down": "mlp.down"}
-
-
-def tiny(arch, **kw):
-    """A tiny config; odd widths so that b_i's edge blocks are partial."""
-    base = dict(arch=arch, n_layer=2, n_head=4, n_embd=48, vocab_size=97, block_size=16, ffn_hidden=80)
-    if arch == "llama2":
-        base["n_kv_head"] = 2
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 # --- the method switch -----------------------------------------------------------------------------
@@ -49,7 +32,7 @@ def tiny(arch, **kw):
     ("llama2", "gaussws[q,v]", "gaussws", ("q", "v")),
 ])
 def test_pqt_layers_sit_exactly_where_the_method_says(arch, spec, method, parts):
-    config = tiny(arch)
+    config = tiny_model(arch)
     model = gaussws.convert(GPT(config), spec, ROLES[arch], b_init=7.0, b_target=3.0, seed=1)
     table = GPT2_MODULES if arch == "gpt2" else LLAMA2_MODULES
     want = {f"transformer.h.{i}.{table[p]}" for i in range(config.n_layer) for p in parts}
@@ -69,9 +52,9 @@ def test_pqt_layers_sit_exactly_where_the_method_says(arch, spec, method, parts)
 def test_roles_name_every_linear_of_a_block():
     for arch, table in (("gpt2", GPT2_MODULES), ("llama2", LLAMA2_MODULES)):
         assert ROLES[arch] == {module: role for role, module in table.items()}
-        block = GPT(tiny(arch)).transformer.h[0]
+        block = GPT(tiny_model(arch)).transformer.h[0]
         assert {n for n, m in block.named_modules() if isinstance(m, nn.Linear)} == set(table.values())
-        assert not any(isinstance(m, gaussws.PQTLinear) for m in GPT(tiny(arch)).modules())  # plain until converted
+        assert not any(isinstance(m, gaussws.PQTLinear) for m in GPT(tiny_model(arch)).modules())  # plain until converted
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
@@ -79,7 +62,7 @@ def test_every_method_starts_from_the_same_weights(arch):
     states = {}
     for spec in ("bf16", "gaussws[all]", "diffq[od]"):
         torch.manual_seed(1337)
-        model = gaussws.convert(GPT(tiny(arch)), spec, ROLES[arch], seed=1337)
+        model = gaussws.convert(GPT(tiny_model(arch)), spec, ROLES[arch], seed=1337)
         states[spec] = {k: v for k, v in model.state_dict().items() if not k.endswith("b_i")}
         states[spec]["next draw"] = torch.rand(8)  # dropout draws from here next: also the same
     for spec in ("gaussws[all]", "diffq[od]"):
@@ -90,19 +73,19 @@ def test_every_method_starts_from_the_same_weights(arch):
 
 def test_a_bad_method_or_shape_is_a_value_error_that_says_what_is_wrong():
     with pytest.raises(ValueError, match="gaussws"):
-        gaussws.convert(GPT(tiny("gpt2")), "gaussws[q]", ROLES["gpt2"])  # q is a Llama2 layer
+        gaussws.convert(GPT(tiny_model("gpt2")), "gaussws[q]", ROLES["gpt2"])  # q is a Llama2 layer
     with pytest.raises(ValueError, match="arch"):
-        tiny("gpt3")
+        tiny_model("gpt3")
     with pytest.raises(ValueError, match="n_kv_head"):
-        tiny("llama2", n_kv_head=3)
+        tiny_model("llama2", n_kv_head=3)
     with pytest.raises(ValueError, match="n_head"):
-        tiny("gpt2", n_embd=50)
+        tiny_model("gpt2", n_embd=50)
 
 
 # --- GPT2 is GPT-2 ---------------------------------------------------------------------------------
 
 def test_gpt2_parameter_names_are_gpt2s():
-    model = GPT(tiny("gpt2"))
+    model = GPT(tiny_model("gpt2"))
     want = {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias",
             "lm_head.weight"}
     for i in range(2):
@@ -114,7 +97,7 @@ def test_gpt2_parameter_names_are_gpt2s():
 
 
 def test_gpt2_ties_the_head_to_wte_and_llama2_does_not():
-    gpt2, llama2 = GPT(tiny("gpt2")), GPT(tiny("llama2"))
+    gpt2, llama2 = GPT(tiny_model("gpt2")), GPT(tiny_model("llama2"))
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
     assert llama2.lm_head.weight is not llama2.transformer.wte.weight
     assert "wpe" not in llama2.transformer  # Llama2's positions are rotary
@@ -123,7 +106,7 @@ def test_gpt2_ties_the_head_to_wte_and_llama2_does_not():
 
 
 def test_init_is_nanogpts_with_scaled_residual_projections():
-    config = tiny("llama2", n_layer=3, n_embd=128, n_head=4, ffn_hidden=256)
+    config = tiny_model("llama2", n_layer=3, n_embd=128, n_head=4, ffn_hidden=256)
     model = GPT(config)
     scaled = 0.02 / math.sqrt(2 * config.n_layer)
     for name, p in model.named_parameters():
@@ -138,7 +121,7 @@ def test_init_is_nanogpts_with_scaled_residual_projections():
 def test_fresh_model_loss_is_log_vocab(arch):
     """Small init gives near-uniform logits, so the first loss is about ln(vocab_size)."""
     torch.manual_seed(0)
-    model = GPT(tiny(arch))
+    model = GPT(tiny_model(arch))
     idx, targets = torch.randint(0, 97, (2, 4, 16))  # targets unrelated to the input: no copying to exploit
     logits, loss = model(idx, targets)
     assert logits.shape == (4, 16, 97)
@@ -179,7 +162,7 @@ def test_presets_build_on_the_meta_device_with_pqt_layers():
 
 
 def test_non_embedding_count_leaves_out_lookup_tables():
-    gpt2, llama2 = GPT(tiny("gpt2")), GPT(tiny("llama2"))
+    gpt2, llama2 = GPT(tiny_model("gpt2")), GPT(tiny_model("llama2"))
     assert gpt2.get_num_params() == gpt2.get_num_params(False) - 16 * 48  # wpe only: wte is the head too
     assert llama2.get_num_params() == llama2.get_num_params(False) - 97 * 48  # wte
 
@@ -213,7 +196,7 @@ def test_rotary_scores_depend_only_on_relative_position():
 
 def test_grouped_query_attention_shares_each_kv_head_among_its_query_heads():
     torch.manual_seed(0)
-    config = tiny("llama2", n_head=4, n_kv_head=2, n_embd=64)
+    config = tiny_model("llama2", n_head=4, n_kv_head=2, n_embd=64)
     attn = GPT(config).transformer.h[0].attn
     assert attn.q.weight.shape == (64, 64)
     assert attn.k.weight.shape == attn.v.weight.shape == (2 * 16, 64)
@@ -236,7 +219,7 @@ def test_grouped_query_attention_shares_each_kv_head_among_its_query_heads():
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
 def test_causal_output_at_t_ignores_tokens_after_t(arch):
     torch.manual_seed(0)
-    model = GPT(tiny(arch)).eval()
+    model = GPT(tiny_model(arch)).eval()
     idx = torch.randint(0, 97, (2, 16))
     t = 9
     later = idx.clone()
@@ -253,7 +236,7 @@ def test_causal_output_at_t_ignores_tokens_after_t(arch):
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
 def test_dropout_acts_in_training_only(arch):
-    model = GPT(tiny(arch, dropout=0.5))
+    model = GPT(tiny_model(arch, dropout=0.5))
     idx = torch.randint(0, 97, (2, 16))
     assert not torch.equal(model(idx, idx)[0], model(idx, idx)[0])
     model.eval()
@@ -263,7 +246,7 @@ def test_dropout_acts_in_training_only(arch):
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
 def test_generate_returns_prompt_plus_new_tokens(arch):
     torch.manual_seed(0)
-    model = gaussws.convert(GPT(tiny(arch)), "gaussws[all]", ROLES[arch]).eval()
+    model = gaussws.convert(GPT(tiny_model(arch)), "gaussws[all]", ROLES[arch]).eval()
     idx = torch.randint(0, 97, (2, 5))
     out = model.generate(idx, 7, temperature=0.8, top_k=10)
     assert out.shape == (2, 12) and torch.equal(out[:, :5], idx)
@@ -279,7 +262,7 @@ def test_generate_never_picks_the_ids_a_padded_vocab_adds():
     """With the logits of ids >= 90 raised by 1e4, an unrestricted argmax picks them; the
     tokenizer's vocab_size (90 of the model's 97) keeps every new id below it, greedy or sampled."""
     torch.manual_seed(0)
-    model = GPT(tiny("gpt2")).eval()
+    model = GPT(tiny_model("gpt2")).eval()
     padded = torch.zeros(97)
     padded[90:] = 1e4
     model.lm_head.register_forward_hook(lambda module, args, out: out + padded)
@@ -288,108 +271,3 @@ def test_generate_never_picks_the_ids_a_padded_vocab_adds():
     for kw in (dict(temperature=0), dict(temperature=1.0), dict(temperature=1.0, top_k=5)):
         out = model.generate(idx, 6, vocab_size=90, **kw)
         assert out[:, 5:].max() < 90, kw
-
-
-# --- sample.py ---------------------------------------------------------------------------------
-
-def write_checkpoint(out_dir, config, dataset="default", method="bf16", old_layout=False):
-    """A checkpoint as train.py writes it; old_layout: the method inside model_args, as older runs kept it."""
-    model = gaussws.convert(GPT(config), method, ROLES[config.arch], b_init=6.0, b_target=4.0)
-    from dataclasses import asdict
-    os.makedirs(out_dir, exist_ok=True)
-    pqt = {"method": method, "b_init": 6.0, "b_target": 4.0}
-    layout = {"model_args": {**asdict(config), **pqt}} if old_layout else {"model_args": asdict(config), "pqt": pqt}
-    torch.save({"model": model.state_dict(), **layout, "config": {"dataset": dataset}, "iter_num": 0},
-               os.path.join(out_dir, "ckpt.pt"))
-    return model
-
-
-@pytest.fixture(params=[False, True], ids=["layout", "old_layout"])
-def byte_run(tmp_path, monkeypatch, request):
-    """A checkpoint of a tiny byte-level model and a data/default/meta.json beside a fake repo root."""
-    meta_dir = tmp_path / "repo" / "data" / "default"
-    meta_dir.mkdir(parents=True)
-    (meta_dir / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes"}))
-    monkeypatch.setattr(sample, "ROOT", str(tmp_path / "repo"))
-    out_dir = str(tmp_path / "out")
-    torch.manual_seed(0)
-    model = write_checkpoint(out_dir, tiny("llama2", vocab_size=256), method="gaussws[od]",
-                             old_layout=request.param)
-    return out_dir, model
-
-
-def test_sample_prints_prompt_and_continuation(byte_run, capsys, tmp_path):
-    out_dir, model = byte_run
-    prompt = tmp_path / "prompt.txt"
-    prompt.write_text("def f(x):")
-    sample.main([f"--out_dir={out_dir}", f"--start=FILE:{prompt}", "--num_samples=2", "--max_new_tokens=6",
-                 "--temperature=0", "--device=cpu"])
-    printed = capsys.readouterr().out
-    start = torch.tensor([list(b"def f(x):")])
-    want = bytes(model.eval().generate(start, 6, temperature=0)[0].tolist()).decode("utf-8", errors="replace")
-    assert printed == (want + "\n---------------\n") * 2
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--temprature=0.5"], "did you mean --temperature"),
-    (["--top_k=many"], "top_k"),
-    (["--start="], "prompt is empty"),
-    (["--temperature=-1"], "temperature must be >= 0"),
-])
-def test_sample_bad_options_say_what_is_wrong(byte_run, args, message):
-    out_dir, _ = byte_run
-    with pytest.raises((sample.UsageError, ConfigError), match=message):
-        sample.main([f"--out_dir={out_dir}", "--device=cpu"] + args)
-
-
-def test_sample_a_prompt_file_that_is_not_utf8_is_one_line(byte_run, tmp_path):
-    out_dir, _ = byte_run
-    prompt = tmp_path / "latin1.txt"
-    prompt.write_bytes("café".encode("latin-1"))
-    with pytest.raises(sample.UsageError, match="is not UTF-8 text"):
-        sample.main([f"--out_dir={out_dir}", f"--start=FILE:{prompt}", "--device=cpu"])
-
-
-def test_sample_refuses_a_damaged_or_foreign_checkpoint(byte_run):
-    out_dir, _ = byte_run
-    path = os.path.join(out_dir, "ckpt.pt")
-    with open(path, "r+b") as f:
-        f.truncate(100)
-    with pytest.raises(sample.UsageError, match="damaged"):
-        sample.main([f"--out_dir={out_dir}", "--device=cpu"])
-    write_checkpoint(out_dir, tiny("gpt2", vocab_size=256))
-    ckpt = torch.load(path, weights_only=True)
-    ckpt["model_args"]["n_layer"] = 3  # another model's shape
-    torch.save(ckpt, path)
-    with pytest.raises(sample.UsageError, match="not a checkpoint of this project's model"):
-        sample.main([f"--out_dir={out_dir}", "--device=cpu"])
-
-
-def test_sample_needs_the_datasets_meta(byte_run):
-    out_dir, _ = byte_run
-    write_checkpoint(out_dir, tiny("gpt2", vocab_size=256), dataset="nowhere")
-    with pytest.raises(sample.UsageError, match="prepare.py"):
-        sample.main([f"--out_dir={out_dir}", "--device=cpu"])
-
-
-def test_sample_missing_checkpoint_is_one_line_without_traceback(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={tmp_path}"],
-                         capture_output=True, text=True, cwd=tmp_path)
-    assert run.returncode == 1
-    assert run.stderr.count("\n") == 1 and "no checkpoint at" in run.stderr
-    assert "Traceback" not in run.stderr
-
-
-def test_tokenizers_from_meta(monkeypatch):
-    encode, decode = sample.load_tokenizer({"tokenizer": "bytes"})
-    assert encode("é x") == [0xC3, 0xA9, 0x20, 0x78]
-    assert decode([0xC3, 0xA9, 0xFF]) == "é\ufffd"  # a broken byte does not stop sampling
-    import tiktoken
-    tiny_bpe = tiktoken.Encoding(name="tiny", pat_str=r"\s+|\S+", mergeable_ranks={bytes([i]): i for i in range(256)},
-                                 special_tokens={"<|endoftext|>": 256})
-    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: tiny_bpe)
-    encode, decode = sample.load_tokenizer({"tokenizer": "tiktoken:tiny"})
-    assert encode("ab<|endoftext|>") == [97, 98, 256]
-    assert decode([97, 98, 256]) == "ab<|endoftext|>"
-    with pytest.raises(sample.UsageError, match="unknown tokenizer"):
-        sample.load_tokenizer({"tokenizer": "sentencepiece"})

@@ -9,8 +9,7 @@ import zlib
 import pytest
 
 import plot
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 def config(method="gaussws[all]", lr=2e-3, seed=1, **kw):

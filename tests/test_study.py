@@ -9,30 +9,22 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import study
 import train
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=2, gradient_accumulation_steps=1,
             max_iters=6, lr_decay_iters=6, warmup_iters=2, eval_interval=3, eval_iters=2, log_interval=1,
             learning_rate=3e-3, device="cpu")
 
 
 @pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory):
-    """A config file for a tiny model on a small byte corpus."""
-    d = tmp_path_factory.mktemp("study_data")
-    rng = np.random.default_rng(0)
-    words = [b"def ", b"return ", b"self", b"(x)", b": ", b"\n", b"    ", b"import os", b" = ", b"1"]
-    ids = np.frombuffer(b"".join(words[i] for i in rng.integers(0, len(words), 5000)), dtype=np.uint8).astype(np.uint16)
-    ids[: len(ids) * 9 // 10].tofile(d / "train.bin")
-    ids[len(ids) * 9 // 10:].tofile(d / "val.bin")
-    (d / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}))
-    path = d / "tiny.py"
-    path.write_text(f"dataset = {str(d)!r}\n" + "".join(f"{k} = {v!r}\n" for k, v in TINY.items()))
+def tiny_config(tiny_corpus, tmp_path_factory):
+    """A config file for a tiny model on the small byte corpus."""
+    path = tmp_path_factory.mktemp("study_config") / "tiny.py"
+    path.write_text(f"dataset = {tiny_corpus!r}\n" + "".join(f"{k} = {v!r}\n" for k, v in TINY.items()))
     return str(path)
 
 

@@ -1,0 +1,107 @@
+"""One optimizer step of training, as train.py takes it and bench.py times it: the micro-steps
+(gradient accumulation) inside a gaussws.TrainStep, the gradient norm and its clipping, the check
+that the loss and the norm are finite, and the update.
+
+    loss, grad_norm, batch = train_step(model, optimizers, step, batch, micro_batch, accum, ...)
+"""
+import math
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+import gaussws
+from util import UserError
+
+
+class NonFinite(UserError):
+    """The loss or the gradient norm of a step is NaN or Inf; the update was not applied. what:
+    "loss" or "grad_norm", value: the non-finite one (train.py's divergence record)."""
+
+    def __init__(self, message, what, value):
+        super().__init__(message)
+        self.what, self.value = what, value
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def _timed(timer, device):
+    """Add the seconds of the block (the device synchronized at its end) to timer["pqt_s"]; nothing
+    when timer is None."""
+    t = time.perf_counter()
+    yield
+    if timer is not None:
+        sync(device)
+        timer["pqt_s"] = timer.get("pqt_s", 0.0) + time.perf_counter() - t
+
+
+def train_step(model, optimizers, step, batch, micro_batch, accum, *, forward=None, autocast=nullcontext(),
+               grad_clip=0.0, bitwidth_lambda=0.0, timer=None):
+    """Optimizer step `step` of model: accum micro-steps, then the clipped update of every optimizer.
+
+    batch: the first micro-batch (x, y); micro_batch(step, m) draws micro-batch m of a step, each
+    fetched while the previous one's backward runs (on GPUs the copy overlaps it), the last the next
+    step's first. forward: what computes the loss, model itself or model compiled and/or wrapped in
+    DDP (whose gradient all-reduce then runs in the last micro-step's backward only). The loss of a
+    micro-step is the model's plus bitwidth_lambda times Eq. 12's, over accum. grad_clip: the largest
+    gradient norm, 0 for none (the norm is measured either way). timer: a dict that gets "pqt_s",
+    the seconds of TrainStep's begin and end (bench.py's measure of the method's own work).
+
+    Returns (the loss, summed over the micro-steps and averaged over the processes; the gradient
+    norm before clipping; the next step's first micro-batch). Raises NonFinite, before the update,
+    when either is NaN or Inf: a non-finite gradient must not reach the weights.
+    """
+    forward = model if forward is None else forward
+    ddp = isinstance(forward, torch.nn.parallel.DistributedDataParallel)
+    x, y = batch
+    loss_sum = torch.zeros((), device=x.device)
+    pqt_step = gaussws.TrainStep(model, step)  # selects the step's noise; applies Eq. 4 at its end
+    with _timed(timer, x.device):
+        pqt_step.begin()
+    try:
+        for micro_step in range(accum):
+            if ddp:
+                forward.require_backward_grad_sync = micro_step == accum - 1
+            with autocast:
+                _, loss = forward(x, y)
+                if bitwidth_lambda:
+                    loss = loss + bitwidth_lambda * gaussws.bitwidth_loss(model)
+                loss = loss / accum
+            # fetch the next micro-batch while this one's backward runs (on GPUs)
+            x, y = micro_batch(*((step, micro_step + 1) if micro_step + 1 < accum else (step + 1, 0)))
+            loss.backward()
+            loss_sum += loss.detach()  # on the device: no host sync per micro-step
+    except BaseException:
+        pqt_step.end(apply_eq4=False)  # as leaving a `with TrainStep` by an exception: no gradient touched
+        raise
+    with _timed(timer, x.device):
+        pqt_step.end()
+    # The gradient norm, clipped or not: a non-finite one must not reach the weights.
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(loss_sum)
+        loss_sum /= torch.distributed.get_world_size()
+    step_loss, norm = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()  # one sync a step
+    if not math.isfinite(step_loss):
+        raise NonFinite(f"loss is {step_loss}", "loss", step_loss)
+    if not math.isfinite(norm):
+        raise NonFinite(f"gradient norm is {norm} (loss {step_loss:.4f})", "grad_norm", norm)
+    for o in optimizers:
+        o.step()
+        o.zero_grad(set_to_none=True)
+    return step_loss, norm, (x, y)
+
+
+def all_finite(model, distributed):
+    """Whether every parameter is finite on every process (each checks its own shard under FSDP)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    ok = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
+    if distributed:
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    return bool(ok)

@@ -1,0 +1,90 @@
+"""step.py: the one optimizer step train.py takes and bench.py times is gradient accumulation as
+written out by hand, clipped, checked for finite values before anything is applied."""
+import copy
+
+import pytest
+import torch
+
+import gaussws
+from model import GPT, ROLES, ModelConfig
+from step import NonFinite, all_finite, train_step
+
+
+def tiny(method="bf16", seed=0):
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16))
+    return gaussws.convert(model, method, ROLES["gpt2"], seed=seed).train()
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(64, (n, 4, 17), generator=g)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+
+def test_the_step_is_accumulation_clipping_and_the_update_by_hand():
+    model, accum, clip = tiny(), 3, 0.5
+    reference = copy.deepcopy(model)
+    micro = batches(accum + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    seen = []
+
+    def micro_batch(step, m):
+        seen.append((step, m))
+        return micro[m]
+    loss, norm, nxt = train_step(model, [opt], 7, micro[0], micro_batch, accum, grad_clip=clip)
+
+    total = 0.0  # by hand: the mean of the micro-steps' losses, one backward each, then clip and step
+    for x, y in micro[:accum]:
+        _, ref_loss = reference(x, y)
+        (ref_loss / accum).backward()
+        total += (ref_loss / accum).item()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+    ref_opt.step()
+    assert seen == [(7, 1), (7, 2), (8, 0)]  # each fetched before the backward; the last is the next step's
+    assert nxt[0] is micro[0][0] and loss == pytest.approx(total, rel=1e-6) and norm == pytest.approx(ref_norm.item())
+    assert norm > clip  # so the clipping mattered
+    for (k, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=k)
+        assert p.grad is None  # zero_grad(set_to_none=True)
+
+
+def test_bitwidth_lambda_adds_eq12_to_every_micro_step():
+    model, reference = tiny("gaussws[all]"), tiny("gaussws[all]")
+    (x, y), lam = batches(1)[0], 0.25
+    with torch.no_grad():  # b_t away from b_target, so Eq. 12's term is not zero
+        for layer in gaussws.pqt_layers(model) + gaussws.pqt_layers(reference):
+            layer.b_i.fill_(1.5)
+    loss, _, _ = train_step(model, [torch.optim.SGD(model.parameters(), lr=0.0)], 0, (x, y), lambda s, m: (x, y), 1,
+                            bitwidth_lambda=lam)
+    with gaussws.TrainStep(reference, 0):
+        _, plain = reference(x, y)
+    want = plain.item() + lam * gaussws.bitwidth_loss(reference).item()
+    assert lam * gaussws.bitwidth_loss(reference).item() > 0.1 and loss == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("poison", ["loss", "gradient"])
+def test_a_non_finite_loss_or_gradient_is_refused_before_the_update(poison):
+    model = tiny("gaussws[all]")
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batches(1)[0]
+    if poison == "loss":
+        model.lm_head.register_forward_hook(lambda m, a, out: out * float("nan"))
+    else:  # one gradient element turns inf; the loss stays finite
+        model.lm_head.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf")))
+    with pytest.raises(NonFinite, match="loss is nan" if poison == "loss" else r"gradient norm is inf \(loss \d"):
+        train_step(model, [opt], 0, (x, y), lambda s, m: (x, y), 1, grad_clip=1.0)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not opt.state  # the optimizer never stepped
+    assert all(not layer.in_step for layer in gaussws.pqt_layers(model))  # the TrainStep was released
+
+
+def test_all_finite_sees_every_parameter_b_i_included():
+    model = tiny("gaussws[od]")
+    assert all_finite(model, distributed=False)
+    with torch.no_grad():
+        gaussws.pqt_layers(model)[0].b_i.view(-1)[0] = float("inf")
+    assert not all_finite(model, distributed=False)

@@ -1,0 +1,157 @@
+"""What several scripts share: files written atomically, the one-line form of an exception, and the
+error every script reports as one line instead of a traceback.
+
+    with util.atomic_open(path) as f: ...     # readers see the old file or the new one, never a part
+    util.write_atomic(path, data)             # bytes or str, the same way
+    class ExportError(util.UserError): ...    # a script's bad input: what util.cli reports
+    sys.exit(util.cli(main))                  # the script's last line: `error: <message>`, exit status 1
+"""
+import ctypes
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+
+
+class UserError(Exception):
+    """Bad input, or a state the user can fix: the message is one line saying what is wrong (the value
+    seen) and what would be accepted. Every script's own errors derive from it (ConfigError,
+    CheckpointError, DataError, ExportError, ...), and cli() reports any of them the same way, with
+    exit status exit_status (a subclass may name another, as train.py's Diverged does)."""
+
+    exit_status = 1
+
+
+def cli(main, argv=None):
+    """Run main(argv) as a command (argv: sys.argv[1:] when None) and return its exit status: the
+    error's exit_status (1) after printing a UserError as `error: <message>` on stderr (one line, no
+    traceback), else main's own status where it returns an int, else 0."""
+    try:
+        status = main(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_status
+    return status if isinstance(status, int) else 0
+
+
+def first_line(e):
+    """The first line of an exception's message: an OSError's strerror (without the errno and the
+    path, which the caller's message names), else str(e), else the exception's type."""
+    text = getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def load_error(e):
+    """The telling line of a load_state_dict error (its first line only says that loading failed)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    return lines[1 if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else 0][:300]
+
+
+def reason(e):
+    """'Type: first line' of the innermost cause, the part a user can act on."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    line = (str(e).strip().splitlines() or [""])[0]
+    line = line if len(line) <= 160 else line[:160] + "..."
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
+
+
+# --- atomic writes ---------------------------------------------------------------------------------
+
+def temp_path(path):
+    """A temporary name beside path that no other process uses (pid and a random token), hidden from
+    globs, so two writers of the same file never write into each other's temporary files."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def fsync_dir(directory):
+    """Make the renames in directory durable: without it a power cut can undo them."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp, path):
+    """Rename the finished file tmp to path: its data on disk first (fsync), then the rename, then
+    the directory's entry (fsync)."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+@contextmanager
+def atomic_open(path, mode="wb"):
+    """A file object for writing path atomically: a fresh temporary file beside it (O_EXCL; mode
+    0o666, so the umask decides, as for any file open() creates), fsynced, renamed over path, the
+    directory fsynced. An exception inside the block (a full disk, a crash of the writer) leaves path
+    as it was and no temporary file behind."""
+    path = os.path.abspath(path)
+    tmp = temp_path(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))  # and the rename is on disk before we report success
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_atomic(path, data):
+    """bytes or str to path through atomic_open: a reader sees the old file or the new one."""
+    with atomic_open(path, "wb" if isinstance(data, (bytes, bytearray, memoryview)) else "w") as f:
+        f.write(data)
+
+
+@contextmanager
+def atomic_dir(path):
+    """A directory to fill for path, written whole or not at all: a fresh temporary directory beside
+    path whose files are fsynced and which is renamed to path (an empty directory there is replaced)
+    when the block ends; an exception inside it removes the temporary directory and leaves path as
+    it was."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.")
+    try:
+        yield tmp
+        for name in os.listdir(tmp):
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if os.path.isdir(path):
+            os.rmdir(path)  # empty (a non-empty one fails here, as the rename would)
+        os.replace(tmp, path)
+        fsync_dir(parent)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+
+
+# --- the process ---------------------------------------------------------------------------------
+
+def keep_freed_cpu_memory():
+    """Make glibc keep freed memory for reuse instead of returning it to the OS.
+
+    By default every tensor over 32 MB is a fresh mmap, so each CPU step page-faults (and the kernel
+    zeroes) its activations and logits again: a large part of a GPT2-124M step on a CPU, and of its
+    step-to-step jitter. The process then keeps its peak memory, as the CUDA caching allocator does
+    on GPUs. Returns False (and changes nothing) where libc has no mallopt.
+    """
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, Windows, ...)
+        return False
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
