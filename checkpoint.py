@@ -674,10 +674,10 @@ def load_state(model, optimizers, checkpoint, fsdp=False):
 # ---------------------------------------------------------------------------------------------
 # a run's start in its directory (resume, a new run, a fork) and its records there
 
-def resume(out_dir, wanted):
+def resume(out_dir, model_args, config):
     """The checkpoint a resumed run continues, read(header_only=True): refused where out_dir holds
-    none, where it lacks what resuming needs, or where its model or method is not `wanted` (this
-    run's {ModelConfig field or PQT key: value})."""
+    none, where it lacks what resuming needs, or where its model or method is not this run's (its
+    model_args, the PQT keys of its train.py config)."""
     path = find(out_dir)
     if path is None:
         raise CheckpointError(f"init_from=resume but {out_dir} holds no checkpoint (ckpt.pt or ckpt.dcp); start with "
@@ -688,6 +688,10 @@ def resume(out_dir, wanted):
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}: it cannot be resumed; start a new run from its "
                               f"weights with --init_from={path} --out_dir=<new dir>")
+    try:
+        wanted = {**dataclasses.asdict(ModelConfig(**model_args)), **{k: config[k] for k in PQT_KEYS}}
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path} cannot be resumed with this model: {e}") from None
     saved = {**checkpoint["model_args"], **checkpoint["pqt"]}
     diff = [f"{k}: checkpoint {saved.get(k)!r}, config {v!r}" for k, v in wanted.items() if saved.get(k) != v]
     if diff:
@@ -704,10 +708,19 @@ def check_new(out_dir, overwrite):
                               f"or pass --overwrite=True to replace it")
 
 
-def read_fork(path, config, free):
+# What a phase run may set otherwise than the bf16 run it forks from: the method and its settings,
+# which change nothing before the switch (the layers are plain Linears, b_i get no gradient), and
+# what is not training (the run's length beyond the fork step, evaluation, logging, files).
+FORK_FREE = {"method", "b_init", "b_target", "pqt_start", "target_format", "ste_start", "bits_per_weight",
+             "bitwidth_weight_decay", "bitwidth_lambda", "recompute_w_hat", "max_iters", "eval_interval",
+             "log_interval", "eval_iters", "always_save_checkpoint", "save_checkpoints", "out_dir", "init_from",
+             "fork_from", "overwrite", "dry_run", "eval_only", "wandb_log", "wandb_project", "wandb_run_name",
+             "wandb_mode"}
+
+
+def read_fork(path, config):
     """The checkpoint a phase run forks from (train.py --fork_from): a bf16 run's ckpt.pt at a step
-    from 1 to this run's pqt_start, whose config equals this run's `config` but for the keys in
-    `free`. Until its switch a phase run is that run bit for bit, so continuing it gives the losses
+    from 1 to this run's pqt_start, whose config equals this run's `config` but for FORK_FREE's keys. Until its switch a phase run is that run bit for bit, so continuing it gives the losses
     the whole phase run would have had, without training the shared steps again (study.py's deploy
     study). load_state then loads it."""
     if not os.path.isfile(path):
@@ -721,7 +734,8 @@ def read_fork(path, config, free):
     if not isinstance(step, int) or not 0 < step <= config["pqt_start"]:
         raise CheckpointError(f"fork_from={path!r} is at step {step}, pqt_start={config['pqt_start']:g}: a phase run "
                               f"forks from the bf16 run at a step from 1 to its switch")
-    diff = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in config.items() if k not in free and theirs.get(k) != v]
+    diff = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in config.items()
+            if k not in FORK_FREE and theirs.get(k) != v]
     if diff:
         raise CheckpointError(f"fork_from={path!r} was trained with other settings ({'; '.join(diff[:3])}): a phase "
                               f"run forks only from the bf16 run it equals until its switch")
@@ -768,19 +782,82 @@ def open_metrics(path, resumed_step, source=None):
         raise CheckpointError(f"cannot open {path}: {e.strerror}") from None
 
 
-def start_run(out_dir, run_info, resumed_step, new, forked=None):
-    """What a run writes into out_dir before its first step (rank 0; an evaluation, eval_only, writes
-    nothing): a new run first removes the checkpoint it replaces (--overwrite), so that a kill before
-    its first save cannot leave that checkpoint to be resumed as this run's; a divergence record goes
-    (the run is tried again); metrics.jsonl keeps this run's records (open_metrics; forked: the path
-    of the checkpoint it forks from, whose run's records it continues); config.json is run_info,
-    written atomically. Returns metrics.jsonl opened for appending."""
-    if new:
-        for path in paths(out_dir):
-            remove(path)
-    if os.path.exists(os.path.join(out_dir, DIVERGED)):
-        os.remove(os.path.join(out_dir, DIVERGED))
-    metrics = open_metrics(os.path.join(out_dir, "metrics.jsonl"), resumed_step,
-                           source=forked and os.path.join(os.path.dirname(forked), "metrics.jsonl"))
-    write_text(os.path.join(out_dir, "config.json"), json.dumps(run_info, indent=1))
-    return metrics
+class Run:
+    """A training run's directory as train.py keeps it: the checkpoint it saves (path: ckpt.pt, or
+    ckpt.dcp when sharded), the step of the one it can fall back on (saved_step; None before any),
+    which every message of a stopped run names (str(run)), and its records: config.json and
+    metrics.jsonl (start, log), diverged.json (diverged). Only the process that owns the directory
+    (writer: rank 0) writes them; under FSDP every process writes its shards of the checkpoint."""
+
+    def __init__(self, out_dir, saved_step=None, sharded=False, writer=True):
+        self.out_dir, self.saved_step, self.sharded, self.writer = out_dir, saved_step, sharded, writer
+        self.path, self.metrics = paths(out_dir)[1 if sharded else 0], None
+
+    def __str__(self):
+        if self.saved_step is None:
+            return "this run wrote no checkpoint"
+        return f"the last good checkpoint is {self.path}, step {self.saved_step}"
+
+    def start(self, run_info, new, forked=None):
+        """The records of a run that trains, before its first step (an evaluation, eval_only, writes
+        none): a new run first removes the checkpoint it replaces (--overwrite), so that a kill before
+        its first save cannot leave that checkpoint to be resumed as this run's; a divergence record
+        goes (the run is tried again); metrics.jsonl keeps this run's records (open_metrics; forked:
+        the checkpoint it forks from, whose run's records it continues); config.json is run_info."""
+        if new:
+            for path in paths(self.out_dir):
+                remove(path)
+        if os.path.exists(os.path.join(self.out_dir, DIVERGED)):
+            os.remove(os.path.join(self.out_dir, DIVERGED))
+        self.metrics = open_metrics(os.path.join(self.out_dir, "metrics.jsonl"), self.saved_step,
+                                    source=forked and os.path.join(os.path.dirname(forked), "metrics.jsonl"))
+        write_text(os.path.join(self.out_dir, "config.json"), json.dumps(run_info, indent=1))
+
+    def log(self, record):
+        """A line of metrics.jsonl, where start opened it. A full disk stops the run: CheckpointError
+        naming the checkpoint it keeps."""
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        except OSError as e:
+            try:
+                self.metrics.close()
+            except OSError:
+                pass
+            raise CheckpointError(f"cannot write {self.metrics.name}: {e.strerror or e}; the run stops here "
+                                  f"({self})") from None
+
+    def save(self, model, optimizers, config, iter_num, best_val_loss, cuda_device=None):
+        """The run's checkpoint of step iter_num (save_run): what continues the run exactly, the model,
+        its optimizers, and the state that is not theirs (the module docstring's list). The data order
+        and the noise are functions of (seed, step), and seed is in config; dropout draws from the CPU
+        generator, and on GPUs (cuda_device) from the CUDA one."""
+        state = {"model_args": dataclasses.asdict(model.config), "pqt": {k: config[k] for k in PQT_KEYS},
+                 "iter_num": iter_num, "best_val_loss": best_val_loss, "config": config,
+                 "rng_state": torch.get_rng_state()}
+        if cuda_device is not None:
+            state["cuda_rng_state"] = torch.cuda.get_rng_state(cuda_device)
+        if self.sharded or self.writer:
+            try:
+                save_run(self.out_dir, state, model, optimizers, sharded=self.sharded)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}; the run stops here") from None
+        self.saved_step = iter_num
+
+    def diverged(self, step, what, value, message, limit=None):
+        """Record in diverged.json that the run diverged at step (what broke, its value and limit, the
+        message, the checkpoint it keeps) and return message, saying why where no record was written."""
+        if self.writer:
+            record = {"step": step, "what": what, "value": value, "limit": limit, "message": message,
+                      "checkpoint": None if self.saved_step is None else self.path, "checkpoint_step": self.saved_step}
+            try:
+                write_divergence(self.out_dir, record)
+            except CheckpointError as e:
+                message += f" ({e})"
+        return message
+
+    def close(self):
+        if self.metrics is not None:
+            self.metrics.close()

@@ -92,3 +92,46 @@ def configure(config, argv):
             config[key] = _coerce(key, value, config[key])
             explicit.add(key)
     return explicit
+
+
+# --- checks of a resolved config: one line naming the key, the value and what is accepted -----------
+
+def check_set(config, defaults):
+    """No key left None (a config file's `key = None`): each takes a value of its default's type."""
+    for key, value in config.items():
+        if value is None:
+            raise ConfigError(f"{key}=None: expected a {type(defaults[key]).__name__} like {defaults[key]!r}")
+
+
+def check_choices(config, choices):
+    """Each key of choices ({key: accepted values}) holds one of its values."""
+    for key, accepted in choices.items():
+        if config[key] not in accepted:
+            raise ConfigError(f"{key}={config[key]!r}: expected one of {', '.join(accepted)}")
+
+
+def check_at_least(config, lowest):
+    """Each key of lowest ({key: the lowest integer accepted}) holds an integer at least that."""
+    for key, low in lowest.items():
+        if config[key] < low:
+            raise ConfigError(f"{key}={config[key]}: expected an integer >= {low}")
+
+
+def check_numbers(config, keys, below=None):
+    """Each of keys holds a number >= 0, and < below where given (NaN never passes)."""
+    for key in keys:
+        if not (config[key] >= 0 and (below is None or config[key] < below)):
+            raise ConfigError(f"{key}={config[key]}: expected a number " + (">= 0" if below is None else f"in [0, {below})"))
+
+
+def check_device(config, key="device"):
+    """config[key] names a device torch has here: cpu, or cuda / cuda:N with a GPU."""
+    import torch  # only the scripts that check a device need it
+    try:
+        dev = torch.device(config[key])
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{key}={config[key]!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{key}={config[key]!r}, but torch finds no CUDA GPU here; use --{key}=cpu")

@@ -634,6 +634,24 @@ def write_output(path, data):
                           f"no file there was replaced") from None
 
 
+def budget_formats(fmt_name, budget, model, state_dict, pqt, quantized, b_t, notes):
+    """{layer: format ids} of --format auto-int or error-int at a bit budget (--bits_per_weight; None
+    without one): the per-block formats the run trained on, where it trained on this budget's (a note
+    says so), else formats.budget_format_ids's choice from the weights (and b_t, for auto-int)."""
+    if not budget or fmt_name not in ("auto-int", "error-int"):
+        return None
+    chosen = trained_formats(state_dict, pqt, quantized, fmt_name, budget)
+    if chosen is not None:
+        notes.append(f"{fmt_name} at {budget:g} bits per weight: the per-block formats the run trained on, "
+                     f"chosen at its step {pqt.get('ste_start') or pqt.get('pqt_start'):.0f}")
+        return chosen
+    if fmt_name == "auto-int" and any(k not in b_t for k in quantized):
+        raise ExportError("auto-int with --bits_per_weight ranks blocks by their learned b_t, and these layers "
+                          "have none (no PQT): use --format=error-int, which ranks them by their own error")
+    weights = {k: model.get_submodule(k).weight for k in quantized}
+    return budget_format_ids(fmt_name, weights, b_t, budget)
+
+
 def main(argv):
     cfg = dict(DEFAULTS)
     configure(cfg, argv)
@@ -685,18 +703,7 @@ def main(argv):
     results = []
     other_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["other_dtype"]]
     for fmt_name in formats:
-        chosen, budget = None, cfg["bits_per_weight"]
-        if budget and fmt_name in ("auto-int", "error-int"):
-            chosen = trained_formats(state_dict, pqt, quantized, fmt_name, budget)
-            if chosen is not None:
-                notes.append(f"{fmt_name} at {budget:g} bits per weight: the per-block formats the run trained on, "
-                             f"chosen at its step {pqt.get('ste_start') or pqt.get('pqt_start'):.0f}")
-            elif fmt_name == "auto-int" and any(k not in b_t for k in quantized):
-                raise ExportError("auto-int with --bits_per_weight ranks blocks by their learned b_t, and these layers "
-                                  "have none (no PQT): use --format=error-int, which ranks them by their own error")
-            else:
-                weights = {k: model.get_submodule(k).weight for k in quantized}
-                chosen = budget_format_ids(fmt_name, weights, b_t, budget)
+        chosen = budget_formats(fmt_name, cfg["bits_per_weight"], model, state_dict, pqt, quantized, b_t, notes)
         data, mix = export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen)
         result = dict(mix, path=paths[fmt_name] if cfg["save"] else None, file_bytes=len(data))
         if cfg["save"]:

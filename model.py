@@ -15,7 +15,7 @@ layer adds, b_i: get_num_params leaves them out of the model's size, get_num_bit
 counts them.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -80,6 +80,23 @@ PRESETS = {
     "llama2-70b": dict(arch="llama2", n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, ffn_hidden=28672,
                        vocab_size=32000, block_size=4096),
 }
+
+
+def shape_args(config, explicit):
+    """ModelConfig's arguments from a script's config (train.py's: a preset name under "model", and
+    ModelConfig's fields): ModelConfig's defaults < the preset < the config's own values where no
+    preset < the keys the user set (explicit). 0 means "derive it" for n_kv_head, ffn_hidden and
+    block_size, as None does for ModelConfig."""
+    model_args = dict(PRESETS[config["model"]]) if config["model"] else {}
+    for k in (f.name for f in fields(ModelConfig)):
+        if k in config and (k in explicit or not config["model"]):
+            model_args[k] = config[k]
+    for k in ("n_kv_head", "ffn_hidden"):
+        if model_args.get(k) == 0:
+            model_args[k] = None
+    if model_args.get("block_size", 0) == 0:
+        model_args.pop("block_size", None)
+    return model_args
 
 
 # The role each Linear of a block plays in the method switch (`--method=gaussws[qkv,up]`), keyed by

@@ -1,6 +1,8 @@
 """One optimizer step of training, as train.py takes it and bench.py times it: the micro-steps
 (gradient accumulation) inside a gaussws.TrainStep, the gradient norm and its clipping, the check
-that the loss and the norm are finite, and the update.
+that the loss and the norm are finite, and the update; and what train.py checks of the model at
+every evaluation, before it may save it (check_sane): its weights finite (all_finite), the
+sane-model rule (insanity).
 
     loss, grad_norm, batch = train_step(model, optimizers, step, batch, micro_batch, accum, ...)
 """
@@ -14,13 +16,18 @@ import gaussws
 from util import UserError
 
 
-class NonFinite(UserError):
-    """The loss or the gradient norm of a step is NaN or Inf; the update was not applied. what:
-    "loss" or "grad_norm", value: the non-finite one (train.py's divergence record)."""
+class Diverging(UserError):
+    """Training went wrong in a way that going on cannot mend: what broke ("loss", "grad_norm" of a
+    step; "model", "eval_loss", "val_loss", "b_t" of an evaluated model), its value and the limit it
+    passed (None where there is none), for train.py's divergence record."""
 
-    def __init__(self, message, what, value):
+    def __init__(self, message, what, value, limit=None):
         super().__init__(message)
-        self.what, self.value = what, value
+        self.what, self.value, self.limit = what, value, limit
+
+
+class NonFinite(Diverging):
+    """The loss or the gradient norm of a step is NaN or Inf; the update was not applied."""
 
 
 def sync(device):
@@ -105,3 +112,44 @@ def all_finite(model, distributed):
     if distributed:
         torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
     return bool(ok)
+
+
+# A model is kept (trained on, saved) only while every evaluation finds it sane: its eval losses
+# and weights finite; after its first step its val loss at most ln(vocab_size) + VAL_LOSS_MARGIN
+# nats, where a model that predicts every token uniformly scores ln(vocab_size) and an untrained one
+# about that: one a nat worse has not learned but lost its way (seen: 1.6e13); and no b_t more than
+# B_T_MARGIN bits below min(b_init, b_target): b_t starts at b_init, weight decay on b_i pulls it to
+# b_target and the loss pulls it up, so only a blown-up optimizer puts it there, where Eq. 3's noise,
+# 2^(1 - b_t) times the block max, drowns the weights (at b_t of about -1e6 it overflows: the next
+# step is NaN).
+VAL_LOSS_MARGIN, B_T_MARGIN = 1.0, 8.0
+
+
+def insanity(losses, b_t, vocab_size, b_floor, trained):
+    """(what, value, limit) of the first rule above the evaluated model breaks, or None.
+    losses: estimate_loss's; b_t: gaussws.bitwidth_stats' (None without PQT); trained: it took a step."""
+    if not all(map(math.isfinite, losses.values())):
+        return "eval_loss", losses, None
+    if trained and losses["val"] > math.log(vocab_size) + VAL_LOSS_MARGIN:
+        return "val_loss", losses["val"], math.log(vocab_size) + VAL_LOSS_MARGIN
+    if b_t is not None and not b_t["min"] >= b_floor - B_T_MARGIN:  # NaN too
+        return "b_t", b_t["min"], b_floor - B_T_MARGIN
+    return None
+
+
+def check_sane(model, losses, step, b_floor, distributed, kept):
+    """Raise Diverging unless the model evaluated at step (losses: estimate_loss's) is sane: its weights
+    finite on every process (b_i, unseen by the eval, included) and none of insanity's rules broken
+    (b_floor: min(b_init, b_target)). The message says what broke, that nothing is saved, and what the
+    run keeps instead (kept)."""
+    if not all_finite(model, distributed):
+        raise Diverging(f"the model holds non-finite values at step {step}; stopping without saving ({kept})",
+                        "model", None)
+    broken = insanity(losses, gaussws.bitwidth_stats(model), model.config.vocab_size, b_floor, trained=step > 0)
+    if broken:
+        what, value, limit = broken
+        told = (f"eval loss is {losses}" if what == "eval_loss" else
+                f"val loss is {value:.4g}, above ln(vocab_size) + {VAL_LOSS_MARGIN:g} = {limit:.4f}"
+                if what == "val_loss" else f"b_t fell to {value:.4g}, below min(b_init, b_target) - {B_T_MARGIN:g} = {limit:g}")
+        raise Diverging(f"{told} at step {step}; stopping without saving ({kept}). Try a lower --learning_rate or "
+                        f"--grad_clip", what, value, limit)

@@ -10,9 +10,10 @@ Several nodes, e.g. 2 x 8 GPUs (run on each node, --node_rank=0 on the master):
     torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 train.py ...
 
 _main reads top to bottom as nanoGPT's train.py does: config, distributed set-up, data, the model
-and its optimizers (build: the model built plain, converted, sharded, the optimizers, the resumed
-state), logging, and the loop with its decisions (evaluate, save, stop); the optimizer step itself
-is step.py's. The functions above _main are its named steps, in the order it takes them.
+and its optimizers (build: the model built plain, converted, sharded, the optimizers, the state it
+continues), logging, and the loop with its decisions (evaluate, check, save, stop). The functions
+above _main are its named steps, in the order it takes them; the optimizer step and the checks of
+the model are step.py's, the run directory's rules (resume, fork, records) checkpoint.py's.
 
 Every run is reproducible from its seed: the initial weights do not depend on the method (the model
 is built plain, then gaussws.convert swaps Linears without drawing random numbers), the batches of
@@ -26,7 +27,7 @@ import os
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import torch
@@ -34,10 +35,11 @@ import torch
 import checkpoint as ckpt_io
 import gaussws
 import hf
+import configurator
 from configurator import ConfigError, configure
 from data import loader
-from model import GPT, PRESETS, ROLES, ModelConfig
-from step import NonFinite, all_finite, train_step
+from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
+from step import Diverging, NonFinite, check_sane, train_step
 from util import cli, keep_freed_cpu_memory
 
 # -----------------------------------------------------------------------------------------------
@@ -110,7 +112,6 @@ seed = 1337  # one seed for init, data order and noise; shared by all processes
 parallel = "ddp"  # how torchrun processes share the work: "ddp" (replicated) or "fsdp" (FSDP2, sharded)
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
-MODEL_KEYS = [f.name for f in fields(ModelConfig)]
 
 
 def fail(msg):
@@ -127,42 +128,15 @@ class Diverged(ConfigError):
     exit_status = EXIT_DIVERGED
 
 
-# A model is kept (trained on, saved) only while every evaluation finds it sane: its eval losses
-# and weights finite; after its first step its val loss at most ln(vocab_size) + VAL_LOSS_MARGIN
-# nats, where a model that predicts every token uniformly scores ln(vocab_size) and an untrained one
-# about that: one a nat worse has not learned but lost its way (seen: 1.6e13); and no b_t more than
-# B_T_MARGIN bits below min(b_init, b_target): b_t starts at b_init, weight decay on b_i pulls it to
-# b_target and the loss pulls it up, so only a blown-up optimizer puts it there, where Eq. 3's noise,
-# 2^(1 - b_t) times the block max, drowns the weights (at b_t of about -1e6 it overflows: the next
-# step is NaN).
-VAL_LOSS_MARGIN, B_T_MARGIN = 1.0, 8.0
-
-
-def insanity(losses, b_t, vocab_size, b_floor, trained):
-    """(what, value, limit) of the first rule above the evaluated model breaks, or None.
-    losses: estimate_loss's; b_t: gaussws.bitwidth_stats' (None without PQT); trained: it took a step."""
-    if not all(map(math.isfinite, losses.values())):
-        return "eval_loss", losses, None
-    if trained and losses["val"] > math.log(vocab_size) + VAL_LOSS_MARGIN:
-        return "val_loss", losses["val"], math.log(vocab_size) + VAL_LOSS_MARGIN
-    if b_t is not None and not b_t["min"] >= b_floor - B_T_MARGIN:  # NaN too
-        return "b_t", b_t["min"], b_floor - B_T_MARGIN
-    return None
-
-
 # --- config ------------------------------------------------------------------------------------------
 
 def validate(c, explicit):
     """Refuse a bad config before anything is built or written: one line naming the key, the value
-    and what is accepted."""
-    for k, v in c.items():
-        if v is None:
-            fail(f"{k}=None: expected a {type(DEFAULTS[k]).__name__} like {DEFAULTS[k]!r}")
-    choices = dict(dtype=("bfloat16", "float32"), optimizer=("adamw", "adam_mini"), parallel=("ddp", "fsdp"),
-                   wandb_mode=("online", "offline", "disabled"), arch=("gpt2", "llama2"))
-    for k, accepted in choices.items():
-        if c[k] not in accepted:
-            fail(f"{k}={c[k]!r}: expected one of {', '.join(accepted)}")
+    and what is accepted (configurator's checks)."""
+    configurator.check_set(c, DEFAULTS)
+    configurator.check_choices(c, dict(dtype=("bfloat16", "float32"), optimizer=("adamw", "adam_mini"),
+                                       parallel=("ddp", "fsdp"), wandb_mode=("online", "offline", "disabled"),
+                                       arch=("gpt2", "llama2")))
     if c["init_from"] == "":
         fail("init_from='': expected 'scratch', 'resume', or a ckpt.pt or an out_dir holding one")
     if c["fork_from"] and c["init_from"] != "scratch":
@@ -174,46 +148,18 @@ def validate(c, explicit):
                     max_iters=0, warmup_iters=0, lr_decay_iters=0, n_kv_head=0, ffn_hidden=0, vocab_size=0)
     if not c["model"] or any(k in explicit for k in ("n_layer", "n_head", "n_embd")):
         at_least.update(n_layer=1, n_head=1, n_embd=1)  # with a preset, only the keys the user sets
-    for k, low in at_least.items():
-        if c[k] < low:
-            fail(f"{k}={c[k]}: expected an integer >= {low}")
+    configurator.check_at_least(c, at_least)
     if c["block_size"] < 0 or c["block_size"] == 0 and not c["model"]:
         fail(f"block_size={c['block_size']}: expected an integer >= 1 (0 takes the --model preset's, and none is set)")
-    for k in ("learning_rate", "min_lr", "weight_decay", "bitwidth_weight_decay", "bitwidth_lambda"):
-        if not c[k] >= 0:
-            fail(f"{k}={c[k]}: expected a number >= 0")
+    configurator.check_numbers(c, ("learning_rate", "min_lr", "weight_decay", "bitwidth_weight_decay", "bitwidth_lambda"))
     if not c["grad_clip"] >= 0:
         fail(f"grad_clip={c['grad_clip']}: expected a number >= 0 (the largest gradient norm; 0 disables clipping)")
-    for k in ("beta1", "beta2", "dropout"):
-        if not 0 <= c[k] < 1:
-            fail(f"{k}={c[k]}: expected a number in [0, 1)")
+    configurator.check_numbers(c, ("beta1", "beta2", "dropout"), below=1)
     if not 0 <= c["seed"] < 2**63:
         fail(f"seed={c['seed']}: expected an integer in [0, 2^63)")
-    try:
-        dev = torch.device(c["device"])
-    except (RuntimeError, ValueError):
-        fail(f"device={c['device']!r}: expected cpu, cuda or cuda:N")
-    if dev.type not in ("cpu", "cuda"):
-        fail(f"device={c['device']!r}: expected cpu, cuda or cuda:N")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        fail(f"device={c['device']!r}, but torch finds no CUDA GPU here; use --device=cpu")
+    configurator.check_device(c)
     if not c["dry_run"]:
         ckpt_io.check_out_dir(c["out_dir"])
-
-
-def config_model_args(c, explicit):
-    """The model's shape from the config: ModelConfig's defaults < the preset < this file's defaults
-    where no preset < the user's keys. 0 means "derive it" for n_kv_head, ffn_hidden, block_size."""
-    model_args = dict(PRESETS[c["model"]]) if c["model"] else {}
-    for k in MODEL_KEYS:
-        if k in c and (k in explicit or not c["model"]):
-            model_args[k] = c[k]
-    for k in ("n_kv_head", "ffn_hidden"):
-        if model_args.get(k) == 0:
-            model_args[k] = None
-    if model_args.get("block_size", 0) == 0:
-        model_args.pop("block_size", None)
-    return model_args
 
 
 def method_args(c):
@@ -263,29 +209,7 @@ def show_dry_run(c, model_args):
     print(f"tokens per optimizer step: {c['gradient_accumulation_steps'] * c['batch_size'] * m.config.block_size:,}")
 
 
-def open_data(c, proc):
-    """(data_dir, meta) of the dataset, meta.json checked against its files (data/loader.py). The
-    default corpus is prepared where it is missing, by rank 0 while the others wait."""
-    data_dir = loader.data_dir(c["dataset"])
-    if c["dataset"] == "default" and not os.path.exists(os.path.join(data_dir, "meta.json")):
-        if proc.master:
-            loader.prepare_default(data_dir)  # a full disk, an unwritable data/default: one line (DataError)
-        if proc.ddp:
-            torch.distributed.barrier()
-    return data_dir, loader.read_meta(data_dir)
-
-
 # --- the starting point: scratch, resume, a fork, or another run's (or a pretrained model's) weights --
-
-# What a phase run may set otherwise than the bf16 run it forks from: the method and its settings,
-# which change nothing before the switch (the layers are plain Linears, b_i get no gradient), and
-# what is not training (the run's length beyond the fork step, evaluation, logging, files).
-FORK_FREE = {"method", "b_init", "b_target", "pqt_start", "target_format", "ste_start", "bits_per_weight",
-             "bitwidth_weight_decay", "bitwidth_lambda", "recompute_w_hat", "max_iters", "eval_interval",
-             "log_interval", "eval_iters", "always_save_checkpoint", "save_checkpoints", "out_dir", "init_from",
-             "fork_from", "overwrite", "dry_run", "eval_only", "wandb_log", "wandb_project", "wandb_run_name",
-             "wandb_mode"}
-
 
 def starting_point(c, explicit, model_args, meta):
     """(model_args, checkpoint, init_state) for init_from: the checkpoint to continue (this run's, to
@@ -293,17 +217,12 @@ def starting_point(c, explicit, model_args, meta):
     architecture each implies. The run directory's rules are checkpoint.py's (resume, check_new,
     read_fork)."""
     if c["init_from"] == "resume":
-        if not model_args.get("vocab_size"):
-            model_args["vocab_size"] = meta["vocab_size"]
-        try:
-            wanted = {**asdict(ModelConfig(**model_args)), **{k: c[k] for k in ckpt_io.PQT_KEYS}}
-        except (ValueError, TypeError) as e:
-            fail(str(e))
-        checkpoint = ckpt_io.resume(c["out_dir"], wanted)
+        checkpoint = ckpt_io.resume(c["out_dir"], {**model_args, "vocab_size": model_args.get("vocab_size")
+                                                   or meta["vocab_size"]}, c)
         return checkpoint["model_args"], checkpoint, None
     ckpt_io.check_new(c["out_dir"], c["overwrite"])
     if c["fork_from"]:
-        checkpoint = ckpt_io.read_fork(c["fork_from"], c, FORK_FREE)
+        checkpoint = ckpt_io.read_fork(c["fork_from"], c)
         return checkpoint["model_args"], checkpoint, None
     if c["init_from"] == "scratch":
         return model_args, None, None
@@ -321,13 +240,13 @@ def starting_point(c, explicit, model_args, meta):
 
 def resolve_init(init_from, out_dir, requested):
     """(model_args, state_dict) of the weights a run starts from: a checkpoint of train.py (ckpt.pt,
-    ckpt.dcp, or an out_dir holding one), a Hugging Face model directory, or a GPT-2 of the hub.
-    requested: the shape keys the user set (a pretrained GPT-2's block_size may shrink)."""
+    ckpt.dcp, or an out_dir holding one), a Hugging Face model directory, or a GPT-2 of the hub
+    (nanoGPT's init_from names). requested: the shape keys the user set (a pretrained GPT-2's
+    block_size may shrink, hf.fit_pretrained)."""
     path = ckpt_io.find(init_from)
-    if os.path.isdir(init_from) and os.path.isfile(os.path.join(init_from, "config.json")) and not path:
-        return pretrained(init_from, requested)  # a Hugging Face model directory
-    if not os.path.exists(init_from) and init_from in hf.GPT2_HUB:  # nanoGPT's init_from names
-        return pretrained(init_from, requested)
+    if os.path.isfile(os.path.join(init_from, "config.json")) and not path or (
+            not os.path.exists(init_from) and init_from in hf.GPT2_HUB):
+        return hf.fit_pretrained(*hf.load_pretrained(init_from), requested, source=f"init_from={init_from}")
     if not path or not os.path.exists(path):
         fail(f"init_from={init_from!r}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, a "
              f"Hugging Face model directory, or one of {', '.join(hf.GPT2_HUB)}")
@@ -338,22 +257,12 @@ def resolve_init(init_from, out_dir, requested):
     return checkpoint["model_args"], checkpoint["model"]
 
 
-def pretrained(name_or_dir, requested):
-    """(model_args, state_dict) of a Hugging Face GPT2LMHeadModel / LlamaForCausalLM (hf.py)."""
-    try:
-        model_args, state_dict = hf.load_pretrained(name_or_dir)
-        return hf.fit_pretrained(model_args, state_dict, requested, source=f"init_from={name_or_dir}")
-    except hf.HFError as e:
-        fail(str(e))
-
-
 def build(c, explicit, proc, model_args, data_dir, meta):
-    """The model and its optimizers at the run's starting point (starting_point: scratch, this run's
-    checkpoint, a fork's, or another's weights): the model built plain from the seed, then converted
-    (the same initial weights whatever the method), sharded under FSDP, the optimizers, the state of
-    the checkpoint it continues. Returns (model, optimizers, (iter_num, best_val_loss, saved_step),
-    forked), saved_step the step of the checkpoint this run continues (None for a new run), forked
-    the path of the checkpoint it forks from (or None)."""
+    """The model and its optimizers at the run's starting point (starting_point): the model built
+    plain from the seed, then converted (the same initial weights whatever the method), sharded under
+    FSDP, the optimizers, the state of the checkpoint it continues. Returns (model, optimizers,
+    (iter_num, best_val_loss, saved_step), forked): saved_step, the step of the checkpoint it
+    continues (None for a new run); forked, the path of the one it forks from (or None)."""
     model_args, checkpoint, init_state = starting_point(c, explicit, model_args, meta)
     if not model_args.get("vocab_size"):
         model_args["vocab_size"] = meta["vocab_size"]
@@ -424,28 +333,12 @@ def get_lr(it, c):
     return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
 
 
-class Saved:
-    """The checkpoint a stopped run leaves behind (path, step; step None: none yet), named truthfully
-    in every message that stops it."""
-
-    def __init__(self, path, step):
-        self.path, self.step = path, step
-
-    def __str__(self):
-        return "this run wrote no checkpoint" if self.step is None else \
-            f"the last good checkpoint is {self.path}, step {self.step}"
-
-
 class Metrics:
-    """Where the run's records go: out_dir's metrics.jsonl and config.json (rank 0; none for eval_only,
-    which leaves the run's record as it is; checkpoint.start_run) and, with wandb_log, Weights &
-    Biases (imported only then). A full disk stops the run in one line naming what it kept (saved)."""
+    """Where the run's records go: its directory's metrics.jsonl (run: checkpoint.Run, which rank 0
+    started) and, with wandb_log, Weights & Biases (imported only then)."""
 
-    def __init__(self, c, proc, run_info, saved, forked):
-        self.saved, self.wandb, self.file = saved, None, None
-        if proc.master and not c["eval_only"]:
-            self.file = ckpt_io.start_run(c["out_dir"], run_info, saved.step, new=c["init_from"] != "resume",
-                                          forked=forked)
+    def __init__(self, c, proc, run, run_info):
+        self.run, self.wandb = run, None
         if c["wandb_log"] and proc.master:
             import wandb
             wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], mode=c["wandb_mode"], dir=c["out_dir"],
@@ -453,24 +346,14 @@ class Metrics:
             self.wandb = wandb
 
     def log(self, record):
-        if self.file:
-            try:
-                self.file.write(json.dumps(record) + "\n")
-                self.file.flush()
-            except OSError as e:  # a full disk
-                try:
-                    self.file.close()
-                except OSError:
-                    pass
-                fail(f"cannot write {self.file.name}: {e.strerror or e}; the run stops here ({self.saved})")
-            if self.wandb:
-                self.wandb.log(record, step=record["iter"])
+        self.run.log(record)
+        if self.wandb and self.run.metrics:
+            self.wandb.log(record, step=record["iter"])
 
     def close(self):
         if self.wandb:
             self.wandb.finish()
-        if self.file:
-            self.file.close()
+        self.run.close()
 
 
 def evaluate(c, proc, model, splits, iter_num, metrics, **eval_args):
@@ -487,55 +370,6 @@ def evaluate(c, proc, model, splits, iter_num, metrics, **eval_args):
     return losses
 
 
-def diverged(c, proc, step, saved, what, value, message, limit=None):
-    """Stop the run as diverged: the one line (Diverged, exit status 3), and out_dir/diverged.json
-    for whoever runs it (study.py): the step, what broke, its value and limit, the checkpoint kept."""
-    if proc.master:
-        record = {"step": step, "what": what, "value": value, "limit": limit, "message": message,
-                  "checkpoint": None if saved.step is None else saved.path, "checkpoint_step": saved.step}
-        try:
-            ckpt_io.write_divergence(c["out_dir"], record)
-        except ckpt_io.CheckpointError as e:
-            message += f" ({e})"
-    raise Diverged(message)
-
-
-def check_sane(c, proc, model, losses, step, saved):
-    """Stop as diverged, saving nothing, unless the evaluated model is sane: finite weights (b_i,
-    unseen by the eval, included) and none of insanity's rules broken."""
-    if not all_finite(model, proc.ddp):
-        diverged(c, proc, step, saved, "model", None, f"the model holds non-finite values at step {step}; stopping "
-                                                      f"without saving ({saved})")
-    broken = insanity(losses, gaussws.bitwidth_stats(model), model.config.vocab_size, min(c["b_init"], c["b_target"]),
-                      trained=step > 0)
-    if broken:
-        what, value, limit = broken
-        told = (f"eval loss is {losses}" if what == "eval_loss" else
-                f"val loss is {value:.4g}, above ln(vocab_size) + {VAL_LOSS_MARGIN:g} = {limit:.4f}"
-                if what == "val_loss" else f"b_t fell to {value:.4g}, below min(b_init, b_target) - {B_T_MARGIN:g} = {limit:g}")
-        diverged(c, proc, step, saved, what, value, f"{told} at step {step}; stopping without saving ({saved}). Try a "
-                                                    f"lower --learning_rate or --grad_clip", limit)
-
-
-def save_checkpoint(c, proc, model, optimizers, iter_num, best_val_loss, ckpt_path):
-    """The run's checkpoint (ckpt_path: ckpt.pt, or ckpt.dcp under FSDP), atomic and verifiable
-    (checkpoint.save_run): a crash, a full disk or a second writer leaves the previous one whole."""
-    state = {"model_args": asdict(model.config), "pqt": {k: c[k] for k in ckpt_io.PQT_KEYS}, "iter_num": iter_num,
-             "best_val_loss": best_val_loss, "config": c,
-             # What continues the run exactly besides the model and optimizers: the data
-             # order and the noise are functions of (seed, step), and seed is in config;
-             # dropout draws from the CPU generator, and on GPUs from the CUDA one.
-             "rng_state": torch.get_rng_state()}
-    if proc.device_type == "cuda":
-        state["cuda_rng_state"] = torch.cuda.get_rng_state(proc.dev)
-    if proc.fsdp or proc.master:  # under FSDP every process writes its own shards
-        try:
-            ckpt_io.save_run(c["out_dir"], state, model, optimizers, sharded=proc.fsdp)
-        except ckpt_io.CheckpointError as e:
-            fail(f"{e}; the run stops here")
-    proc.say(f"saved checkpoint to {ckpt_path}")
-
-
 def main(argv):
     """Train as the config says. Whatever ends it (a return, ConfigError, any exception), the out_dir
     lock is released here: an exception's traceback would keep this frame, and the lock, alive."""
@@ -548,7 +382,7 @@ def _main(argv, resources):
     c = dict(DEFAULTS)
     explicit = configure(c, argv)
     validate(c, explicit)
-    model_args = config_model_args(c, explicit)
+    model_args = shape_args(c, explicit)
     roles = ROLES.get(model_args.get("arch", "gpt2"), {})
     try:  # a bad method or shape fails now, before data or checkpoints are touched
         kind, _ = gaussws.parse_method(c["method"], roles.values())
@@ -567,13 +401,13 @@ def _main(argv, resources):
         ckpt_io.clean_stale(c["out_dir"])  # the temporary files of a run killed while it wrote them
 
     # data, and the model at its starting point
-    data_dir, meta = open_data(c, proc)
+    data_dir, meta = loader.open_data(c["dataset"], proc.master, torch.distributed.barrier if proc.ddp else None)
     raw_model, optimizers, (iter_num, best_val_loss, saved_step), forked = build(c, explicit, proc, model_args,
                                                                                  data_dir, meta)
     mconf = raw_model.config
-    saved = Saved(ckpt_io.paths(c["out_dir"])[1 if proc.fsdp else 0], saved_step)  # where this run saves
-    if saved.step is not None and saved.step >= c["max_iters"] and not c["eval_only"]:
-        proc.say(f"{saved.path} is at step {saved.step}, max_iters={c['max_iters']}: the run is complete, nothing "
+    run = ckpt_io.Run(c["out_dir"], saved_step, sharded=proc.fsdp, writer=proc.master)  # where this run saves
+    if saved_step is not None and saved_step >= c["max_iters"] and not c["eval_only"]:
+        proc.say(f"{run.path} is at step {saved_step}, max_iters={c['max_iters']}: the run is complete, nothing "
                  f"to train (raise --max_iters to continue it)")
         if proc.ddp:
             torch.distributed.destroy_process_group()
@@ -587,7 +421,9 @@ def _main(argv, resources):
     # logging
     versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
     run_info = {**c, "model_args": asdict(mconf), "world_size": proc.world_size, "versions": versions}
-    metrics = Metrics(c, proc, run_info, saved, forked)
+    if proc.master and not c["eval_only"]:  # an evaluation leaves the run's record as it is
+        run.start(run_info, new=c["init_from"] != "resume", forked=forked)
+    metrics = Metrics(c, proc, run, run_info)
     proc.say(f"{raw_model.get_num_params(non_embedding=False) / 1e6:.2f}M parameters "
              f"({mconf.arch}, {c['method']}, {len(gaussws.method_layers(raw_model))} converted Linears"
              + (f" from step {c['pqt_start']:.0f}" if c["pqt_start"] else "") + "), "
@@ -606,15 +442,18 @@ def _main(argv, resources):
         for group in (g for o in optimizers for g in o.param_groups):
             group["lr"] = lr
         evaluate_now = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
-        if c["eval_only"] or evaluate_now and iter_num != saved.step:  # the resumed step was evaluated and saved before
+        if c["eval_only"] or evaluate_now and iter_num != run.saved_step:  # the resumed step was evaluated and saved before
             losses = evaluate(c, proc, raw_model, splits, iter_num, metrics, autocast=autocast, **batch_args)
             if c["eval_only"]:
                 break
-            check_sane(c, proc, raw_model, losses, iter_num, saved)  # at every evaluation, before any save
+            try:  # at every evaluation, before any save: a model that is not sane is never kept
+                check_sane(raw_model, losses, iter_num, min(c["b_init"], c["b_target"]), proc.ddp, kept=run)
+            except Diverging as e:
+                raise Diverged(run.diverged(iter_num, e.what, e.value, str(e), e.limit))
             if c["save_checkpoints"] and iter_num > 0 and (losses["val"] < best_val_loss or c["always_save_checkpoint"]):
                 best_val_loss = min(best_val_loss, losses["val"])
-                save_checkpoint(c, proc, raw_model, optimizers, iter_num, best_val_loss, saved.path)
-                saved.step = iter_num
+                run.save(raw_model, optimizers, c, iter_num, best_val_loss, proc.dev if proc.device_type == "cuda" else None)
+                proc.say(f"saved checkpoint to {run.path}")
             t0, timed_steps = time.time(), 0  # evaluation is not training time
         if iter_num >= c["max_iters"]:
             break
@@ -626,8 +465,8 @@ def _main(argv, resources):
                                              forward=train_model, autocast=autocast, grad_clip=c["grad_clip"],
                                              bitwidth_lambda=c["bitwidth_lambda"])
         except NonFinite as e:
-            diverged(c, proc, iter_num, saved, e.what, e.value, f"{e} at step {iter_num}; stopping before the update "
-                                                                f"({saved}). Try a lower --learning_rate or --grad_clip")
+            raise Diverged(run.diverged(iter_num, e.what, e.value, f"{e} at step {iter_num}; stopping before the update "
+                                                                   f"({run}). Try a lower --learning_rate or --grad_clip"))
         iter_num += 1
         timed_steps += 1
         if iter_num % c["log_interval"] == 0 or iter_num == c["max_iters"]:
@@ -646,12 +485,10 @@ def _main(argv, resources):
         torch.distributed.destroy_process_group()
         if proc.fsdp:
             # fully_shard keeps the gloo process group referenced from C++, so destroy_process_group
-            # cannot free it: its two worker threads and its TCP loop thread stay alive through the
-            # interpreter's teardown and exit()'s C++ static destructors. A native thread that needs
-            # the GIL then is ended by CPython with pthread_exit, and unwinding through a noexcept
-            # destructor aborts ("terminate called without an active exception"): the likely cause
-            # of the random SIGABRT of 2-process FSDP runs. Everything is written and flushed by
-            # now, so the process ends without that teardown.
+            # cannot free it: its worker and TCP loop threads outlive the interpreter's teardown, a
+            # native thread that needs the GIL then is ended with pthread_exit, and unwinding through a
+            # noexcept destructor aborts (the likely cause of the random SIGABRT of 2-process FSDP
+            # runs). Everything is written and flushed by now: the process ends without that teardown.
             metrics.close()
             sys.stdout.flush()
             sys.stderr.flush()

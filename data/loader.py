@@ -1,7 +1,7 @@
 """Batches and evaluation: one home for train.py, export.py and bench.py.
 
-    meta = read_meta(data_dir(dataset))                       # meta.json, checked against the .bin files
-    data = open_split(data_dir(dataset), "train", meta, block_size)
+    directory, meta = open_data(dataset)                      # data/<dataset>; meta.json checked against the .bin files
+    data = open_split(directory, "train", meta, block_size)
     x, y = get_batch(data, (seed, "train", step, micro), batch_size=B, block_size=T, device=dev)
     losses = estimate_loss(model, {"val": data}, seed=seed, eval_iters=K, ...)   # {split: mean loss}
 
@@ -30,11 +30,25 @@ def data_dir(dataset):
 
 def prepare_default(data_dir):
     """Make the offline default corpus (data/default/prepare.py) where it is missing. Two first runs
-    at once: the second waits for the first and uses its files."""
+    at once: the second waits for the first and uses its files. A full disk or an unwritable
+    data/default is one line (DataError)."""
     print("preparing the default corpus (Python's standard library) ...")
     sys.path.insert(0, data_dir)
     import prepare as default_prepare
     default_prepare.prepare_if_missing(data_dir)
+
+
+def open_data(dataset, master=True, barrier=None):
+    """(data_dir, meta) of a dataset, meta.json checked against its files (read_meta). The default
+    corpus is prepared where it is missing, by the master process while the others wait at
+    barrier (torch.distributed.barrier under torchrun)."""
+    directory = data_dir(dataset)
+    if dataset == "default" and not os.path.exists(os.path.join(directory, "meta.json")):
+        if master:
+            prepare_default(directory)
+        if barrier is not None:
+            barrier()
+    return directory, read_meta(directory)
 
 
 def prepare_hint(data_dir):

@@ -738,7 +738,6 @@ def test_an_unusable_export_dir_is_one_line_before_any_work(tmp_path, capsys):
 
 @pytest.mark.parametrize("run_kind", ["pqt", "bf16"])  # PQT: bitwidths.json is the first write; bf16: the model file
 def test_a_full_disk_is_one_line_and_replaces_nothing(data_dir, tmp_path, capsys, monkeypatch, run_kind):
-    from data import common
     from disk_faults import full_disk_open
     make_checkpoint(tmp_path, data_dir, pqt_roles=None if run_kind == "pqt" else ())
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", "--evaluate=False"], capsys)
@@ -746,7 +745,7 @@ def test_a_full_disk_is_one_line_and_replaces_nothing(data_dir, tmp_path, capsys
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     make_checkpoint(tmp_path, data_dir, pqt_roles=None if run_kind == "pqt" else (), seed=1)  # other weights
     before["ckpt.pt"] = (tmp_path / "ckpt.pt").read_bytes()
-    monkeypatch.setattr(common, "open", full_disk_open(), raising=False)  # export.py writes through data.common
+    monkeypatch.setattr(os, "fdopen", full_disk_open(os.fdopen))  # export.py writes through util.atomic_open
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", "--evaluate=False", "--overwrite=True"], capsys)
     assert rc == 1 and len(err.strip().splitlines()) == 1 and "No space left on device" in err, err
     assert "cannot write" in err and ("bitwidths.json" if run_kind == "pqt" else "model-mxfp4.safetensors") in err

@@ -18,6 +18,7 @@ import torch
 import export as E
 import export_gguf
 import tokenizer
+from data import loader
 
 gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")
 
@@ -453,8 +454,11 @@ def test_the_llama_cpp_check_reports_our_val_loss_and_llama_cpps(exported):
     case, run, _, _ = exported
     r = export_gguf.check_llama_cpp(str(run / "model-mxfp4.gguf"), eval_iters=1, plain_cpu=True)
     model, info = E.load(str(run / "model-mxfp4.safetensors"))
-    batches = E.eval_batches(info["config"], 64, 1)
-    assert r["val_loss"] == pytest.approx(E.val_loss(model, batches, "float32", "cpu"), rel=1e-6)
+    config, directory = info["config"], loader.data_dir(info["config"]["dataset"])
+    data = loader.open_split(directory, "val", loader.read_meta(directory), 64)
+    ours = loader.estimate_loss(model, {"val": data}, seed=config["seed"], eval_iters=1, batch_size=config["batch_size"],
+                                block_size=64, device="cpu")["val"]  # train.py's estimator, FP32
+    assert r["val_loss"] == pytest.approx(ours, rel=1e-6)
     assert r["tokens"] == 4 * 64 and r["max_logit_difference"] <= LLAMA_CPP_TOLERANCE * (1 + r["max_logit"])
     assert abs(r["val_loss_llama_cpp"] - r["val_loss"]) <= LLAMA_CPP_TOLERANCE * (1 + r["max_logit"])
     assert r["same_next_token"] > 0.9

@@ -116,7 +116,7 @@ def test_train_init_from_a_transformers_directory_starts_from_its_weights(tmp_pa
     ours.load_state_dict({k: v for k, v in saved["model"].items() if not k.endswith(".b_i")})
     assert any(k.endswith(".b_i") for k in saved["model"]) and saved["pqt"]["method"] == "gaussws[all]"
     assert_logits_equal(our_logits(ours.eval(), tokens()), hf_logits(theirs, tokens()))
-    with pytest.raises(train.ConfigError, match="conflicts with it"):  # the shape is the pretrained one
+    with pytest.raises(hf.HFError, match="conflicts with it"):  # the shape is the pretrained one
         train.main([f"--init_from={tmp_path / 'hf'}", f"--dataset={data}", f"--out_dir={tmp_path / 'o2'}",
                     "--n_layer=3", "--device=cpu"])
 

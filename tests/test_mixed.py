@@ -20,6 +20,7 @@ import train
 from configurator import ConfigError
 from formats import BY_NAME, FORMATS, block_weights
 from model import GPT, ROLES, ModelConfig
+from util import UserError
 from test_phase import curve, tiny, train_recording
 from test_ste import random_weight
 
@@ -263,7 +264,7 @@ def test_a_run_stopped_at_or_after_a_switch_resumes_on_the_formats_chosen_at_it(
         {"ste_start": RUNS[name].get("ste_start", 0.0), "bits_per_weight": RUNS[name]["bits_per_weight"]}
     before = os.path.getmtime(tmp_path / "ckpt.pt")
     other = dict(bits_per_weight=3.5) if name == "ste" else dict(ste_start=12)
-    with pytest.raises(ConfigError, match="bits_per_weight: checkpoint 3.0, config 3.5" if name == "ste" else
+    with pytest.raises(UserError, match="bits_per_weight: checkpoint 3.0, config 3.5" if name == "ste" else
                        r"ste_start: checkpoint 10\.0, config 12\.0"):
         train.main(argv(data_dir, tmp_path, name, init_from="resume", **other))
     assert os.path.getmtime(tmp_path / "ckpt.pt") == before

@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import export as E
 import gaussws
 import train
 from configurator import ConfigError
+from data import loader
 from model import GPT, ROLES, ModelConfig
+from util import UserError
 
 START, STEPS = 10, 20
 PHASES = {"gaussws": dict(method="gaussws[all]", target_format="int3"),
@@ -55,13 +58,13 @@ def curve(out_dir, key="loss"):
 
 def train_recording(argv):
     """train.main(argv) and {step: (model state, optimizer states)} of every checkpoint it wrote."""
-    saved, save = {}, train.save_checkpoint
+    saved, save = {}, checkpoint.save_run
 
-    def recording(state, path, model=None, optimizers=None):
-        saved[state["iter_num"]] = copy.deepcopy((state["model"], state["optimizer"]))
-        return save(state, path, model, optimizers)
+    def recording(out_dir, state, model, optimizers, sharded=False):
+        saved[state["iter_num"]] = copy.deepcopy((model.state_dict(), [o.state_dict() for o in optimizers]))
+        return save(out_dir, state, model, optimizers, sharded)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train, "save_checkpoint", recording)
+        mp.setattr(checkpoint, "save_run", recording)
         train.main(argv)
     return saved
 
@@ -112,9 +115,9 @@ def test_phase_b_t_starts_at_the_level_matched_to_the_target_format_and_stays(ru
 
 def first_step_loss(model, data_dir, step):
     """The loss of the training batch of `step` (train.py's micro-batch 0) through `model` in training mode."""
-    meta = train.read_meta(data_dir)
-    data = train.open_split(data_dir, "train", meta, 32)
-    x, y = train.get_batch(data, (7, "train", step, 0), batch_size=8, block_size=32, device="cpu")
+    meta = loader.read_meta(data_dir)
+    data = loader.open_split(data_dir, "train", meta, 32)
+    x, y = loader.get_batch(data, (7, "train", step, 0), batch_size=8, block_size=32, device="cpu")
     with torch.no_grad(), gaussws.TrainStep(model.train(), step):
         return model(x, y)[1].item()
 
@@ -124,7 +127,7 @@ def test_the_first_noisy_step_is_eq3_of_a_freshly_converted_model_on_the_bf16_we
     config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
     level = gaussws.matched_b_t("gaussws", "int3")
     model = gaussws.convert(GPT(config), "gaussws[all]", ROLES["gpt2"], b_init=level, b_target=level, seed=7)
-    train.load_weights(model, bf16[START][0])  # b_i as the converter makes them: 1
+    gaussws.load_weights(model, bf16[START][0])  # b_i as the converter makes them: 1
     assert first_step_loss(model, data_dir, START) == curve(phase_dir)[START + 1]
 
 
@@ -157,7 +160,7 @@ def test_pqt_start_as_a_fraction_is_a_step_of_max_iters_and_resume_holds_it(runs
     train.main(tiny(data_dir, tmp_path, pqt_start=START / STEPS, **kw))
     assert curve(tmp_path) == curve(runs["ste"][0])
     before = os.path.getmtime(tmp_path / "ckpt.pt")
-    with pytest.raises(ConfigError, match=r"pqt_start: checkpoint 10\.0, config 15\.0"):
+    with pytest.raises(UserError, match=r"pqt_start: checkpoint 10\.0, config 15\.0"):  # checkpoint.resume
         train.main(tiny(data_dir, tmp_path, pqt_start=START / STEPS, max_iters=30, init_from="resume", **kw))
     assert os.path.getmtime(tmp_path / "ckpt.pt") == before
 
@@ -265,13 +268,13 @@ def test_a_fork_from_another_run_or_past_the_switch_is_one_line(trunk, data_dir,
     kw = {k: os.path.join(trunk, "ckpt.pt") if v == "TRUNK" else v for k, v in kw.items()}
     args = tiny(data_dir, tmp_path, **{**PHASES["gaussws"], "pqt_start": START,
                                        "fork_from": os.path.join(trunk, "ckpt.pt"), **kw})
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UserError, match=message):  # train.py's config check, or checkpoint.read_fork's
         train.main(args)
     assert not os.path.exists(tmp_path / "ckpt.pt") and not os.path.exists(tmp_path / "metrics.jsonl")
 
 
 def test_a_fork_from_a_phase_run_is_one_line(runs, data_dir, tmp_path):
     d, _ = runs["ste"]
-    with pytest.raises(ConfigError, match="forks from a bf16 run"):
+    with pytest.raises(UserError, match="forks from a bf16 run"):
         train.main(tiny(data_dir, tmp_path, **PHASES["gaussws"], pqt_start=STEPS, max_iters=STEPS + 5,
                         fork_from=os.path.join(d, "ckpt.pt")))

@@ -1,5 +1,6 @@
 """step.py: the one optimizer step train.py takes and bench.py times is gradient accumulation as
-written out by hand, clipped, checked for finite values before anything is applied."""
+written out by hand, clipped, checked for finite values before anything is applied; the sane-model
+rule train.py applies at every evaluation holds at its bounds."""
 import copy
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 import gaussws
 from model import GPT, ROLES, ModelConfig
-from step import NonFinite, all_finite, train_step
+from step import NonFinite, all_finite, insanity, train_step
 
 
 def tiny(method="bf16", seed=0):
@@ -88,3 +89,16 @@ def test_all_finite_sees_every_parameter_b_i_included():
     with torch.no_grad():
         gaussws.pqt_layers(model)[0].b_i.view(-1)[0] = float("inf")
     assert not all_finite(model, distributed=False)
+
+
+def test_the_sane_model_rule_at_its_bounds():
+    """ln(256) + 1 = 6.5452 nats; b_t at least min(b_init, b_target) - 8."""
+    ok, nan = {"train": 2.0, "val": 2.0}, float("nan")
+    assert insanity(ok, {"min": -3.99}, 256, 4.0, trained=True) is None
+    assert insanity(ok, {"min": -4.01}, 256, 4.0, trained=True) == ("b_t", -4.01, -4.0)
+    assert insanity(ok, {"min": nan}, 256, 4.0, trained=True)[0] == "b_t"
+    assert insanity(ok, None, 256, 4.0, trained=True) is None  # bf16: no b_t
+    assert insanity({"train": 9.0, "val": 6.545}, None, 256, 4.0, trained=True) is None
+    assert insanity({"train": 2.0, "val": 6.546}, None, 256, 4.0, trained=True)[0] == "val_loss"
+    assert insanity({"train": 2.0, "val": 50.0}, None, 256, 4.0, trained=False) is None  # nothing trained yet
+    assert insanity({"train": nan, "val": 2.0}, None, 256, 4.0, trained=False)[0] == "eval_loss"
