@@ -45,6 +45,13 @@ The run directory besides its checkpoint:
     clean_stale(out_dir)         removes what writers killed mid-write left there (call it holding the lock)
     write_text(path, text)       atomic, as save(): a reader sees the old file or the new one, whole
     write_divergence / read_divergence   out_dir/diverged.json, train.py's record of a run that diverged
+How a training run starts in it, and what it writes there (train.py calls these):
+    resume(out_dir, model_args, config)   the checkpoint a resumed run continues, refused for another model
+    check_new(out_dir, overwrite)         a new run refused where another run's checkpoint is
+    read_fork(path, config)               a bf16 run's checkpoint a phase run forks from (FORK_FREE)
+    Run(out_dir, saved_step, ...)         its saves (save), its config.json and metrics.jsonl
+                                          (start, log), its divergence record (diverged), and the
+                                          checkpoint a stopped run keeps, named in every message (str)
 
 Why the zip CRCs rather than a hash written beside the file: torch.save already writes a CRC32 of
 every record in its zip archive (torch.load never checks them), so verifying costs one read and

@@ -33,9 +33,9 @@ from types import SimpleNamespace
 import torch
 
 import checkpoint as ckpt_io
+import configurator
 import gaussws
 import hf
-import configurator
 from configurator import ConfigError, configure
 from data import loader
 from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
@@ -139,7 +139,7 @@ def validate(c, explicit):
                                        arch=("gpt2", "llama2")))
     if c["init_from"] == "":
         fail("init_from='': expected 'scratch', 'resume', or a ckpt.pt or an out_dir holding one")
-    if c["fork_from"] and c["init_from"] != "scratch":
+    if c["fork_from"] and c["init_from"] not in ("scratch", "resume"):  # resume: the fork's own checkpoint
         fail(f"fork_from starts a new run from {c['fork_from']}: it goes with --init_from=scratch, not "
              f"{c['init_from']!r}")
     if c["model"] and c["model"] not in PRESETS:

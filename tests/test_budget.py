@@ -10,6 +10,7 @@ import torch
 
 import export as E
 import formats
+import util
 from model import GPT, ModelConfig
 
 ARGS = dict(arch="gpt2", n_layer=1, n_head=2, n_embd=64, vocab_size=256, block_size=32, bias=True)
@@ -93,7 +94,7 @@ def data_dir(tmp_path):
 
 def test_auto_int_at_a_budget_gives_more_bits_to_blocks_of_higher_b_t(data_dir, tmp_path, capsys):
     sd = checkpoint(tmp_path, data_dir)
-    rc = E.cli([f"--out_dir={tmp_path}", "--format=auto-int,error-int", "--bits_per_weight=3.0", "--json=True",
+    rc = util.cli(E.main, [f"--out_dir={tmp_path}", "--format=auto-int,error-int", "--bits_per_weight=3.0", "--json=True",
                 "--plot=False"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -120,12 +121,12 @@ def test_auto_int_at_a_budget_gives_more_bits_to_blocks_of_higher_b_t(data_dir, 
 ])
 def test_a_bad_budget_is_one_line(data_dir, tmp_path, capsys, args, message):
     checkpoint(tmp_path, data_dir)
-    assert E.cli([f"--out_dir={tmp_path}", *args]) == 1
+    assert util.cli(E.main, [f"--out_dir={tmp_path}", *args]) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_auto_int_at_a_budget_needs_learned_bitwidths(data_dir, tmp_path, capsys):
     checkpoint(tmp_path, data_dir, b_t=False)
-    assert E.cli([f"--out_dir={tmp_path}", "--format=auto-int", "--bits_per_weight=3", "--evaluate=False"]) == 1
+    assert util.cli(E.main, [f"--out_dir={tmp_path}", "--format=auto-int", "--bits_per_weight=3", "--evaluate=False"]) == 1
     assert "use --format=error-int" in capsys.readouterr().err

@@ -495,7 +495,7 @@ def exported(data_dir, tmp_path_factory):
     """Good files of a small PQT run: mxfp4 (E8M0 scales), int4 (BF16 scales), auto (a mix)."""
     d = tmp_path_factory.mktemp("exported")
     make_checkpoint(d, data_dir)
-    assert E.cli([f"--out_dir={d}", "--format=mxfp4,int4,auto", "--evaluate=False", "--plot=False"]) == 0
+    assert util.cli(E.main, [f"--out_dir={d}", "--format=mxfp4,int4,auto", "--evaluate=False", "--plot=False"]) == 0
     return d
 
 

@@ -18,6 +18,7 @@ import torch
 import export as E
 import export_gguf
 import tokenizer
+import util
 from data import loader
 
 gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")
@@ -156,7 +157,7 @@ def exported(request, tmp_path_factory):
     make_checkpoint(str(d / "run"), str(d / "data"), **CASES[case])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = E.cli([f"--out_dir={d / 'run'}", f"--format={','.join(FORMATS)}", "--gguf=True", "--json=True",
+        rc = util.cli(E.main, [f"--out_dir={d / 'run'}", f"--format={','.join(FORMATS)}", "--gguf=True", "--json=True",
                     "--plot=False", "--eval_iters=1"])
     assert rc == 0
     return case, d / "run", tok, {r["format"]: r for r in json.loads(out.getvalue())["exports"]}
@@ -441,7 +442,7 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line_and_nothing_written(what, 
         ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
         ckpt["model"]["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("inf")
         torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
-    rc = E.cli([f"--out_dir={tmp_path / 'run'}", "--gguf=True", "--plot=False", "--evaluate=False", *argv])
+    rc = util.cli(E.main, [f"--out_dir={tmp_path / 'run'}", "--gguf=True", "--plot=False", "--evaluate=False", *argv])
     err = capsys.readouterr().err
     assert rc == 1 and err.strip().count("\n") == 0 and message in err, err
     assert os.listdir(tmp_path / "run") == ["ckpt.pt"]

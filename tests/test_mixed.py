@@ -17,6 +17,7 @@ import export as E
 import gaussws
 import sample
 import train
+import util
 from configurator import ConfigError
 from formats import BY_NAME, FORMATS, block_weights
 from model import GPT, ROLES, ModelConfig
@@ -172,7 +173,7 @@ def export_files(out_dir, name, capsys):
     """export.py of a run at its own target_format and budget: {layer weight: the file's tensors}."""
     from safetensors.torch import load_file
     fmt, budget = RUNS[name]["target_format"], RUNS[name]["bits_per_weight"]
-    assert E.cli([f"--out_dir={out_dir}", f"--format={fmt}", f"--bits_per_weight={budget}", "--other_dtype=float32",
+    assert util.cli(E.main, [f"--out_dir={out_dir}", f"--format={fmt}", f"--bits_per_weight={budget}", "--other_dtype=float32",
                   "--evaluate=False", "--plot=False", "--overwrite=True"]) == 0
     printed = capsys.readouterr().out
     return load_file(str(out_dir / f"model-{fmt}.safetensors")), printed

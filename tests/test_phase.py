@@ -14,6 +14,7 @@ import checkpoint
 import export as E
 import gaussws
 import train
+import util
 from configurator import ConfigError
 from data import loader
 from model import GPT, ROLES, ModelConfig
@@ -213,7 +214,7 @@ def test_an_ste_run_exports_as_it_was_trained(runs, data_dir, capsys):
     """export.py's int3 file holds the STE's trained weights, and its model computes what the trained
     model computed in its last training step (no noise, no dropout: the same logits, bit for bit)."""
     phase_dir, run = runs["ste"]
-    assert E.cli([f"--out_dir={phase_dir}", "--format=int3", "--other_dtype=float32", "--evaluate=False"]) == 0
+    assert util.cli(E.main, [f"--out_dir={phase_dir}", "--format=int3", "--other_dtype=float32", "--evaluate=False"]) == 0
     exported, _ = E.load(str(phase_dir / "model-int3.safetensors"))
     master = run[STEPS][0]
     config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)

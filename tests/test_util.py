@@ -84,14 +84,20 @@ def test_cli_reports_a_user_error_in_one_line_and_other_errors_as_they_are(capsy
     class MyError(util.UserError):
         pass
 
+    class Stopped(util.UserError):  # as train.py's Diverged: a status of its own
+        exit_status = 3
+
     def main(argv):
         if argv == ["bad"]:
             raise MyError("--x=3: expected 1 or 2")
+        if argv == ["stopped"]:
+            raise Stopped("it diverged")
         if argv == ["bug"]:
             raise ZeroDivisionError
         return 7 if argv == ["seven"] else None
     assert util.cli(main, ["bad"]) == 1
     assert capsys.readouterr().err == "error: --x=3: expected 1 or 2\n"
+    assert util.cli(main, ["stopped"]) == 3 and capsys.readouterr().err == "error: it diverged\n"
     assert util.cli(main, ["seven"]) == 7 and util.cli(main, []) == 0
     with pytest.raises(ZeroDivisionError):  # a bug keeps its traceback
         util.cli(main, ["bug"])
@@ -100,7 +106,7 @@ def test_cli_reports_a_user_error_in_one_line_and_other_errors_as_they_are(capsy
 @pytest.mark.parametrize("argv", [
     ["train.py", "--n_layr=3"], ["sample.py", "--temprature=1"], ["export.py", "--format=fp5"],
     ["hf.py", "--ckpt=/nonexistent/ckpt.pt", "--out=/nonexistent/out"], ["study.py", "nostudy"],
-    ["plot.py", "--bad"], ["bench.py", "bench"]])
+    ["plot.py", "--bad"], ["bench.py", "bench"], ["export_gguf.py", "--ggfu=x.gguf"]])
 def test_every_script_says_error_in_one_line_with_exit_status_1(argv, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], capture_output=True, text=True,
                        timeout=300, cwd=tmp_path)
