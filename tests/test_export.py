@@ -322,7 +322,8 @@ def test_file_gives_back_the_quantized_values_bit_for_bit_and_its_size_is_the_bi
             assert quantized_bytes == by_hand
             assert exports[fmt]["share"] == {fmt: 1.0}
         assert info["format"] == fmt and info["meta"]["tokenizer"] == "bytes"
-        assert info["pqt"] == dict(method="gaussws[all]", b_init=6.0, b_target=4.0)
+        assert info["pqt"] == dict(method="gaussws[all]", b_init=6.0, b_target=4.0, pqt_start=0.0, target_format="",
+                                   ste_start=0.0, bits_per_weight=0.0)  # no phase, no budget: what read() fills in
     assert set(exports["auto"]["share"]) == {"mxfp4", "mxfp6_e3m2", "mxfp8_e4m3", "bf16", "fp16", "fp32"}
 
 
@@ -491,10 +492,10 @@ def test_an_exported_file_goes_to_transformers_with_its_dequantized_weights(tiny
 # --- a file is verified before it is loaded ----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def exported(data_dir, tmp_path_factory):
+def exported(tiny_corpus, tmp_path_factory):
     """Good files of a small PQT run: mxfp4 (E8M0 scales), int4 (BF16 scales), auto (a mix)."""
     d = tmp_path_factory.mktemp("exported")
-    make_checkpoint(d, data_dir)
+    make_checkpoint(d, tiny_corpus)
     assert util.cli(E.main, [f"--out_dir={d}", "--format=mxfp4,int4,auto", "--evaluate=False", "--plot=False"]) == 0
     return d
 
@@ -602,7 +603,7 @@ def test_any_flipped_bit_or_cut_is_refused_in_one_line(exported):
         assert "\n" not in str(e.value)
 
 
-def foreign(data_dir, tmp_path):
+def foreign(tiny_corpus, tmp_path):
     """safetensors files of other tools, or of an older export.py, that do not verify."""
     from safetensors.torch import save_file
     save_file({"w": torch.ones(3)}, tmp_path / "hf.safetensors", metadata={"format": "pt"})
@@ -613,9 +614,9 @@ def foreign(data_dir, tmp_path):
             "an older export": (tmp_path / "old.safetensors", "older export.py that recorded no checksums")}
 
 
-def test_files_of_other_tools_and_older_exports_are_refused(exported, data_dir, tmp_path):
+def test_files_of_other_tools_and_older_exports_are_refused(exported, tiny_corpus, tmp_path):
     (tmp_path / "old.safetensors").write_bytes(older_export((exported / "model-mxfp4.safetensors").read_bytes()))
-    for case, (path, expect) in foreign(data_dir, tmp_path).items():
+    for case, (path, expect) in foreign(tiny_corpus, tmp_path).items():
         with pytest.raises(E.ExportError) as e:
             E.load(str(path))
         assert expect in str(e.value) and "\n" not in str(e.value), (case, str(e.value))
@@ -737,13 +738,13 @@ def test_an_unusable_export_dir_is_one_line_before_any_work(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("run_kind", ["pqt", "bf16"])  # PQT: bitwidths.json is the first write; bf16: the model file
-def test_a_full_disk_is_one_line_and_replaces_nothing(data_dir, tmp_path, capsys, monkeypatch, run_kind):
+def test_a_full_disk_is_one_line_and_replaces_nothing(tiny_corpus, tmp_path, capsys, monkeypatch, run_kind):
     from disk_faults import full_disk_open
-    make_checkpoint(tmp_path, data_dir, pqt_roles=None if run_kind == "pqt" else ())
+    make_checkpoint(tmp_path, tiny_corpus, pqt_roles=None if run_kind == "pqt" else ())
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", "--evaluate=False"], capsys)
     assert rc == 0, err
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    make_checkpoint(tmp_path, data_dir, pqt_roles=None if run_kind == "pqt" else (), seed=1)  # other weights
+    make_checkpoint(tmp_path, tiny_corpus, pqt_roles=None if run_kind == "pqt" else (), seed=1)  # other weights
     before["ckpt.pt"] = (tmp_path / "ckpt.pt").read_bytes()
     monkeypatch.setattr(os, "fdopen", full_disk_open(os.fdopen))  # export.py writes through util.atomic_open
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", "--evaluate=False", "--overwrite=True"], capsys)

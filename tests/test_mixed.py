@@ -8,7 +8,6 @@ one, and a run stopped at or after a switch resumes to the same losses on the sa
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -40,17 +39,9 @@ CONFIG = ModelConfig(n_layer=2, n_head=2, n_embd=48, block_size=32, vocab_size=2
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """A small corpus with structure to learn: repeated lines of Python-like text, byte tokens."""
-    d = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(0)
-    words = [b"def ", b"return ", b"self", b"(x)", b": ", b"\n", b"    ", b"import os", b" = ", b"1"]
-    ids = np.frombuffer(b"".join(words[i] for i in rng.integers(0, len(words), 40000)), dtype=np.uint8)
-    ids = ids.astype(np.uint16)
-    ids[: len(ids) * 9 // 10].tofile(d / "train.bin")
-    ids[len(ids) * 9 // 10:].tofile(d / "val.bin")
-    (d / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}))
-    return str(d)
+def data_dir(tiny_corpus):
+    """conftest's corpus: Python-like text with structure to learn, byte tokens."""
+    return tiny_corpus
 
 
 def argv(data_dir, out_dir, name, **kw):
