@@ -482,17 +482,16 @@ def _main(argv, resources):
             proc.say(f"iter {iter_num}: loss {step_loss:.4f}, lr {lr:.2e}, {1000 * dt:.0f} ms/iter, "
                      f"{tokens_per_iter / dt:,.0f} tokens/s{bits}", flush=True)
     if proc.ddp:
+        # DDP's reducer and fully_shard keep the gloo process group referenced from C++, so
+        # destroy_process_group cannot free it. Freed in the interpreter's teardown, it joins gloo's
+        # threads while holding the GIL that one of them may wait for (to release a finished
+        # collective's tensors: a hang, seen under DDP), or they outlive it and abort in a noexcept
+        # destructor (the random SIGABRT of FSDP). Everything is written: the process ends without it.
         torch.distributed.destroy_process_group()
-        if proc.fsdp:
-            # fully_shard keeps the gloo process group referenced from C++, so destroy_process_group
-            # cannot free it: its worker and TCP loop threads outlive the interpreter's teardown, a
-            # native thread that needs the GIL then is ended with pthread_exit, and unwinding through a
-            # noexcept destructor aborts (the likely cause of the random SIGABRT of 2-process FSDP
-            # runs). Everything is written and flushed by now: the process ends without that teardown.
-            metrics.close()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+        metrics.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
