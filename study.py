@@ -691,7 +691,8 @@ def deploy_runs(study, root):
 
 
 def deploy_rows(study, runs):
-    """One row per (arm, exported format): the unquantized and exported val loss, the increase, and the
+    """One row per (arm, exported format): the unquantized and exported val loss, the increase of the
+    exported loss over the bf16 run's (same length and seed), and the
     exported loss minus PTQ's (the trunk exported at the same format, or at the same budget by each
     block's own error for the learned mix) and, for the mixes, minus uniform STE int3's and int4's (the
     formats their budget lies between), paired by seed."""
@@ -713,7 +714,10 @@ def deploy_rows(study, runs):
                    "exported": stats([f["export"][fmt]["val_loss"] for _, f in done]),
                    "bits_per_weight": stats([f["export"][fmt]["bits_per_weight"] for _, f in done
                                              if isinstance(f["export"][fmt].get("bits_per_weight"), (int, float))]),
-                   "increase_pct": stats([100 * (f["export"][fmt]["val_loss"] / f["val_loss"] - 1) for _, f in done]),
+                   # over the bf16 run of the same length and seed: what the format costs the model one
+                   # would otherwise have (an STE run's own unquantized loss is of weights it never uses)
+                   "increase_pct": stats([100 * (f["export"][fmt]["val_loss"] / runs[trunk, s]["val_loss"] - 1)
+                                          for s, f in done if runs.get((trunk, s), {}).get("status") == "finished"]),
                    "wall_min": stats([f["wall_s"] / 60 for _, f in done]),
                    "trained_steps": done[0][1]["trained_steps"] if done else None}
             mix = fmt.startswith(("auto-int", "error-int"))
@@ -733,7 +737,8 @@ def deploy_markdown(results):
              f"Command: `{results['command']}`. Machine: {results['machine']}; torch {', '.join(results['torch']) or '-'}; "
              f"commits {', '.join(results['commits']) or '-'}. Runs finished: {results['runs_finished']} of "
              f"{results['runs_total']}. Val losses are the last evaluation's (20 fixed batches of train.py), the "
-             "exported model's on the same batches (export.py); ± is the standard deviation over seeds; the paired "
+             "exported model's on the same batches (export.py); the increase is the exported val loss over the "
+             "bf16 run's of the same length and seed; ± is the standard deviation over seeds; the paired "
              "columns give the mean difference by seed with its 95 % interval (Student's t; none for one seed). "
              "Every phase arm trains exactly the bf16 run's steps and tokens: it is that run until its switch and "
              "forks from its checkpoint there, so its wall time is the phase's own.", ""]
