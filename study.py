@@ -4,6 +4,7 @@
     python study.py fig1b --dry_run     # list its runs and the command of each
     python study.py fig1b --nproc=2     # each run on 2 processes (torchrun --standalone); same losses
     python study.py fig1b --report      # its tables and plots from the runs done so far; trains nothing
+    python study.py deploy --only=n3200 # only the runs whose name matches a regular expression
     python study.py                     # list the studies
 
 A study is a list of arms (a config file and --key=value overrides) times seeds. Each run is one
@@ -790,10 +791,11 @@ def write_deploy(name, study, root):
     return written
 
 
-def run_study(name, study, root="out/study", nproc=1, echo=True):
-    """Train every run of the study not yet done, then write its results. Returns the number of runs
-    that failed (0 when all finished or diverged)."""
-    todo = runs_of(study)
+def run_study(name, study, root="out/study", nproc=1, echo=True, only=""):
+    """Train every run of the study not yet done (only those whose name matches the regular expression
+    `only`, if given), then write its results. Returns the number of runs that failed (0 when all
+    finished or diverged)."""
+    todo = [r for r in runs_of(study) if re.search(only, r[0])]
     failed, walls = 0, []
     # every run in turn; one that another process holds goes to the end, to be waited for there
     queue = collections.deque((k, run, a, seed, False) for k, (run, a, seed) in enumerate(todo, 1))
@@ -827,7 +829,7 @@ def run_study(name, study, root="out/study", nproc=1, echo=True):
 
 
 def parse(argv):
-    names, opts = [], {"nproc": 1, "dry_run": False, "report": False, "root": "out/study"}
+    names, opts = [], {"nproc": 1, "dry_run": False, "report": False, "root": "out/study", "only": ""}
     for arg in argv:
         if not arg.startswith("--"):
             names.append(arg)
@@ -839,8 +841,15 @@ def parse(argv):
             opts["nproc"] = int(value)
         elif key == "root" and sep and value:
             opts["root"] = value
+        elif key == "only" and sep and value:
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise StudyError(f"--only={value!r} is not a regular expression ({e})") from None
+            opts["only"] = value
         else:
-            raise StudyError(f"bad option {arg!r}; accepted: --nproc=N (N >= 1), --dry_run, --report, --root=DIR")
+            raise StudyError(f"bad option {arg!r}; accepted: --nproc=N (N >= 1), --dry_run, --report, --root=DIR, "
+                             f"--only=REGEX")
     if len(names) > 1 or names and names[0] not in STUDIES:
         raise StudyError(f"{' '.join(names)!r} is not a study; usage: python study.py STUDY [--nproc=N] [--dry_run] "
                          f"[--report] [--root=DIR]; studies: {', '.join(STUDIES)}")
@@ -878,7 +887,7 @@ def main(argv):
     os.chdir(REPO)
     opts["root"] = root if os.path.relpath(root).startswith("..") else os.path.relpath(root)
     if opts["dry_run"]:
-        todo = runs_of(study)
+        todo = [r for r in runs_of(study) if re.search(opts["only"], r[0])]
         print(f"{name}: {study['about']}\n{len(todo)} runs:")
         for k, (run, a, seed) in enumerate(todo, 1):
             run_dir = os.path.join(opts["root"], "runs", run)
@@ -890,7 +899,7 @@ def main(argv):
         for path in write_results(name, study, opts["root"]):
             print(f"[{name}] wrote {path}")
         return 0
-    return 1 if run_study(name, study, opts["root"], opts["nproc"]) else 0
+    return 1 if run_study(name, study, opts["root"], opts["nproc"], only=opts["only"]) else 0
 
 
 if __name__ == "__main__":
