@@ -873,7 +873,15 @@ def check_root(root, made):
             raise StudyError(f"--root={root}: {os.path.join(root, 'runs')} is not writable; choose a writable directory")
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv):
+    # Ctrl-C, and a kill, stop the run in progress and record the time it ran (launch), also where
+    # the shell started the runner in the background with SIGINT ignored
+    signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _interrupted)
     name, opts = parse(argv)
     if name is None:
         print("usage: python study.py STUDY [--nproc=N] [--dry_run] [--report] [--root=DIR]; the studies:")
