@@ -91,7 +91,8 @@ def test_compiled_run_trains_as_eager_and_saves_a_loadable_model(data_dir, tmp_p
     ckpt = torch.load(compiled / "ckpt.pt", weights_only=True)
     assert {"model", "optimizer", "model_args", "pqt", "iter_num", "config", "rng_state"} <= set(ckpt)
     assert ckpt["iter_num"] == 4 and ckpt["pqt"] == {"method": "gaussws[all]", "b_init": 6.0, "b_target": 4.0,
-                                                       "pqt_start": 0.0, "target_format": ""}
+                                                       "pqt_start": 0.0, "target_format": "", "ste_start": 0.0,
+                                                       "bits_per_weight": 0.0}
     model = gaussws.convert(GPT(ModelConfig(**ckpt["model_args"])), "gaussws[all]", ROLES["gpt2"])
     model.load_state_dict(ckpt["model"])  # strict: the same names as a fresh model, whatever compiled it
 
