@@ -306,7 +306,7 @@ def plot_deploy(rows, out, longest):
     ax.set_xscale("log")
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("tokens per parameter")
-    ax.set_ylabel("exported val loss over unquantized (%)")
+    ax.set_ylabel("exported val loss over the bf16 run's (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
     ax.set_title("deploy: the exported model's loss increase against training length", fontsize=10)

@@ -4,6 +4,7 @@
     python study.py fig1b --dry_run     # list its runs and the command of each
     python study.py fig1b --nproc=2     # each run on 2 processes (torchrun --standalone); same losses
     python study.py fig1b --report      # its tables and plots from the runs done so far; trains nothing
+    python study.py deploy --only=n3200 # only the runs whose name matches a regular expression
     python study.py                     # list the studies
 
 A study is a list of arms (a config file and --key=value overrides) times seeds. Each run is one
@@ -692,7 +693,8 @@ def deploy_runs(study, root):
 
 
 def deploy_rows(study, runs):
-    """One row per (arm, exported format): the unquantized and exported val loss, the increase, and the
+    """One row per (arm, exported format): the unquantized and exported val loss, the increase of the
+    exported loss over the bf16 run's (same length and seed), and the
     exported loss minus PTQ's (the trunk exported at the same format, or at the same budget by each
     block's own error for the learned mix) and, for the mixes, minus uniform STE int3's and int4's (the
     formats their budget lies between), paired by seed."""
@@ -714,7 +716,10 @@ def deploy_rows(study, runs):
                    "exported": stats([f["export"][fmt]["val_loss"] for _, f in done]),
                    "bits_per_weight": stats([f["export"][fmt]["bits_per_weight"] for _, f in done
                                              if isinstance(f["export"][fmt].get("bits_per_weight"), (int, float))]),
-                   "increase_pct": stats([100 * (f["export"][fmt]["val_loss"] / f["val_loss"] - 1) for _, f in done]),
+                   # over the bf16 run of the same length and seed: what the format costs the model one
+                   # would otherwise have (an STE run's own unquantized loss is of weights it never uses)
+                   "increase_pct": stats([100 * (f["export"][fmt]["val_loss"] / runs[trunk, s]["val_loss"] - 1)
+                                          for s, f in done if runs.get((trunk, s), {}).get("status") == "finished"]),
                    "wall_min": stats([f["wall_s"] / 60 for _, f in done]),
                    "trained_steps": done[0][1]["trained_steps"] if done else None}
             mix = fmt.startswith(("auto-int", "error-int"))
@@ -734,7 +739,8 @@ def deploy_markdown(results):
              f"Command: `{results['command']}`. Machine: {results['machine']}; torch {', '.join(results['torch']) or '-'}; "
              f"commits {', '.join(results['commits']) or '-'}. Runs finished: {results['runs_finished']} of "
              f"{results['runs_total']}. Val losses are the last evaluation's (20 fixed batches of train.py), the "
-             "exported model's on the same batches (export.py); ± is the standard deviation over seeds; the paired "
+             "exported model's on the same batches (export.py); the increase is the exported val loss over the "
+             "bf16 run's of the same length and seed; ± is the standard deviation over seeds; the paired "
              "columns give the mean difference by seed with its 95 % interval (Student's t; none for one seed). "
              "Every phase arm trains exactly the bf16 run's steps and tokens: it is that run until its switch and "
              "forks from its checkpoint there, so its wall time is the phase's own.", ""]
@@ -786,10 +792,11 @@ def write_deploy(name, study, root):
     return written
 
 
-def run_study(name, study, root="out/study", nproc=1, echo=True):
-    """Train every run of the study not yet done, then write its results. Returns the number of runs
-    that failed (0 when all finished or diverged)."""
-    todo = runs_of(study)
+def run_study(name, study, root="out/study", nproc=1, echo=True, only=""):
+    """Train every run of the study not yet done (only those whose name matches the regular expression
+    `only`, if given), then write its results. Returns the number of runs that failed (0 when all
+    finished or diverged)."""
+    todo = [r for r in runs_of(study) if re.search(only, r[0])]
     failed, walls = 0, []
     # every run in turn; one that another process holds goes to the end, to be waited for there
     queue = collections.deque((k, run, a, seed, False) for k, (run, a, seed) in enumerate(todo, 1))
@@ -823,7 +830,7 @@ def run_study(name, study, root="out/study", nproc=1, echo=True):
 
 
 def parse(argv):
-    names, opts = [], {"nproc": 1, "dry_run": False, "report": False, "root": "out/study"}
+    names, opts = [], {"nproc": 1, "dry_run": False, "report": False, "root": "out/study", "only": ""}
     for arg in argv:
         if not arg.startswith("--"):
             names.append(arg)
@@ -835,8 +842,15 @@ def parse(argv):
             opts["nproc"] = int(value)
         elif key == "root" and sep and value:
             opts["root"] = value
+        elif key == "only" and sep and value:
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise StudyError(f"--only={value!r} is not a regular expression ({e})") from None
+            opts["only"] = value
         else:
-            raise StudyError(f"bad option {arg!r}; accepted: --nproc=N (N >= 1), --dry_run, --report, --root=DIR")
+            raise StudyError(f"bad option {arg!r}; accepted: --nproc=N (N >= 1), --dry_run, --report, --root=DIR, "
+                             f"--only=REGEX")
     if len(names) > 1 or names and names[0] not in STUDIES:
         raise StudyError(f"{' '.join(names)!r} is not a study; usage: python study.py STUDY [--nproc=N] [--dry_run] "
                          f"[--report] [--root=DIR]; studies: {', '.join(STUDIES)}")
@@ -860,7 +874,15 @@ def check_root(root, made):
             raise StudyError(f"--root={root}: {os.path.join(root, 'runs')} is not writable; choose a writable directory")
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv):
+    # Ctrl-C, and a kill, stop the run in progress and record the time it ran (launch), also where
+    # the shell started the runner in the background with SIGINT ignored
+    signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _interrupted)
     name, opts = parse(argv)
     if name is None:
         print("usage: python study.py STUDY [--nproc=N] [--dry_run] [--report] [--root=DIR]; the studies:")
@@ -874,7 +896,7 @@ def main(argv):
     os.chdir(REPO)
     opts["root"] = root if os.path.relpath(root).startswith("..") else os.path.relpath(root)
     if opts["dry_run"]:
-        todo = runs_of(study)
+        todo = [r for r in runs_of(study) if re.search(opts["only"], r[0])]
         print(f"{name}: {study['about']}\n{len(todo)} runs:")
         for k, (run, a, seed) in enumerate(todo, 1):
             run_dir = os.path.join(opts["root"], "runs", run)
@@ -886,7 +908,7 @@ def main(argv):
         for path in write_results(name, study, opts["root"]):
             print(f"[{name}] wrote {path}")
         return 0
-    return 1 if run_study(name, study, opts["root"], opts["nproc"]) else 0
+    return 1 if run_study(name, study, opts["root"], opts["nproc"], only=opts["only"]) else 0
 
 
 if __name__ == "__main__":
