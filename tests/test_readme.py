@@ -1,0 +1,92 @@
+"""The README's examples, run top to bottom in a fresh copy of the repository, as a newcomer would.
+
+Each code block of the README is run as a bash script, in the README's order, in one fresh copy
+of the repository; a line that cannot run on a CPU without network in a test's time is named in
+NOT_RUN with the reason, and every other line runs. `python` is a shim that runs this interpreter
+and, for train.py, appends settings that make each run a few steps long; the out_dirs, checkpoints
+and exported files are those the README's sequence makes, so a refusal (a run that already holds
+an out_dir, an export that would overwrite another's file) fails the test as it stops a newcomer.
+"""
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+from conftest import ROOT
+
+REPO = pathlib.Path(ROOT)
+
+# What makes a train.py example short enough for a test; every other setting is the example's.
+SHORT = ["--max_iters=4", "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1"]
+
+# README lines not run here, each with why: a pattern that must match some line of the README.
+NOT_RUN = {
+    r"python -m pytest": "the test suite itself",
+    r"^pip install": "the packages are installed; what follows `&&` runs",
+    r"data/openwebtext/prepare\.py|data/c4/prepare\.py": "downloads from the Hugging Face hub, or needs its files",
+    r"^python train\.py config/gpt2_gaussws_od\.py": "OpenWebText (a hub download) at GPT-2 124M scale",
+    r"^python train\.py config/llama2_134m_gaussws_all_adamw\.py$": "C4 with Llama 2's tokenizer (a download)",
+    r"^torchrun .*--nproc_per_node=8|^torchrun --nnodes": "8 GPUs, or two nodes of them",
+    r"^llama-cli": "llama.cpp's own program, not a Python package",
+    r"^python export_gguf\.py": "llama-cpp-python, built from source (tests/test_gguf.py runs it where present)",
+    r"^python study\.py fig1b\s*(#|$)": "hours of training",
+}
+
+SHIM = f"""#!/bin/sh
+if [ "$1" = train.py ]; then exec {sys.executable} "$@" {' '.join(SHORT)}; fi
+exec {sys.executable} "$@"
+"""
+
+
+def blocks(readme):
+    """The README's code blocks (4-space-indented lines after a blank line), each a list of its
+    command lines with `\\` continuations joined."""
+    out, block, prev_blank = [], None, True
+    for line in readme.splitlines() + [""]:
+        if line.startswith("    ") and (block is not None or prev_blank):
+            block = [] if block is None else block
+            if block and block[-1].endswith("\\"):
+                block[-1] = block[-1][:-1].rstrip() + " " + line.strip()
+            else:
+                block.append(line.strip())
+        elif block is not None:
+            out.append(block)
+            block = None
+        prev_blank = not line.strip()
+    return out
+
+
+def runnable(line, used):
+    for pattern in NOT_RUN:
+        if re.search(pattern, line):
+            used.add(pattern)
+            return re.sub(r"^pip install [^&]*&&\s*", "", line) if pattern == r"^pip install" else None
+    return line
+
+
+def test_readme_examples_run_in_order_in_a_fresh_clone(tmp_path):
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split("\n")
+    clone = tmp_path / "clone"
+    for f in filter(None, files):
+        if os.path.isfile(REPO / f):
+            (clone / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, clone / f)
+    shim = tmp_path / "bin" / "python"
+    shim.parent.mkdir()
+    shim.write_text(SHIM)
+    shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    used, ran = set(), []
+    for i, block in enumerate(blocks((clone / "README.md").read_text())):
+        lines = [r for r in (runnable(line, used) for line in block) if r]
+        if not any(line and not line.startswith("#") for line in lines):
+            continue
+        script = "set -e\n" + "\n".join(lines) + "\n"
+        p = subprocess.run(["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, f"README block {i} failed:\n{script}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        ran += lines
+    assert used == set(NOT_RUN), f"NOT_RUN entries that match no README line: {set(NOT_RUN) - used}"
+    assert any(line.startswith("python train.py") for line in ran) and any("export.py" in line for line in ran)
