@@ -5,7 +5,7 @@
     python study.py fig1b --nproc=2     # each run on 2 processes (torchrun --standalone); same losses
     python study.py fig1b --report      # its tables and plots from the runs done so far; trains nothing
     python study.py deploy --only=n3200 # only the runs whose name matches a regular expression
-    python study.py                     # list the studies (--help: the options too)
+    python study.py                     # the options and the studies (as --help)
 
 A study is a list of arms (a config file and --key=value overrides) times seeds. Each run is one
 `python train.py CONFIG --key=value ... --seed=S --out_dir=out/study/runs/NAME`, its NAME made from
