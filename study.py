@@ -39,6 +39,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import checkpoint as ckpt_io
@@ -407,8 +408,8 @@ def export_losses(run_dir, formats):
     """{format: val loss of the run's checkpoint exported at that format, or why there is none}.
 
     The one place that knows export.py's command line: `python export.py --out_dir=RUN
-    --format=F1,F2 --json=True --save=False` prints one JSON object whose "exports" hold a record per
-    format with its "val_loss" (on train.py's evaluation batches), "val_loss_unquantized" and
+    --format=F1,F2 --json=PATH --save=False` writes one JSON object to PATH whose "exports" hold a record
+    per format with its "val_loss" (on train.py's evaluation batches), "val_loss_unquantized" and
     "bits_per_weight". export.py also draws the b_t histograms per layer role of a PQT checkpoint
     (bitwidths.png in the run directory). Records are kept in the run directory (export.json), so
     each format is exported once. Without export.py: "export unavailable".
@@ -430,16 +431,21 @@ def _export_losses(run_dir, formats):
         return {f: cache.get(f, "export unavailable") for f in formats}
     for budget in dict.fromkeys(f.partition("@")[2] for f in missing):
         group = [f for f in missing if f.partition("@")[2] == budget]
-        cmd = [sys.executable, "export.py", f"--out_dir={run_dir}", f"--format={','.join(f.partition('@')[0] for f in group)}",
-               "--json=True", "--save=False"] + ([f"--bits_per_weight={budget}"] if budget else [])
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if r.returncode != 0:
-            last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
-            return {f: cache.get(f, f"export failed: {last}") for f in formats}
-        try:
-            records = {e["format"]: e for e in json.loads(r.stdout)["exports"]}
-        except (ValueError, KeyError, TypeError) as e:
-            return {f: cache.get(f, f"export.py's output is not the JSON expected ({type(e).__name__})") for f in formats}
+        with tempfile.TemporaryDirectory() as tmp:
+            report = os.path.join(tmp, "export.json")
+            cmd = [sys.executable, "export.py", f"--out_dir={run_dir}",
+                   f"--format={','.join(f.partition('@')[0] for f in group)}", f"--json={report}", "--save=False"]
+            r = subprocess.run(cmd + ([f"--bits_per_weight={budget}"] if budget else []), cwd=REPO,
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+                return {f: cache.get(f, f"export failed: {last}") for f in formats}
+            try:
+                with open(report) as fh:
+                    records = {e["format"]: e for e in json.load(fh)["exports"]}
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                return {f: cache.get(f, f"export.py's --json file is not the JSON expected ({type(e).__name__})")
+                        for f in formats}
         for f in group:
             record = records.get(f.partition("@")[0], {})
             if not isinstance(record.get("val_loss"), (int, float)):
