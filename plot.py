@@ -6,7 +6,9 @@ Each argument is a run directory of train.py (metrics.jsonl and config.json). Ru
 differ only in their seed are one setting: drawn as the mean over seeds with a band from the lowest
 to the highest seed. Writes
     loss.png      train loss (the logged training loss, PQN on) and val loss (eval, PQN off)
-                  against tokens, one line per setting;
+                  against tokens, one line per setting, each in view however short its run (the
+                  top of the axis may leave out only the first fifth of a line, the warmup's fall),
+                  a marker at every evaluation;
     bitwidth.png  b_t mean (line) and min..max over all blocks (band) against tokens, for the
                   settings with PQT layers (not written when there are none);
     paired.png    val loss minus that of the bf16 run with the same settings and seed (the same
@@ -216,7 +218,7 @@ def loss_ylim(lines):
     if not values:
         return 0.0, 1.0
     late = [y for xs, ys in lines for x, y in zip(xs, ys) if x >= EARLY * xs[-1] and math.isfinite(y)]
-    lo, hi = min(values), max(late)
+    lo, hi = min(values), max(late or values)  # late is empty where every late value is NaN (a diverged run)
     pad = 0.06 * (hi - lo) + 1e-3
     return lo - pad, hi + pad
 

@@ -250,3 +250,11 @@ def test_help_prints_the_usage_and_exits_0(flag):
     assert "usage: python plot.py RUN_DIR" in r.stdout
     for option in ("RUN_DIR", "--out=DIR", "-h, --help"):
         assert any(line.strip().startswith(option) for line in r.stdout.splitlines()), option
+
+
+def test_a_diverged_line_whose_late_values_are_nan_still_sets_the_axis():
+    """A run that diverged early logs NaN after its first points: the axis covers its finite values."""
+    lo, hi = plot.loss_ylim([([0, 10, 100], [5.0, float("nan"), float("inf")])])
+    assert lo < 5.0 < hi
+    lo, hi = plot.loss_ylim([([0, 10, 20, 30], [5.0, 3.0, float("nan"), float("inf")]), ([0, 100], [5.5, 2.0])])
+    assert lo < 2.0 and 3.0 < hi < 5.0  # the first fifth of each line may be above the axis
