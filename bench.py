@@ -587,11 +587,11 @@ def _commit():
 
 def gpu_check(argv):
     """python bench.py gpu-check: parity, bandwidth, Fig. 6 and Table 1 on the first GPU, one table."""
+    config = dict(GPU_CHECK_CONFIG)
+    configure(config, argv)  # first: its options (and a typo in them) are read on any machine
     if not torch.cuda.is_available():
         raise BenchError("gpu-check needs a CUDA GPU and torch.cuda.is_available() is False here; "
                          "the CPU checks are `pytest tests/test_kernels.py tests/test_triton_compile.py`")
-    config = dict(GPU_CHECK_CONFIG)
-    configure(config, argv)
     device = "cuda"
     parse_ints("repeats", config["repeats"])
     bandwidth_shape = parse_shapes(config["bandwidth_shape"])[0]

@@ -3,6 +3,7 @@
     python export.py --out_dir=out --format=auto
     python export.py --out_dir=out --format=auto,auto-int,mxfp8_e4m3,mxfp6_e3m2,mxfp4,int4,int3
     python export.py --out_dir=out --format=auto-int,error-int,int3 --bits_per_weight=3.0   # mixed int2/3/4
+    python export.py --out_dir=out --format=auto,int4 --json=out/export.json   # also the summary as JSON
 
 Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoint.read) and
 1. reports the learned bitwidths b_t (one per 32x32 block, Eq. 11) per layer role and overall, as
@@ -69,7 +70,7 @@ DEFAULTS = dict(
     overwrite=False,  # replace model files that exist
     evaluate=True,  # val loss of each exported model beside the unquantized one
     eval_iters=0,  # batches of the val loss; 0 -> the run's own eval_iters (the batches of train.py's evaluation)
-    json=False,  # print one JSON object instead of tables
+    json="",  # also write the summary (checkpoint, notes, bitwidths, a record per format) to this path as JSON
     gguf=False,  # also write model-<format>.gguf beside each file, for llama.cpp (export_gguf.py)
     device="cuda" if torch.cuda.is_available() else "cpu",  # where the evaluation runs
 )
@@ -612,6 +613,7 @@ def check_args(cfg):
                           f"{cfg['format']} has neither")
     if "error-int" in formats and not budget:
         raise ExportError("--format=error-int mixes int2/int3/int4 at a budget: pass --bits_per_weight (e.g. 3.0)")
+    check_json_path(cfg["json"])
     export_dir = cfg["export_dir"] or cfg["out_dir"]
     why = unusable_dir(export_dir)
     if why:
@@ -624,13 +626,31 @@ def check_args(cfg):
     return formats, export_dir, paths
 
 
-def write_output(path, data):
+def check_json_path(path):
+    """--json names a file to write (as bench.py's --json): not a bool, not a directory, in a folder that
+    exists and can be written."""
+    if path in ("True", "False"):
+        raise ExportError(f"--json={path}: --json takes the path of the JSON file to write, e.g. --json=export.json")
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ExportError(f"--json={path} is a directory; give the path of the JSON file to write, e.g. "
+                          f"--json={os.path.join(path, 'export.json')}")
+    if not os.path.isdir(folder):
+        raise ExportError(f"--json={path}: its folder {folder} does not exist; make it, or choose another path")
+    why = unusable_dir(folder)
+    if why:
+        raise ExportError(f"--json={path} cannot be written: {why}; choose another path")
+
+
+def write_output(path, data, option="--export_dir"):
     """bytes to path atomically (util.write_atomic): a full disk is one line, the old file kept."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_atomic(path, data)
     except OSError as e:
-        raise ExportError(f"cannot write {path} ({e.strerror or e}): free space or choose another --export_dir; "
+        raise ExportError(f"cannot write {path} ({e.strerror or e}): free space or choose another {option}; "
                           f"no file there was replaced") from None
 
 
@@ -713,19 +733,19 @@ def main(argv):
             loss = val_loss(exported)
             result.update(val_loss=loss, val_loss_unquantized=reference, increase_pct=100 * (loss / reference - 1))
         if cfg["gguf"]:
-            result["gguf"] = export_gguf.write(gguf_plan, fmt_name, data, log=None if cfg["json"] else print, evaluate=(
-                val_loss if cfg["evaluate"] else None))
+            result["gguf"] = export_gguf.write(gguf_plan, fmt_name, data, log=print,
+                                               evaluate=val_loss if cfg["evaluate"] else None)
         results.append(result)
 
     summary = dict(checkpoint=ckpt_path, iter_num=iter_num, notes=notes, bitwidths=report, exports=results)
+    print_summary(summary, export_dir, cfg["plot"], (eval_iters, config["dtype"]) if cfg["evaluate"] else None)
     if cfg["json"]:
-        print(json.dumps(summary, indent=1))
-    else:
-        print_summary(summary, export_dir, cfg["plot"], (eval_iters, config["dtype"]) if cfg["evaluate"] else None)
+        write_output(cfg["json"], (json.dumps(summary, indent=1) + "\n").encode(), "--json")
+        print(f"wrote {cfg['json']}")
 
 
 def print_summary(summary, export_dir, plot, evaluation):
-    """The tables of main's summary (what --json=True prints as one object); evaluation: (batches,
+    """The tables of main's summary (what --json=PATH writes as one object); evaluation: (batches,
     dtype) of the val losses, or None."""
     ckpt_path, notes, report, results = (summary[k] for k in ("checkpoint", "notes", "bitwidths", "exports"))
     for note in notes:

@@ -3,6 +3,7 @@
     load_pretrained("gpt2")            # GPT-2 from the hub (also gpt2-medium, gpt2-large, gpt2-xl)
     load_pretrained("path/to/dir")     # a local GPT2LMHeadModel or LlamaForCausalLM (config.json + safetensors)
     python hf.py --ckpt=out/ckpt.pt --out=hf_out    # a training checkpoint -> a transformers directory
+                                                    # (with the data's tokenizer: AutoTokenizer encodes as the data)
 
 The two layouts differ in two places. GPT-2's checkpoints store Linear weights as Conv1D,
 (in, out): transposed here. Hugging Face's Llama orders each head's query and key rows as
@@ -420,14 +421,16 @@ def data_tokenizer(ckpt, data_dir=None):
     except (OSError, ValueError) as e:
         return None, f"cannot read {meta_path} ({type(e).__name__})"
     spec = str(meta.get("tokenizer"))
-    if not spec.startswith(("sentencepiece:", "tokenizers:")):
+    if spec != "bytes" and not spec.startswith(("sentencepiece:", "tokenizers:")):
         hint = "; GPT-2's own is openai-community/gpt2's" if spec == "tiktoken:gpt2" else ""
         return None, f"the data's tokenizer {spec!r} has no transformers files{hint}"
     return tokenizer.from_meta(meta, data_dir), None  # a missing tokenizer file is an error: the data is incomplete
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description="Export a train.py checkpoint as a Hugging Face transformers directory.")
+    p = argparse.ArgumentParser(description="Export a train.py checkpoint as a Hugging Face transformers directory: "
+                                "config.json, model.safetensors and the data's tokenizer for AutoTokenizer (byte "
+                                "tokens, SentencePiece or a tokenizer.json; not tiktoken's, whose hub files are GPT-2's).")
     p.add_argument("--ckpt", default="out/ckpt.pt", help="the training checkpoint (ckpt.pt, ckpt.dcp, or a run "
                    "directory holding one), or a "
                    "low-precision file of export.py (.safetensors: its dequantized weights) (default: %(default)s)")

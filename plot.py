@@ -6,7 +6,9 @@ Each argument is a run directory of train.py (metrics.jsonl and config.json). Ru
 differ only in their seed are one setting: drawn as the mean over seeds with a band from the lowest
 to the highest seed. Writes
     loss.png      train loss (the logged training loss, PQN on) and val loss (eval, PQN off)
-                  against tokens, one line per setting;
+                  against tokens, one line per setting, each in view however short its run (the
+                  top of the axis may leave out only the first fifth of a line, the warmup's fall),
+                  a marker at every evaluation;
     bitwidth.png  b_t mean (line) and min..max over all blocks (band) against tokens, for the
                   settings with PQT layers (not written when there are none);
     paired.png    val loss minus that of the bf16 run with the same settings and seed (the same
@@ -172,11 +174,6 @@ def mean_band(curves):
     return (xs, [sum(v) / len(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals])
 
 
-def _finite_range(values):
-    values = [v for v in values if math.isfinite(v)]
-    return (min(values), max(values)) if values else (0.0, 1.0)
-
-
 LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -204,31 +201,52 @@ def _tokens_axis(ax):
     ax.set_xlabel("tokens")
 
 
+# What the two loss panels show. PQN (pseudo-quantization noise, Eq. 3) is on while a PQT run trains,
+# so its logged training loss is that of the noisy weights w_hat; evaluation turns it off and scores
+# the weights w themselves. A bf16 run has no PQN in either.
+LOSS_PANELS = (("logs", "loss", "train loss (PQN on)", "train loss, PQN on: as logged, noise in the PQT layers' weights"),
+               ("evals", "val/loss", "val loss (PQN off)", "val loss, PQN off: the weights w, no noise"))
+EARLY = 0.2  # the share of a line's own tokens (the warmup's fall from about ln(vocab)) the y axis may leave out
+
+
+def loss_ylim(lines):
+    """(bottom, top) of a loss panel that shows every line: the top is the highest value of any line
+    after the first EARLY of that line's own tokens, so a short run beside a long one stays in view
+    (a limit from the longest run's tail would put the short run, still high, above the axes), while
+    the first steps' loss (about ln(vocab)) does not flatten the part worth reading. lines: [(xs, ys)]."""
+    values = [y for _, ys in lines for y in ys if math.isfinite(y)]
+    if not values:
+        return 0.0, 1.0
+    late = [y for xs, ys in lines for x, y in zip(xs, ys) if x >= EARLY * xs[-1] and math.isfinite(y)]
+    lo, hi = min(values), max(late or values)  # late is empty where every late value is NaN (a diverged run)
+    pad = 0.06 * (hi - lo) + 1e-3
+    return lo - pad, hi + pad
+
+
 def plot_loss(groups, names, title, path):
+    """loss.png: train and val loss against tokens, one line per setting (the mean over its seeds,
+    with a band from the lowest to the highest seed). The x axis runs from 0 to the longest run's end,
+    the y axis is loss_ylim's; val lines, a few evaluations each, have a marker at every point."""
     plt = _pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI)
-    for ax, kind, key in ((axes[0], "logs", "loss"), (axes[1], "evals", "val/loss")):
-        points = []  # (tokens, mean loss) of every line
+    for ax, (kind, key, ylabel, about) in zip(axes, LOSS_PANELS):
+        lines = []  # (tokens, mean loss) of every line
         for (color, ls), group, name in zip(styles(groups), groups, names):
             curves = [{r["iter"] * run["tokens_per_iter"]: r[key] for r in run[kind]} for run in group]
             xs, mean, lo, hi = mean_band(curves)
             if not xs:
                 continue
-            ax.plot(xs, mean, color=color, ls=ls, label=name, lw=1.4)
+            marker = {"marker": "o", "ms": 3} if kind == "evals" else {}
+            ax.plot(xs, mean, color=color, ls=ls, label=name, lw=1.4, **marker)
             if len(group) > 1:
                 ax.fill_between(xs, lo, hi, color=color, alpha=0.2, lw=0)
-            points += zip(xs, mean)
-        # The first steps' loss (about ln(vocab)) would flatten the part worth reading: the top of
-        # the axis is the highest loss after the first fifth of the tokens (the warmup's fall).
-        lo_y, hi_y = _finite_range([v for _, v in points])
-        last = max((x for x, _ in points), default=0)
-        late = [v for x, v in points if x >= 0.2 * last and math.isfinite(v)]
-        if late:
-            hi_y = min(hi_y, max(late) + 0.08 * (max(late) - lo_y) + 1e-6)
-        ax.set_ylim(lo_y - 0.04 * (hi_y - lo_y) - 1e-6, hi_y)
+            lines.append((xs, mean))
+        ax.set_ylim(*loss_ylim(lines))
+        ax.set_xlim(0, 1.02 * max((xs[-1] for xs, _ in lines), default=1) or 1)
         _tokens_axis(ax)
-        ax.set_ylabel("train loss (PQN on)" if key == "loss" else "val loss (PQN off)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(about, fontsize=9)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
@@ -351,17 +369,28 @@ def make_plots(run_dirs, out, title_prefix="", twin_dirs=()):
     return written
 
 
+USAGE = """usage: python plot.py RUN_DIR [RUN_DIR ...] [--out=DIR]
+  RUN_DIR     a train.py run directory (metrics.jsonl, config.json); runs differing only in seed are one line
+  --out=DIR   where loss.png, bitwidth.png and paired.png are written (default: plots)
+  -h, --help  print this and exit"""
+
+
 def main(argv):
+    if "-h" in argv or "--help" in argv:
+        print(USAGE)
+        return 0
     out, run_dirs = "plots", []
     for arg in argv:
         if arg.startswith("--out="):
             out = arg[len("--out="):]
         elif arg.startswith("-"):
-            raise PlotError(f"unknown option {arg!r}; usage: python plot.py RUN_DIR [RUN_DIR ...] [--out=DIR]")
+            raise PlotError(f"unknown option {arg!r}; usage: python plot.py RUN_DIR [RUN_DIR ...] [--out=DIR] "
+                            f"(--help says more)")
         else:
             run_dirs.append(arg)
     if not run_dirs:
-        raise PlotError("no run directory given; usage: python plot.py RUN_DIR [RUN_DIR ...] [--out=DIR]")
+        raise PlotError("no run directory given; usage: python plot.py RUN_DIR [RUN_DIR ...] [--out=DIR] "
+                        "(--help says more)")
     for path in make_plots(run_dirs, out):
         print(f"wrote {path}")
 

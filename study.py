@@ -1,11 +1,11 @@
 """The paper's comparisons at laptop scale: a named study runs its train.py runs and reports them.
 
     python study.py fig1b               # run (or continue) the study, then write its tables and plots
-    python study.py fig1b --dry_run     # list its runs and the command of each
+    python study.py fig1b --dry_run     # list its runs and the command of each, and the time the runs left take
     python study.py fig1b --nproc=2     # each run on 2 processes (torchrun --standalone); same losses
     python study.py fig1b --report      # its tables and plots from the runs done so far; trains nothing
     python study.py deploy --only=n3200 # only the runs whose name matches a regular expression
-    python study.py                     # list the studies
+    python study.py                     # the options and the studies (as --help)
 
 A study is a list of arms (a config file and --key=value overrides) times seeds. Each run is one
 `python train.py CONFIG --key=value ... --seed=S --out_dir=out/study/runs/NAME`, its NAME made from
@@ -39,9 +39,11 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import checkpoint as ckpt_io
+import configurator
 import plot
 from util import UserError, cli
 
@@ -406,8 +408,8 @@ def export_losses(run_dir, formats):
     """{format: val loss of the run's checkpoint exported at that format, or why there is none}.
 
     The one place that knows export.py's command line: `python export.py --out_dir=RUN
-    --format=F1,F2 --json=True --save=False` prints one JSON object whose "exports" hold a record per
-    format with its "val_loss" (on train.py's evaluation batches), "val_loss_unquantized" and
+    --format=F1,F2 --json=PATH --save=False` writes one JSON object to PATH whose "exports" hold a record
+    per format with its "val_loss" (on train.py's evaluation batches), "val_loss_unquantized" and
     "bits_per_weight". export.py also draws the b_t histograms per layer role of a PQT checkpoint
     (bitwidths.png in the run directory). Records are kept in the run directory (export.json), so
     each format is exported once. Without export.py: "export unavailable".
@@ -429,16 +431,21 @@ def _export_losses(run_dir, formats):
         return {f: cache.get(f, "export unavailable") for f in formats}
     for budget in dict.fromkeys(f.partition("@")[2] for f in missing):
         group = [f for f in missing if f.partition("@")[2] == budget]
-        cmd = [sys.executable, "export.py", f"--out_dir={run_dir}", f"--format={','.join(f.partition('@')[0] for f in group)}",
-               "--json=True", "--save=False"] + ([f"--bits_per_weight={budget}"] if budget else [])
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if r.returncode != 0:
-            last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
-            return {f: cache.get(f, f"export failed: {last}") for f in formats}
-        try:
-            records = {e["format"]: e for e in json.loads(r.stdout)["exports"]}
-        except (ValueError, KeyError, TypeError) as e:
-            return {f: cache.get(f, f"export.py's output is not the JSON expected ({type(e).__name__})") for f in formats}
+        with tempfile.TemporaryDirectory() as tmp:
+            report = os.path.join(tmp, "export.json")
+            cmd = [sys.executable, "export.py", f"--out_dir={run_dir}",
+                   f"--format={','.join(f.partition('@')[0] for f in group)}", f"--json={report}", "--save=False"]
+            r = subprocess.run(cmd + ([f"--bits_per_weight={budget}"] if budget else []), cwd=REPO,
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+                return {f: cache.get(f, f"export failed: {last}") for f in formats}
+            try:
+                with open(report) as fh:
+                    records = {e["format"]: e for e in json.load(fh)["exports"]}
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                return {f: cache.get(f, f"export.py's --json file is not the JSON expected ({type(e).__name__})")
+                        for f in formats}
         for f in group:
             record = records.get(f.partition("@")[0], {})
             if not isinstance(record.get("val_loss"), (int, float)):
@@ -829,6 +836,75 @@ def run_study(name, study, root="out/study", nproc=1, echo=True, only=""):
     return failed
 
 
+USAGE = """usage: python study.py [STUDY] [--dry_run] [--report] [--nproc=N] [--root=DIR] [--only=REGEX]
+  STUDY         the study to run (or continue), then report; none: this list
+  --dry_run     list the study's runs, each one's state and command, and the time the runs left take; trains nothing
+  --report      write the study's tables and plots from the runs done so far; trains nothing
+  --nproc=N     each run on N processes (torchrun --standalone), the same losses (default: 1)
+  --root=DIR    where the runs (DIR/runs) and the results (DIR/STUDY) go (default: out/study)
+  --only=REGEX  only the runs whose name matches the regular expression
+  -h, --help    print this and exit"""
+
+
+def print_usage():
+    print(USAGE + "\nstudies:")
+    for n, study in STUDIES.items():
+        print(f"  {n:6s} {len(runs_of(study)):3d} runs  {study['about']}")
+
+
+# --- the time a dry run says the runs left take --------------------------------------------------
+# Every study's runs have one shape (config/mini_gpt2.py's 4-layer, 128-wide model on 2 x 16 x 128
+# tokens a step; mini_llama2.py and mini_gpt2_deploy.py alike): config/mini_gpt2.py records 0.75 s a
+# step, measured on one core of a 2-core CPU. The estimate until a run of the study has finished here.
+DEFAULT_STEP_S = 0.75
+
+
+def arm_steps(a):
+    """(first, last) step a run of arm a trains: from 0, or from its fork step (an arm with a trunk
+    starts from the trunk's checkpoint at pqt_start), to max_iters (its override, else its config's)."""
+    last = a["overrides"].get("max_iters")
+    if last is None:
+        chain = configurator.file_settings(os.path.join(REPO, a["config"]))
+        last = next((s["max_iters"] for _, s in reversed(chain) if "max_iters" in s), None)
+    if last is None:
+        raise StudyError(f"{a['config']} sets no max_iters, nor does the arm {arm_label(a)}; a study's run must say "
+                         f"how long it trains")
+    return (a["overrides"]["pqt_start"] if a.get("trunk") else 0), last
+
+
+def steps_left(run_dir, a):
+    """The steps a run not yet done still trains: all of arm_steps', less those up to its checkpoint
+    where it resumes (train.py writes it at every evaluation: the last one in metrics.jsonl)."""
+    first, last = arm_steps(a)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(os.path.join(run_dir, "ckpt.pt")) and os.path.isfile(metrics):
+        evals, _ = plot.read_metrics(metrics)
+        first = max([first] + [r["iter"] for r in evals[-1:]])
+    return max(last - first, 0)
+
+
+def time_left(study, todo, root):
+    """One line: the wall time the runs of todo not yet done take, at the seconds per step of the
+    study's runs finished under root (their wall time over the steps they trained, all attempts
+    together, evaluations included), else at DEFAULT_STEP_S."""
+    finished, spent, trained = 0, 0.0, 0
+    for run, a, _ in runs_of(study):
+        done = read_json(os.path.join(root, "runs", run, "done.json"))
+        if done and done["status"] == "finished":
+            first, last = arm_steps(a)
+            finished, spent, trained = finished + 1, spent + done["wall_s"], trained + last - first
+    left = [(run, a) for run, a, _ in todo if read_json(os.path.join(root, "runs", run, "done.json")) is None]
+    steps = sum(steps_left(os.path.join(root, "runs", run), a) for run, a in left)
+    if trained:
+        rate, how = spent / trained, f"the wall time per step of the {finished} finished run(s) here"
+    else:
+        rate, how = DEFAULT_STEP_S, "no run has finished here yet: config/mini_gpt2.py's 0.75 s a step on a 2-core CPU"
+    seconds = steps * rate
+    about = f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+    return (f"time left: about {about} ({seconds:,.0f} s: {len(left)} run(s), {steps:,} steps at {rate:.3f} s a step, "
+            f"{how})")
+
+
 def parse(argv):
     names, opts = [], {"nproc": 1, "dry_run": False, "report": False, "root": "out/study", "only": ""}
     for arg in argv:
@@ -850,10 +926,10 @@ def parse(argv):
             opts["only"] = value
         else:
             raise StudyError(f"bad option {arg!r}; accepted: --nproc=N (N >= 1), --dry_run, --report, --root=DIR, "
-                             f"--only=REGEX")
+                             f"--only=REGEX (--help says more)")
     if len(names) > 1 or names and names[0] not in STUDIES:
-        raise StudyError(f"{' '.join(names)!r} is not a study; usage: python study.py STUDY [--nproc=N] [--dry_run] "
-                         f"[--report] [--root=DIR]; studies: {', '.join(STUDIES)}")
+        raise StudyError(f"{' '.join(names)!r} is not a study; usage: {USAGE.splitlines()[0][len('usage: '):]}; "
+                         f"studies: {', '.join(STUDIES)}")
     return (names or [None])[0], opts
 
 
@@ -883,11 +959,12 @@ def main(argv):
     # the shell started the runner in the background with SIGINT ignored
     signal.signal(signal.SIGINT, _interrupted)
     signal.signal(signal.SIGTERM, _interrupted)
+    if "-h" in argv or "--help" in argv:
+        print_usage()
+        return 0
     name, opts = parse(argv)
     if name is None:
-        print("usage: python study.py STUDY [--nproc=N] [--dry_run] [--report] [--root=DIR]; the studies:")
-        for n, study in STUDIES.items():
-            print(f"  {n:6s} {len(runs_of(study)):3d} runs  {study['about']}")
+        print_usage()
         return 0
     study = STUDIES[name]
     # Config paths and train.py's out_dir are the repository's; --root may be given from anywhere.
@@ -896,19 +973,25 @@ def main(argv):
     os.chdir(REPO)
     opts["root"] = root if os.path.relpath(root).startswith("..") else os.path.relpath(root)
     if opts["dry_run"]:
-        todo = [r for r in runs_of(study) if re.search(opts["only"], r[0])]
-        print(f"{name}: {study['about']}\n{len(todo)} runs:")
-        for k, (run, a, seed) in enumerate(todo, 1):
-            run_dir = os.path.join(opts["root"], "runs", run)
-            done = read_json(os.path.join(run_dir, "done.json"))
-            state = done["status"] if done else "resume" if os.path.exists(os.path.join(run_dir, "ckpt.pt")) else "to run"
-            print(f"{k:3d}. [{state}] {shlex.join(['python', *launcher(opts['nproc'])[1:], *train_args(a, seed, run_dir)])}")
-        return 0
+        return dry_run(name, study, opts)
     if opts["report"]:  # the tables and plots of the runs done so far, training nothing
         for path in write_results(name, study, opts["root"]):
             print(f"[{name}] wrote {path}")
         return 0
     return 1 if run_study(name, study, opts["root"], opts["nproc"], only=opts["only"]) else 0
+
+
+def dry_run(name, study, opts):
+    """The runs (those --only keeps), each with its state and command, then time_left's estimate."""
+    todo = [r for r in runs_of(study) if re.search(opts["only"], r[0])]
+    print(f"{name}: {study['about']}\n{len(todo)} runs:")
+    for k, (run, a, seed) in enumerate(todo, 1):
+        run_dir = os.path.join(opts["root"], "runs", run)
+        done = read_json(os.path.join(run_dir, "done.json"))
+        state = done["status"] if done else "resume" if os.path.exists(os.path.join(run_dir, "ckpt.pt")) else "to run"
+        print(f"{k:3d}. [{state}] {shlex.join(['python', *launcher(opts['nproc'])[1:], *train_args(a, seed, run_dir)])}")
+    print(time_left(study, todo, opts["root"]))
+    return 0
 
 
 if __name__ == "__main__":

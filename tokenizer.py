@@ -142,12 +142,32 @@ class Tokenizer:
 
     def hf_files(self):
         """({name: bytes}, why) for a transformers tokenizer (AutoTokenizer) equal to this one: the
-        files, or {} and why there are none (tiktoken, bytes, a model transformers converts otherwise)."""
+        files, or {} and why there are none (tiktoken, a model transformers converts otherwise)."""
         if self.kind == "tokenizers":
             return dict(self.files), None
         if self.kind == "sentencepiece":
             return _sentencepiece_hf_files(self)
+        if self.kind == "bytes":
+            return _bytes_hf_files(), None
         return {}, f"the data's tokenizer {self.meta()['tokenizer']!r} has no transformers files"
+
+
+def _bytes_hf_files():
+    """tokenizer.json of the byte tokens (id = the byte's value, 256 ids, no special tokens) as GPT-2's
+    byte-level tokenizer without its merges: the ByteLevel pre-tokenizer writes each UTF-8 byte as one
+    of 256 printable characters (GPT-2's bytes_to_unicode), each of which is a token of its own, and the
+    ByteLevel decoder turns them back into bytes, decoded as UTF-8 with invalid bytes as U+FFFD, as
+    bytes.decode("utf-8", errors="replace"). use_regex=False: no splitting, a leading space stays one."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    char = bytes_to_unicode()
+    backend = HFTokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+              "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": backend.to_str().encode(),
+            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
 
 
 def _sentencepiece_hf_files(tok):

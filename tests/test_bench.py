@@ -252,3 +252,21 @@ def test_bad_arguments_from_the_shell_give_no_traceback(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "gausws" in proc.stderr
     assert json_path.read_text() == "keep"  # nothing overwritten
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage_of_every_command_and_exits_0(flag):
+    proc = subprocess.run([sys.executable, "bench.py", flag], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == ""
+    usage = [line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("python bench.py")]
+    assert list(dict.fromkeys(u.split()[2] for u in usage)) == ["kernel", "train", "gpu-check"]
+    for option in ("--shapes=", "--repeats=", "--device=", "--threads=", "--json=PATH", "--model=", "--methods=",
+                   "--grad_accum=", "--rounds=", "--train="):
+        assert option in proc.stdout, option
+
+
+def test_gpu_check_reads_its_options_before_it_looks_for_a_gpu(capsys):
+    """A typo is named on any machine (and --help is the configurator's), not hidden behind "no GPU"."""
+    assert util.cli(bench.main, ["gpu-check", "--repeatz=3"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown config key 'repeatz'" in err

@@ -94,11 +94,10 @@ def data_dir(tmp_path):
 
 def test_auto_int_at_a_budget_gives_more_bits_to_blocks_of_higher_b_t(data_dir, tmp_path, capsys):
     sd = checkpoint(tmp_path, data_dir)
-    rc = util.cli(E.main, [f"--out_dir={tmp_path}", "--format=auto-int,error-int", "--bits_per_weight=3.0", "--json=True",
-                "--plot=False"])
-    out = capsys.readouterr().out
+    rc = util.cli(E.main, [f"--out_dir={tmp_path}", "--format=auto-int,error-int", "--bits_per_weight=3.0",
+                f"--json={tmp_path / 'export.json'}", "--plot=False"])
     assert rc == 0
-    exports = {r["format"]: r for r in json.loads(out)["exports"]}
+    exports = {r["format"]: r for r in json.loads((tmp_path / "export.json").read_text())["exports"]}
     for name in ("auto-int", "error-int"):  # error-int: Gaussian blocks alike, so int3 for all is its optimum
         share = exports[name]["share"]
         assert set(share) <= {"int2", "int3", "int4"} and len(share) == (3 if name == "auto-int" else 1)

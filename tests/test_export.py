@@ -71,6 +71,15 @@ def run(argv, capsys):
     return rc, out, err
 
 
+def run_json(argv, capsys, path):
+    """run() with --json=path: (exit status, the JSON it wrote, stdout, stderr)."""
+    rc, out, err = run([*argv, f"--json={path}"], capsys)
+    if rc:
+        return rc, None, out, err
+    with open(path) as f:
+        return rc, json.load(f), out, err
+
+
 def blocks_of(w):
     """(i, j, view) of every 32x32 block of w, edge blocks partial."""
     m, n = w.shape
@@ -290,10 +299,10 @@ def test_file_gives_back_the_quantized_values_bit_for_bit_and_its_size_is_the_bi
     ckpt["model"][zeroed][:32, :32] = 0.0
     torch.save(ckpt, tmp_path / "ckpt.pt")
     formats = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp4", "bf16", "int4", "auto"]
-    rc, out, err = run([f"--out_dir={tmp_path}", f"--format={','.join(formats)}", "--evaluate=False", "--json=True"],
-                       capsys)
+    rc, report, out, err = run_json([f"--out_dir={tmp_path}", f"--format={','.join(formats)}", "--evaluate=False"],
+                                    capsys, tmp_path / "export.json")
     assert rc == 0, err
-    exports = {r["format"]: r for r in json.loads(out)["exports"]}
+    exports = {r["format"]: r for r in report["exports"]}
     bits = {"mxfp8_e4m3": 8, "mxfp8_e5m2": 8, "mxfp6_e2m3": 6, "mxfp4": 4, "bf16": 16, "int4": 4}
     scale_bytes = {"mxfp8_e4m3": 1, "mxfp8_e5m2": 1, "mxfp6_e2m3": 1, "mxfp4": 1, "bf16": 0, "int4": 2}
     for fmt in formats:
@@ -329,9 +338,8 @@ def test_file_gives_back_the_quantized_values_bit_for_bit_and_its_size_is_the_bi
 
 def test_reported_loss_is_the_loss_of_the_model_rebuilt_from_the_file(tiny_corpus, tmp_path, capsys):
     sd = make_checkpoint(tmp_path, tiny_corpus, layout="old")  # the older checkpoint layout reads the same
-    rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4,auto,int3", "--json=True"], capsys)
+    rc, report, out, err = run_json([f"--out_dir={tmp_path}", "--format=mxfp4,auto,int3"], capsys, tmp_path / "e.json")
     assert rc == 0, err
-    report = json.loads(out)
     val = np.fromfile(os.path.join(tiny_corpus, "val.bin"), dtype=np.uint16).astype(np.int64)
 
     def loss_of(model):  # train.py's evaluation batches, written out again
@@ -425,6 +433,38 @@ def test_command_line_error_has_no_traceback(tmp_path):
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "unknown format 'fp5'" in p.stderr
 
 
+# --- --json=PATH -------------------------------------------------------------------------------
+
+def test_json_path_gets_the_summary_the_tables_print(tiny_corpus, tmp_path, capsys):
+    """--json=PATH writes one JSON object (as bench.py's --json): the checkpoint, its step, and per
+    format the file written (its size as on disk) and the val losses the printed table shows."""
+    make_checkpoint(tmp_path / "run", tiny_corpus)
+    rc, report, out, err = run_json([f"--out_dir={tmp_path / 'run'}", "--format=mxfp4,int4"], capsys,
+                                    tmp_path / "out.json")
+    assert rc == 0, err
+    assert set(report) == {"checkpoint", "iter_num", "notes", "bitwidths", "exports"}
+    assert report["checkpoint"] == str(tmp_path / "run" / "ckpt.pt") and report["iter_num"] == 7
+    assert set(report["bitwidths"]["roles"]) == {"qkv", "out", "up", "down"}
+    table = {line.split()[0]: line.split() for line in out.split("val loss on")[1].splitlines()[2:] if line.strip()}
+    assert [r["format"] for r in report["exports"]] == ["mxfp4", "int4"]
+    for r in report["exports"]:
+        assert r["path"] == str(tmp_path / "run" / f"model-{r['format']}.safetensors")
+        assert r["file_bytes"] == os.path.getsize(r["path"])
+        assert f"{r['val_loss']:.4f}" == table[r["format"]][1] and f"{r['val_loss_unquantized']:.4f}" == table[r["format"]][2]
+    assert out.strip().splitlines()[-1] == f"wrote {tmp_path / 'out.json'}"
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # written atomically: no temporary left
+
+
+@pytest.mark.parametrize("path,message", [("True", "takes the path of the JSON file"),
+                                          ("{tmp}", "is a directory"),
+                                          ("{tmp}/no/such/dir/x.json", "does not exist")])
+def test_a_bad_json_path_is_one_line_before_any_work(tiny_corpus, tmp_path, capsys, path, message):
+    make_checkpoint(tmp_path, tiny_corpus)
+    rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", f"--json={path.format(tmp=tmp_path)}"], capsys)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and message in err and "--json=" in err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # nothing written
+
+
 # --- the runs whose b_t falls ----------------------------------------------------------------
 
 def test_cpu_configs_pull_b_t_into_the_low_tiers_and_have_a_bf16_twin(capsys):
@@ -456,7 +496,7 @@ def test_cpu_configs_pull_b_t_into_the_low_tiers_and_have_a_bf16_twin(capsys):
 def test_sample_py_generates_from_an_exported_file(tiny_corpus, tmp_path, capsys):
     import sample
     make_checkpoint(tmp_path, tiny_corpus)
-    rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", "--json=True"], capsys)
+    rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4"], capsys)
     assert rc == 0, err
     path = str(tmp_path / "model-mxfp4.safetensors")
     sample.main([f"--init_from={path}", "--start=def ", "--num_samples=1", "--max_new_tokens=8",
@@ -477,7 +517,7 @@ def test_an_exported_file_goes_to_transformers_with_its_dequantized_weights(tiny
     transformers = pytest.importorskip("transformers", reason="the truth here is transformers' own model")
     import hf
     make_checkpoint(tmp_path, tiny_corpus)
-    rc, out, err = run([f"--out_dir={tmp_path}", "--format=int4", "--json=True"], capsys)
+    rc, out, err = run([f"--out_dir={tmp_path}", "--format=int4"], capsys)
     assert rc == 0, err
     path = str(tmp_path / "model-int4.safetensors")
     hf.main([f"--ckpt={path}", f"--out={tmp_path / 'hf'}"])

@@ -157,10 +157,10 @@ def exported(request, tmp_path_factory):
     make_checkpoint(str(d / "run"), str(d / "data"), **CASES[case])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = util.cli(E.main, [f"--out_dir={d / 'run'}", f"--format={','.join(FORMATS)}", "--gguf=True", "--json=True",
-                    "--plot=False", "--eval_iters=1"])
+        rc = util.cli(E.main, [f"--out_dir={d / 'run'}", f"--format={','.join(FORMATS)}", "--gguf=True",
+                    f"--json={d / 'export.json'}", "--plot=False", "--eval_iters=1"])
     assert rc == 0
-    return case, d / "run", tok, {r["format"]: r for r in json.loads(out.getvalue())["exports"]}
+    return case, d / "run", tok, {r["format"]: r for r in json.loads((d / "export.json").read_text())["exports"]}
 
 
 def gguf_weights(path):

@@ -420,6 +420,75 @@ def test_prepare_cli_bad_tokenizer_is_one_line(tmp_path):
     assert "Hugging Face hub" in line and "--tokenizer=path/to/tokenizer.model" in line
 
 
+# --- the default corpus' byte tokens -------------------------------------------------------------
+
+# Text whose UTF-8 holds every byte that UTF-8 can hold: ASCII, the 2-byte range (leads C2-DF, every
+# continuation byte 80-BF), a 3-byte character per lead E0-EF and a 4-byte one per lead F0-F4.
+EVERY_UTF8_BYTE = ("".join(map(chr, range(0x800))) + "".join(chr(0x1000 * k + 0x841) for k in range(16) if k != 0xD)
+                   + "\ud7ff" + "".join(chr(0x10000 + 0x40000 * k) for k in range(4)) + chr(0x100000))
+BYTE_TEXTS = ["def f(x):\n    return x", " leading space", "two  spaces", "tabs\tand\r\nnewlines\n\n", "\x00nul",
+              "héllo 数据 🙂", "<|endoftext|></s> stay text", "", EVERY_UTF8_BYTE]
+
+
+@pytest.fixture
+def byte_export(tmp_path):
+    """hf.py's export of a checkpoint trained on byte tokens (meta.json "tokenizer": "bytes", as
+    data/default/prepare.py writes it): (our model, the export's directory, hf.py's line)."""
+    import checkpoint
+    torch.manual_seed(3)
+    args = dict(arch="gpt2", n_layer=2, n_head=4, n_embd=32, ffn_hidden=48, vocab_size=256, block_size=64)
+    model = GPT(ModelConfig(**args)).eval()
+    with torch.no_grad():  # matrices of std about 0.2, not 0.02: logits far from uniform, no near-ties in greedy decoding
+        for p in model.parameters():
+            p.mul_(10.0 if p.dim() == 2 else 1.0)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}))
+    checkpoint.save({"model": checkpoint_state(model), "model_args": args, "config": {"dataset": "default"}},
+                    str(tmp_path / "ckpt.pt"))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "hf.py"), f"--ckpt={tmp_path / 'ckpt.pt'}",
+                        f"--out={tmp_path / 'hf'}", f"--data_dir={tmp_path / 'data'}"], capture_output=True, text=True,
+                       env=offline_env(tmp_path), cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return model, tmp_path / "hf", r.stdout.strip()
+
+
+def test_a_byte_level_export_has_a_tokenizer_that_encodes_and_decodes_as_the_data(byte_export):
+    """The data's tokens are the text's UTF-8 bytes (data/default/prepare.py: np.frombuffer of the
+    bytes); transformers' AutoTokenizer of the export gives the same ids and the text back, and decodes
+    any id sequence as bytes.decode("utf-8", errors="replace"), invalid UTF-8 included."""
+    import random
+    import tokenizer
+    _, out, line = byte_export
+    assert "tokenizer.json" in line and "no tokenizer files" not in line
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    data = tokenizer.Tokenizer("bytes", "bytes")
+    assert {b for b in EVERY_UTF8_BYTE.encode()} == set(range(256)) - {0xC0, 0xC1, *range(0xF5, 0x100)}
+    for text in BYTE_TEXTS:
+        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).tolist()
+        assert hf_tok(text)["input_ids"] == ids == data.encode(text), text[:40]
+        assert hf_tok.decode(ids) == text == data.decode(ids)
+    rng = random.Random(0)
+    for ids in [list(range(256))] + [[rng.randrange(256) for _ in range(rng.randrange(1, 12))] for _ in range(300)]:
+        assert hf_tok.decode(ids) == bytes(ids).decode("utf-8", errors="replace") == data.decode(ids), ids
+    assert len(hf_tok) == 256 and hf_tok.eos_token_id is None and hf_tok.bos_token_id is None  # the data has none
+
+
+def test_a_byte_level_export_scores_and_generates_as_our_model_on_the_tokenized_prompt(byte_export):
+    model, out, _ = byte_export
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = "def héllo(x):\n    return"
+    x = hf_tok(prompt, return_tensors="pt")["input_ids"]
+    assert x[0].tolist() == list(prompt.encode("utf-8"))
+    assert_logits_equal(our_logits(model, x), hf_logits(theirs, x))
+    with torch.no_grad():
+        ours = model.generate(x, 24, temperature=0)
+        their = theirs.generate(x, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(x),
+                                pad_token_id=0)
+    assert their.tolist() == ours.tolist()
+    assert hf_tok.decode(their[0]) == bytes(ours[0].tolist()).decode("utf-8", errors="replace")
+
+
 # --- Llama 2's tokenizer, end to end --------------------------------------------------------------
 
 def write_c4(path, docs):
@@ -517,3 +586,12 @@ def test_convert_puts_pqt_on_a_transformers_gpt2_in_its_own_layout():
         assert not torch.equal(w_hat.float(), layer.weight.detach())
         theirs(x, labels=x).loss.backward()
     assert all(l.b_i.grad is not None and l.b_i.grad.abs().sum() > 0 for l in gaussws.pqt_layers(theirs))
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_options_and_exits_0(tmp_path, flag):
+    r = run(tmp_path, "hf.py", flag)
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("usage: hf.py")
+    for option in ("--ckpt", "--out", "--data_dir", "-h, --help"):
+        assert any(line.strip().startswith(option) for line in r.stdout.splitlines()), option
+    assert not os.listdir(tmp_path)  # nothing written

@@ -1,5 +1,6 @@
 """plot.py on synthetic run directories: the PNGs it promises, seeds grouped, bad input refused."""
 import json
+import math
 import os
 import struct
 import subprocess
@@ -170,3 +171,90 @@ def test_a_config_json_that_train_py_did_not_write_is_refused_with_one_line(tmp_
     r = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), run, f"--out={tmp_path / 'plots'}"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "lacks learning_rate" in r.stderr
+
+
+def long_and_short_runs(tmp_path):
+    """A 400-step run and a 50-step one beside it, as train.py logs them: the loss every 10 steps,
+    an evaluation every 100 (the long run: 5 points) or every 25 (the short run: 3 points). The short
+    run is still high (about 3.6 and up) where the long one ends (about 1.3)."""
+    runs = []
+    for name, steps, eval_every in (("long", 400, 100), ("short", 50, 25)):
+        cfg = config("bf16" if name == "long" else "gaussws[all]", max_iters=steps)
+        path = tmp_path / name
+        os.makedirs(path)
+        (path / "config.json").write_text(json.dumps(cfg))
+        loss = lambda it: 1.2 + 4.3 * math.exp(-it / 60)  # noqa: E731 (5.5 at step 0, ln(256) ~ 5.5)
+        with open(path / "metrics.jsonl", "w") as f:
+            for it in range(0, steps + 1):
+                if it % eval_every == 0:
+                    f.write(json.dumps({"iter": it, "train/loss": loss(it), "val/loss": loss(it) + 0.05}) + "\n")
+                if it and it % 10 == 0:
+                    f.write(json.dumps({"iter": it, "loss": loss(it) + 0.02, "ms_per_iter": 1.0}) + "\n")
+        runs.append(str(path))
+    return runs
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures plot.py saves, kept for their Axes (recorded at savefig, before plot.py closes them)."""
+    import matplotlib.figure
+    figures, savefig = {}, matplotlib.figure.Figure.savefig
+
+    def record(fig, path, *args, **kw):
+        figures[os.path.basename(str(path))] = fig
+        return savefig(fig, path, *args, **kw)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    return figures
+
+
+def test_a_short_run_beside_a_long_one_is_inside_both_loss_axes(tmp_path, drawn):
+    """Every line's points past the first fifth of its own tokens (the warmup's fall) lie inside
+    the axes, and its last point too; the x axis starts at 0 and reaches the longest run's end. The
+    points are read back from each matplotlib line and checked against the metrics written above."""
+    runs = long_and_short_runs(tmp_path)
+    plot.make_plots(runs, str(tmp_path / "plots"))
+    train_ax, val_ax = drawn["loss.png"].axes
+    tokens = 2 * 4 * 16  # tokens per step of config()
+    for ax, key, kind in ((train_ax, "loss", "logs"), (val_ax, "val/loss", "evals")):
+        lines = ax.get_lines()
+        assert len(lines) == 2  # one per run: both are drawn
+        (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+        assert x0 <= 0 and x1 >= 400 * tokens
+        for line, run in zip(lines, runs):
+            evals, logs = plot.read_metrics(os.path.join(run, "metrics.jsonl"))
+            want = [(r["iter"] * tokens, r[key]) for r in (logs if kind == "logs" else evals)]
+            xs, ys = line.get_xdata(), line.get_ydata()
+            assert list(zip(xs, ys)) == pytest.approx(want)  # the line is this run's data
+            end = xs[-1]
+            for x, y in zip(xs, ys):
+                if x >= 0.2 * end or x == end:
+                    assert x0 <= x <= x1 and y0 <= y <= y1, (os.path.basename(run), key, x, y, (y0, y1))
+
+
+def test_val_lines_have_markers_and_the_panels_say_what_pqn_on_and_off_mean(tmp_path, drawn):
+    plot.make_plots(long_and_short_runs(tmp_path), str(tmp_path / "plots"))
+    train_ax, val_ax = drawn["loss.png"].axes
+    assert all(line.get_marker() not in (None, "None", "", " ") for line in val_ax.get_lines())
+    assert len(val_ax.get_lines()[1].get_xdata()) == 3  # the short run's three evaluations, each a marker
+    train_text = train_ax.get_title() + " " + train_ax.get_ylabel()
+    val_text = val_ax.get_title() + " " + val_ax.get_ylabel()
+    assert "PQN on" in train_text and "noise" in train_text
+    assert "PQN off" in val_text and "no noise" in val_text
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage_and_exits_0(flag):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), flag], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stderr == ""
+    assert "usage: python plot.py RUN_DIR" in r.stdout
+    for option in ("RUN_DIR", "--out=DIR", "-h, --help"):
+        assert any(line.strip().startswith(option) for line in r.stdout.splitlines()), option
+
+
+def test_a_diverged_line_whose_late_values_are_nan_still_sets_the_axis():
+    """A run that diverged early logs NaN after its first points: the axis covers its finite values."""
+    lo, hi = plot.loss_ylim([([0, 10, 100], [5.0, float("nan"), float("inf")])])
+    assert lo < 5.0 < hi
+    lo, hi = plot.loss_ylim([([0, 10, 20, 30], [5.0, 3.0, float("nan"), float("inf")]), ([0, 100], [5.5, 2.0])])
+    assert lo < 2.0 and 3.0 < hi < 5.0  # the first fifth of each line may be above the axis

@@ -375,3 +375,76 @@ def test_a_bad_root_is_one_line(tmp_path):
             (line,) = r.stderr.strip().splitlines()
             assert line.startswith("error: --root=") and message in line
     assert (tmp_path / "file").read_text() == "x"
+
+
+# --- the dry run's estimate of the time left, and --help -------------------------------------------
+
+def config_max_iters(path):
+    """max_iters as the config file writes it, read by hand."""
+    import re
+    with open(os.path.join(ROOT, path)) as f:
+        return int(re.search(r"^max_iters = (\d+)", f.read(), re.M).group(1))
+
+
+def estimate(capsys, argv):
+    """(seconds, runs, steps, seconds per step) of the dry run's last line, and that line."""
+    import re
+    assert study.main(argv) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(r"time left: about [\d.]+ (?:h|min) \(([\d,]+) s: (\d+) run\(s\), ([\d,]+) steps at ([\d.]+) s a "
+                     r"step, .*\)", line)
+    assert m, line
+    return float(m[1].replace(",", "")), int(m[2]), int(m[3].replace(",", "")), float(m[4]), line
+
+
+def test_a_dry_run_gives_the_time_left_at_the_finished_runs_seconds_per_step(tmp_path, capsys, monkeypatch):
+    """fig1b's 18 runs of config/mini_gpt2.py's length: two finished in 100 s and 300 s (1 s a step), one
+    stopped with its last evaluation (and checkpoint) at step 100, fifteen not begun."""
+    monkeypatch.chdir(ROOT)
+    steps = config_max_iters("config/mini_gpt2.py")
+    names = [n for n, _, _ in study.runs_of(study.STUDIES["fig1b"])]
+    for name, wall in ((names[0], 100.0), (names[5], 300.0)):
+        os.makedirs(tmp_path / "runs" / name)
+        (tmp_path / "runs" / name / "done.json").write_text(json.dumps({"status": "finished", "wall_s": wall}))
+    stopped = tmp_path / "runs" / names[7]
+    os.makedirs(stopped)
+    (stopped / "ckpt.pt").write_bytes(b"")
+    (stopped / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"iter": 0, "train/loss": 5.5, "val/loss": 5.5}, {"iter": 50, "loss": 3.0},
+        {"iter": 50, "train/loss": 3.0, "val/loss": 3.1}, {"iter": 100, "train/loss": 2.5, "val/loss": 2.6},
+        {"iter": 110, "loss": 2.4}]))
+    rate = (100.0 + 300.0) / (2 * steps)
+    want_steps = 15 * steps + (steps - 100)
+    seconds, runs, got_steps, got_rate, line = estimate(capsys, ["fig1b", "--dry_run", f"--root={tmp_path}"])
+    assert (runs, got_steps) == (16, want_steps) and got_rate == pytest.approx(rate, abs=1e-3)
+    assert seconds == pytest.approx(want_steps * rate, abs=1) and "2 finished run(s)" in line
+
+
+def test_a_dry_run_before_any_run_finished_says_its_default_and_counts_a_fork_from_its_switch(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """The deployment study's 200-step runs, none begun: a run that forks from its bf16 trunk (those that
+    name --pqt_start) trains from its switch step only; the others all 200 steps."""
+    import re
+    monkeypatch.chdir(ROOT)
+    assert study.main(["deploy", "--dry_run", f"--root={tmp_path}", "--only=-n200-"]) == 0
+    commands = [l for l in capsys.readouterr().out.splitlines() if "[to run]" in l]
+    want = 0
+    for c in commands:
+        n = int(re.search(r"--max_iters=(\d+)", c)[1])
+        start = re.search(r"--pqt_start=(\d+)", c)
+        want += n - (int(start[1]) if start else 0)
+    seconds, runs, steps, rate, line = estimate(capsys, ["deploy", "--dry_run", f"--root={tmp_path}", "--only=-n200-"])
+    assert runs == len(commands) > 5 and steps == want < 200 * runs
+    assert rate == study.DEFAULT_STEP_S and "no run has finished here yet" in line
+    assert seconds == pytest.approx(want * study.DEFAULT_STEP_S, abs=1)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage_with_each_option_and_study_and_exits_0(flag):
+    r = subprocess.run([sys.executable, "study.py", flag], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == ""
+    lines = [l.strip() for l in r.stdout.splitlines()]
+    assert lines[0].startswith("usage: python study.py")
+    for option in ("STUDY", "--dry_run", "--report", "--nproc=N", "--root=DIR", "--only=REGEX", "-h, --help",
+                   *study.STUDIES):
+        assert sum(l.startswith(option + " ") for l in lines) == 1, option
