@@ -418,7 +418,8 @@ def _main(argv, resources):
     proc.say(f"{raw_model.get_num_params(non_embedding=False) / 1e6:.2f}M parameters "
              f"({mconf.arch}, {c['method']}, {len(gaussws.method_layers(raw_model))} converted Linears"
              + (f" from step {c['pqt_start']:.0f}" if c["pqt_start"] else "") + "), "
-             f"{tokens_per_iter:,} tokens per step, {proc.world_size} process(es) on {proc.dev}")
+             f"{tokens_per_iter:,} tokens per step, {proc.world_size} process(es) on {proc.dev}, each taking "
+             f"{proc.local_accum} micro-step(s) of {proc.rows.stop - proc.rows.start} sequences a step")
     if "unigram_entropy_nats" in meta:
         proc.say(f"unigram entropy of the corpus: {meta['unigram_entropy_nats']:.4f} nats/token "
                  f"(the loss of a model that ignores context)")
