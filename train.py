@@ -230,6 +230,7 @@ def show_dry_run(c, model_args, notes):
     size (built on the meta device: no memory), the notes, and whether the dataset is prepared."""
     data_dir = loader.data_dir(c["dataset"])
     prepared = os.path.exists(os.path.join(data_dir, "meta.json"))
+    guessed = not model_args.get("vocab_size") and not prepared
     if not model_args.get("vocab_size"):  # the dataset's where it is prepared, else GPT-2's or Llama 2's
         model_args["vocab_size"] = (loader.read_meta(data_dir)["vocab_size"] if prepared else
                                     50304 if model_args.get("arch", "gpt2") == "gpt2" else 32000)
@@ -241,9 +242,12 @@ def show_dry_run(c, model_args, notes):
     print(f"parameters: {m.get_num_params(non_embedding=False):,} ({m.get_num_params(non_embedding=False) / 1e6:.1f}M)"
           f" + {m.get_num_bitwidth_params():,} b_i")
     print(f"tokens per optimizer step: {c['gradient_accumulation_steps'] * c['batch_size'] * m.config.block_size:,}")
-    for line in notes + ([] if prepared else [f"dataset {c['dataset']!r} is not prepared yet ({data_dir} has no "
-                                                f"meta.json): {loader.prepare_hint(data_dir)}"]):
-        print(line + ("; a run prepares it itself" if c["dataset"] == "default" and line.startswith("dataset") else ""))
+    for line in notes:
+        print(line)
+    if not prepared:
+        print(f"dataset {c['dataset']!r} is not prepared yet ({data_dir} has no meta.json): {loader.prepare_hint(data_dir)}"
+              + ("; a run prepares it itself" if c["dataset"] == "default" else "")
+              + (f"; vocab_size={built['vocab_size']} assumed until then" if guessed else ""))
 
 
 # --- the starting point: scratch, resume, a fork, or another run's (or a pretrained model's) weights --
