@@ -147,8 +147,8 @@ def schedule_notes(c):
     run, or a warmup as long as the run."""
     notes = []
     if c["decay_lr"] and c["lr_decay_iters"] < c["max_iters"]:
-        notes.append(f"note: the cosine ends at lr_decay_iters={c['lr_decay_iters']}, before max_iters="
-                     f"{c['max_iters']}: the last {c['max_iters'] - c['lr_decay_iters']} steps run at min_lr={c['min_lr']:g}")
+        notes.append(f"note: the cosine ends at lr_decay_iters={c['lr_decay_iters']}, before max_iters={c['max_iters']}: "
+                     f"the last {c['max_iters'] - c['lr_decay_iters']} steps run at min_lr={c['min_lr']:g}")
     if c["decay_lr"] and 0 < c["max_iters"] <= c["warmup_iters"]:
         notes.append(f"note: warmup_iters={c['warmup_iters']} is not below max_iters={c['max_iters']}: the whole run "
                      f"warms up, to lr {get_lr(c['max_iters'] - 1, c):.2e} of learning_rate={c['learning_rate']:g}")
