@@ -9,10 +9,17 @@ differs from its family's recipe. A base may name a base of its own. An override
 existing key (a typo lists close matches) and keep the default's type (an int default takes
 "3", a float default "3e-4" or "3", a bool "True"/"False", a string anything); a config file's
 values, its bases' included, are checked the same way.
+
+`--help` (or `-h`) prints every key with its value and the one-line comment the script's defaults
+block gives it (read from the script's source: `key = value  # comment`, or `key=value,  # comment`
+inside a `dict(...)`), then exits 0.
 """
 import ast
 import difflib
+import io
 import os
+import sys
+import tokenize
 
 from util import UserError
 
@@ -66,13 +73,19 @@ def file_settings(path, named_by=()):
     return file_settings(os.path.join(os.path.dirname(path), base), (*named_by, path)) + [(path, own)]
 
 
-def configure(config, argv):
+def configure(config, argv, script=None):
     """Apply config files and --key=value overrides in `argv` to the dict `config`, in order.
 
     Returns the set of keys that were set, so a caller can tell a user's choice from a default.
+    `--help` or `-h` prints the keys (help_text: their comments from `script`, by default the
+    source file of the module that calls configure) and exits 0, as argparse does.
     """
-    explicit = set()
+    explicit, defaults = set(), dict(config)
     for arg in argv:
+        if arg in ("-h", "--help"):
+            caller = sys._getframe(1).f_globals  # the script whose defaults these are
+            print(help_text(config, defaults, script or caller.get("__file__"), caller.get("__doc__")))
+            raise SystemExit(0)
         if not arg.startswith("--"):
             for path, settings in file_settings(arg):
                 for key, value in settings.items():
@@ -92,6 +105,51 @@ def configure(config, argv):
             config[key] = _coerce(key, value, config[key])
             explicit.add(key)
     return explicit
+
+
+def key_comments(path):
+    """{key: its comment} in the source of a script's defaults: the comment after `key = value` at
+    the top level, or after `key=value,` in a call there (`DEFAULTS = dict(...)`); where that line has
+    none, the comment lines right above it, joined. {} where the source cannot be read."""
+    try:
+        with open(path) as f:
+            source = f.read()
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    lines = source.splitlines()
+    comments = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+
+    def comment(node):
+        if node.end_lineno in comments or node.lineno in comments:
+            return comments.get(node.end_lineno) or comments[node.lineno]
+        above = node.lineno - 1
+        while above in comments and lines[above - 1].lstrip().startswith("#"):
+            above -= 1
+        return " ".join(comments[i] for i in range(above + 1, node.lineno))
+    found = {}
+    for stmt in (s for s in tree.body if isinstance(s, ast.Assign)):
+        named = [(t.id, stmt) for t in stmt.targets if isinstance(t, ast.Name)]
+        named += [(k.arg, k.value) for call in ast.walk(stmt.value) if isinstance(call, ast.Call)
+                  for k in call.keywords if k.arg]
+        for key, node in named:
+            found.setdefault(key, comment(node))
+    return found
+
+
+def help_text(config, defaults, script, doc=None):
+    """What --help prints: how to call the script, its docstring's first line, and each key of
+    config as a config file assigns it, with its comment (key_comments) and, where earlier arguments
+    changed it, its default."""
+    name = os.path.basename(script) if script else "the script"
+    comments = key_comments(script) if script else {}
+    rows = [(f"{k} = {v!r}", comments.get(k, "") + (f" (default {defaults[k]!r})" if v != defaults[k] else ""))
+            for k, v in config.items()]
+    width = min(max(len(a) for a, _ in rows), 40) if rows else 0
+    head = [f"usage: python {name} [config.py ...] [--key=value ...]"] + ([doc.strip().splitlines()[0]] if doc else [])
+    return "\n".join(head + ["", "keys (a config file reassigns them in Python; --key=value overrides, left to right):"]
+                     + [f"  {a:<{width}}  # {c}" if c else f"  {a}" for a, c in rows])
 
 
 # --- checks of a resolved config: one line naming the key, the value and what is accepted -----------

@@ -1,9 +1,11 @@
 """One optimizer step of training, as train.py takes it and bench.py times it: the micro-steps
 (gradient accumulation) inside a gaussws.TrainStep, the gradient norm and its clipping, the check
-that the loss and the norm are finite, and the update; and what train.py checks of the model at
-every evaluation, before it may save it (check_sane): its weights finite (all_finite), the
-sane-model rule (insanity).
+that the loss and the norm are finite, and the update; which part of a step's global batch each of
+several processes takes (share_out); the step's learning rate (get_lr, and what a schedule may
+hide: schedule_notes); and what train.py checks of the model at every evaluation, before it may
+save it (check_sane): its weights finite (all_finite), the sane-model rule (insanity).
 
+    first, accum, rows = share_out(gradient_accumulation_steps, batch_size, world_size, rank)
     loss, grad_norm, batch = train_step(model, optimizers, step, batch, micro_batch, accum, ...)
 """
 import math
@@ -13,6 +15,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 import gaussws
+from configurator import ConfigError
 from util import UserError
 
 
@@ -103,6 +106,53 @@ def train_step(model, optimizers, step, batch, micro_batch, accum, *, forward=No
         o.step()
         o.zero_grad(set_to_none=True)
     return step_loss, norm, (x, y)
+
+
+def share_out(accum, batch_size, world_size, rank):
+    """(first, count, rows): process `rank` of world_size takes micro-steps first .. first + count - 1
+    of each optimizer step, and of each such micro-batch the rows `rows` (a slice of batch_size), so
+    that the processes together take every sequence of the global batch once: the micro-steps are
+    shared out over g = gcd(accum, world_size) groups of processes, and the world_size / g processes
+    of a group split each micro-batch's rows. That works exactly where world_size divides
+    accum * batch_size (then world_size / g, coprime with accum / g, divides batch_size); elsewhere a
+    one-line ConfigError names the flags that work."""
+    groups = math.gcd(accum, world_size)
+    split = world_size // groups
+    if batch_size % split:
+        raise ConfigError(
+            f"gradient_accumulation_steps={accum} x batch_size={batch_size} sequences do not share out over "
+            f"{world_size} processes (they split the micro-steps, then each micro-batch's sequences: the number of "
+            f"processes must divide {accum} x {batch_size}); use --gradient_accumulation_steps="
+            f"{-(-accum // world_size) * world_size} or --batch_size={-(-batch_size // split) * split} (more tokens "
+            f"per step), or --nproc_per_node={max(n for n in range(1, world_size) if accum * batch_size % n == 0)}")
+    count, rows = accum // groups, batch_size // split
+    return rank // split * count, count, slice(rank % split * rows, (rank % split + 1) * rows)
+
+
+def get_lr(it, c):
+    """The learning rate of step `it` under config `c`: linear warmup to learning_rate, cosine decay to
+    min_lr at lr_decay_iters (learning_rate throughout without decay_lr)."""
+    if not c["decay_lr"]:
+        return c["learning_rate"]
+    if it < c["warmup_iters"]:
+        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    if it > c["lr_decay_iters"]:
+        return c["min_lr"]
+    ratio = (it - c["warmup_iters"]) / max(1, c["lr_decay_iters"] - c["warmup_iters"])
+    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
+
+
+def schedule_notes(c):
+    """What the user may not expect of the learning-rate schedule: a cosine that ends before the
+    run, or a warmup as long as the run."""
+    notes = []
+    if c["decay_lr"] and c["lr_decay_iters"] < c["max_iters"]:
+        notes.append(f"note: the cosine ends at lr_decay_iters={c['lr_decay_iters']}, before max_iters={c['max_iters']}: "
+                     f"the last {c['max_iters'] - c['lr_decay_iters']} steps run at min_lr={c['min_lr']:g}")
+    if c["decay_lr"] and 0 < c["max_iters"] <= c["warmup_iters"]:
+        notes.append(f"note: warmup_iters={c['warmup_iters']} is not below max_iters={c['max_iters']}: the whole run "
+                     f"warms up, to lr {get_lr(c['max_iters'] - 1, c):.2e} of learning_rate={c['learning_rate']:g}")
+    return notes
 
 
 def all_finite(model, distributed):

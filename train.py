@@ -18,11 +18,14 @@ the model are step.py's, the run directory's rules (resume, fork, records) check
 Every run is reproducible from its seed: the initial weights do not depend on the method (the model
 is built plain, then gaussws.convert swaps Linears without drawing random numbers), the batches of
 step i are a function of (seed, i) and the noise of step i a function of (seed, layer, i), so a
-resumed run repeats an uninterrupted one exactly, and the global batch (and so the loss) does not
-depend on the number of processes.
+resumed run repeats an uninterrupted one exactly. The global batch, gradient_accumulation_steps
+micro-batches of batch_size sequences, is the same on any number of processes (share_out), and so
+is the loss.
+
+`python train.py --help` lists every key below with its default and comment. What the run prints,
+and what it records in metrics.jsonl, is progress.py's.
 """
 import json
-import math
 import os
 import sys
 import time
@@ -36,10 +39,11 @@ import checkpoint as ckpt_io
 import configurator
 import gaussws
 import hf
+import progress
 from configurator import ConfigError, configure
 from data import loader
 from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
-from step import Diverging, NonFinite, check_sane, train_step
+from step import Diverging, NonFinite, check_sane, get_lr, schedule_notes, share_out, train_step
 from util import cli, keep_freed_cpu_memory
 
 # -----------------------------------------------------------------------------------------------
@@ -62,8 +66,8 @@ wandb_run_name = "run"  # wandb run name
 wandb_mode = "online"  # "online", "offline" (sync later with `wandb sync`) or "disabled"
 # data
 dataset = "default"  # a folder under data/ (or a path to one) holding train.bin, val.bin, meta.json
-gradient_accumulation_steps = 1  # micro-steps per optimizer step, summed over all processes
-batch_size = 32  # sequences per micro-step per process
+gradient_accumulation_steps = 1  # micro-steps per optimizer step, shared out over torchrun's processes
+batch_size = 32  # sequences per micro-step (split over processes where the micro-steps cannot be)
 block_size = 128  # tokens per sequence (the model's context); a preset's when 0
 # model
 model = ""  # a preset of model.PRESETS ("gpt2-124m", "llama2-134m", ...); fields set below win
@@ -99,7 +103,7 @@ grad_clip = 1.0  # clip the global gradient norm at this value; 0 disables
 # learning rate schedule: linear warmup, cosine decay to min_lr
 decay_lr = True  # False: constant learning_rate
 warmup_iters = 50  # linear warmup steps
-lr_decay_iters = 400  # cosine ends here (usually max_iters)
+lr_decay_iters = 0  # the step where the cosine ends; 0: max_iters
 min_lr = 2e-4  # final learning rate (learning_rate / 10 as Chinchilla)
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
@@ -162,6 +166,32 @@ def validate(c, explicit):
         ckpt_io.check_out_dir(c["out_dir"])
 
 
+def read_config(argv):
+    """(config, the keys set, model_args, notes to say at the start) of the command line, checked
+    before anything is built or written (validate, share_out), lr_decay_iters resolved. Under
+    torchrun only rank 0 says what is wrong; the others leave quietly (status 0), since torchrun
+    stops every process once one fails, maybe before rank 0 has said why."""
+    c = dict(DEFAULTS)
+    try:
+        explicit = configure(c, argv)
+        validate(c, explicit)
+        share_out(c["gradient_accumulation_steps"], c["batch_size"], int(os.environ.get("WORLD_SIZE", 1)), 0)
+        model_args = shape_args(c, explicit)
+        roles = ROLES.get(model_args.get("arch", "gpt2"), {})
+        try:  # a bad method or shape fails now, before data or checkpoints are touched
+            kind, _ = gaussws.parse_method(c["method"], roles.values())
+            c.update(gaussws.phase_settings(kind, c, explicit))  # pqt_start as a step; b_t's level for target_format
+            ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
+        except (ValueError, TypeError) as e:
+            fail(str(e))
+    except ConfigError:
+        if int(os.environ.get("RANK", 0)):
+            raise SystemExit(0) from None
+        raise
+    c["lr_decay_iters"] = c["lr_decay_iters"] or c["max_iters"]
+    return c, explicit, model_args, schedule_notes(c)
+
+
 def method_args(c):
     """gaussws.convert's settings of the method from the config (resolved by gaussws.phase_settings)."""
     return dict(b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"], start=int(c["pqt_start"]),
@@ -172,8 +202,9 @@ def method_args(c):
 
 def setup_distributed(c):
     """This process among those torchrun started (RANK set), or alone: a namespace of ddp, fsdp, rank,
-    world_size, local_rank, master (rank 0), dev, device_type, local_accum (this process's
-    micro-steps per optimizer step) and say (print on rank 0)."""
+    world_size, local_rank, master (rank 0), dev, device_type, first_micro, local_accum and rows
+    (this process's micro-steps of each optimizer step and rows of each micro-batch: share_out) and
+    say (print on rank 0)."""
     ddp = int(os.environ.get("RANK", -1)) != -1
     if ddp:
         torch.distributed.init_process_group(backend="nccl" if c["device"].startswith("cuda") else "gloo")
@@ -182,31 +213,41 @@ def setup_distributed(c):
         dev = f"cuda:{local_rank}" if c["device"].startswith("cuda") else c["device"]
         if dev.startswith("cuda"):
             torch.cuda.set_device(dev)
-        if c["gradient_accumulation_steps"] % world_size:
-            fail(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be a multiple of the "
-                 f"{world_size} processes: it counts micro-steps of all processes together")
     else:
         rank, world_size, local_rank, dev = 0, 1, 0, c["device"]
     device_type = "cuda" if dev.startswith("cuda") else "cpu"
     if device_type == "cpu":
         keep_freed_cpu_memory()
+    first_micro, local_accum, rows = share_out(c["gradient_accumulation_steps"], c["batch_size"], world_size, rank)
     return SimpleNamespace(ddp=ddp, fsdp=ddp and c["parallel"] == "fsdp", rank=rank, world_size=world_size,
                            local_rank=local_rank, master=rank == 0, dev=dev, device_type=device_type,
-                           local_accum=c["gradient_accumulation_steps"] // world_size,
+                           first_micro=first_micro, local_accum=local_accum, rows=rows,
                            say=print if rank == 0 else lambda *args, **kwargs: None)  # print on rank 0
 
 
-def show_dry_run(c, model_args):
-    """Print the resolved config and the model's size, built on the meta device (no memory)."""
-    if not model_args.get("vocab_size"):
-        model_args["vocab_size"] = 50304 if model_args.get("arch", "gpt2") == "gpt2" else 32000
+def show_dry_run(c, model_args, notes):
+    """Print the resolved config, the model's keys as built (a preset's, not the defaults'), its
+    size (built on the meta device: no memory), the notes, and whether the dataset is prepared."""
+    data_dir = loader.data_dir(c["dataset"])
+    prepared = os.path.exists(os.path.join(data_dir, "meta.json"))
+    guessed = not model_args.get("vocab_size") and not prepared
+    if not model_args.get("vocab_size"):  # the dataset's where it is prepared, else GPT-2's or Llama 2's
+        model_args["vocab_size"] = (loader.read_meta(data_dir)["vocab_size"] if prepared else
+                                    50304 if model_args.get("arch", "gpt2") == "gpt2" else 32000)
     with torch.device("meta"):
         m = gaussws.convert(GPT(ModelConfig(**model_args)), c["method"], ROLES[model_args.get("arch", "gpt2")],
                             **method_args(c))
-    print(json.dumps({**c, "model_args": asdict(m.config)}, indent=1))
+    built = asdict(m.config)
+    print(json.dumps({**c, **{k: v for k, v in built.items() if k in c}, "model_args": built}, indent=1))
     print(f"parameters: {m.get_num_params(non_embedding=False):,} ({m.get_num_params(non_embedding=False) / 1e6:.1f}M)"
           f" + {m.get_num_bitwidth_params():,} b_i")
     print(f"tokens per optimizer step: {c['gradient_accumulation_steps'] * c['batch_size'] * m.config.block_size:,}")
+    for line in notes:
+        print(line)
+    if not prepared:
+        print(f"dataset {c['dataset']!r} is not prepared yet ({data_dir} has no meta.json): {loader.prepare_hint(data_dir)}"
+              + ("; a run prepares it itself" if c["dataset"] == "default" else "")
+              + (f"; vocab_size={built['vocab_size']} assumed until then" if guessed else ""))
 
 
 # --- the starting point: scratch, resume, a fork, or another run's (or a pretrained model's) weights --
@@ -320,42 +361,6 @@ def for_training(c, proc, model):
 
 # --- the loop's: learning rate, logging, evaluation, checkpoints, stopping --------------------------
 
-def get_lr(it, c):
-    """The learning rate of step `it` under config `c`: linear warmup to learning_rate, cosine decay to
-    min_lr at lr_decay_iters (learning_rate throughout without decay_lr)."""
-    if not c["decay_lr"]:
-        return c["learning_rate"]
-    if it < c["warmup_iters"]:
-        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
-    if it > c["lr_decay_iters"]:
-        return c["min_lr"]
-    ratio = (it - c["warmup_iters"]) / max(1, c["lr_decay_iters"] - c["warmup_iters"])
-    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
-
-
-class Metrics:
-    """Where the run's records go: its directory's metrics.jsonl (run: checkpoint.Run, which rank 0
-    started) and, with wandb_log, Weights & Biases (imported only then)."""
-
-    def __init__(self, c, proc, run, run_info):
-        self.run, self.wandb = run, None
-        if c["wandb_log"] and proc.master:
-            import wandb
-            wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], mode=c["wandb_mode"], dir=c["out_dir"],
-                       config=run_info)
-            self.wandb = wandb
-
-    def log(self, record):
-        self.run.log(record)
-        if self.wandb and self.run.metrics:
-            self.wandb.log(record, step=record["iter"])
-
-    def close(self):
-        if self.wandb:
-            self.wandb.finish()
-        self.run.close()
-
-
 def evaluate(c, proc, model, splits, iter_num, metrics, **eval_args):
     """{split: loss} of the model at step iter_num on the fixed evaluation batches, noise off
     (data/loader.estimate_loss); printed and logged, and the b_t histograms sent to wandb."""
@@ -378,23 +383,11 @@ def main(argv):
 
 
 def _main(argv, resources):
-    # config
-    c = dict(DEFAULTS)
-    explicit = configure(c, argv)
-    validate(c, explicit)
-    model_args = shape_args(c, explicit)
-    roles = ROLES.get(model_args.get("arch", "gpt2"), {})
-    try:  # a bad method or shape fails now, before data or checkpoints are touched
-        kind, _ = gaussws.parse_method(c["method"], roles.values())
-        c.update(gaussws.phase_settings(kind, c, explicit))  # pqt_start as a step; b_t's level for target_format
-        ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
-    except (ValueError, TypeError) as e:
-        fail(str(e))
-
-    # distributed set-up
+    # config, and the distributed set-up
+    c, explicit, model_args, notes = read_config(argv)
     proc = setup_distributed(c)
     if c["dry_run"]:
-        return show_dry_run(c, model_args)
+        return show_dry_run(c, model_args, notes)
     # one run per out_dir: a second one is refused before it reads or writes anything there
     if proc.master:
         resources.enter_context(ckpt_io.lock(c["out_dir"]))  # until main ends; the kernel drops it if we die
@@ -417,24 +410,32 @@ def _main(argv, resources):
     batch_args = dict(batch_size=c["batch_size"], block_size=mconf.block_size, device=proc.dev)
     autocast = loader.autocast_for(c["dtype"], proc.dev)
     tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * mconf.block_size
+    report = progress.Progress(iter_num, c["max_iters"], tokens_per_iter, progress.flops_per_token(raw_model),
+                               progress.device_peak(proc.dev, c["dtype"], proc.world_size))
 
     # logging
     versions = {"torch": torch.__version__, "python": sys.version.split()[0]}
     run_info = {**c, "model_args": asdict(mconf), "world_size": proc.world_size, "versions": versions}
     if proc.master and not c["eval_only"]:  # an evaluation leaves the run's record as it is
         run.start(run_info, new=c["init_from"] != "resume", forked=forked)
-    metrics = Metrics(c, proc, run, run_info)
+    metrics = progress.Metrics(c, proc, run, run_info)
     proc.say(f"{raw_model.get_num_params(non_embedding=False) / 1e6:.2f}M parameters "
              f"({mconf.arch}, {c['method']}, {len(gaussws.method_layers(raw_model))} converted Linears"
              + (f" from step {c['pqt_start']:.0f}" if c["pqt_start"] else "") + "), "
-             f"{tokens_per_iter:,} tokens per step, {proc.world_size} process(es) on {proc.dev}")
+             f"{tokens_per_iter:,} tokens per step, {proc.world_size} process(es) on {proc.dev}, each taking "
+             f"{proc.local_accum} micro-step(s) of {proc.rows.stop - proc.rows.start} sequences a step")
     if "unigram_entropy_nats" in meta:
         proc.say(f"unigram entropy of the corpus: {meta['unigram_entropy_nats']:.4f} nats/token "
                  f"(the loss of a model that ignores context)")
+    for line in [progress.start_line(c["init_from"], c["seed"], saved_step, run.path, forked),
+                 progress.dtype_line(c["dtype"], "dtype" in explicit, proc.device_type), *notes]:
+        proc.say(line)
+    if c["compile"]:
+        proc.say("compiling the model (the first steps are slow)")
 
     # the loop
     micro_batch = lambda it, micro: loader.get_batch(  # noqa: E731
-        splits["train"], (c["seed"], "train", it, proc.rank * proc.local_accum + micro), **batch_args)
+        splits["train"], (c["seed"], "train", it, proc.first_micro + micro), rows=proc.rows, **batch_args)
     batch = micro_batch(iter_num, 0)
     t0, timed_steps = time.time(), 0
     while True:
@@ -444,6 +445,7 @@ def _main(argv, resources):
         evaluate_now = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
         if c["eval_only"] or evaluate_now and iter_num != run.saved_step:  # the resumed step was evaluated and saved before
             losses = evaluate(c, proc, raw_model, splits, iter_num, metrics, autocast=autocast, **batch_args)
+            report.val[iter_num] = losses["val"]
             if c["eval_only"]:
                 break
             try:  # at every evaluation, before any save: a model that is not sane is never kept
@@ -469,18 +471,16 @@ def _main(argv, resources):
                                                                    f"({run}). Try a lower --learning_rate or --grad_clip"))
         iter_num += 1
         timed_steps += 1
+        report.stepped(iter_num)
         if iter_num % c["log_interval"] == 0 or iter_num == c["max_iters"]:
             dt = (time.time() - t0) / timed_steps
             t0, timed_steps = time.time(), 0
-            record = {"iter": iter_num, "loss": step_loss, "lr": lr, "ms_per_iter": 1000 * dt,
-                      "tokens_per_s": tokens_per_iter / dt}
-            stats = gaussws.bitwidth_stats(raw_model)
-            if stats:
-                record.update({f"b_t/{k}": v for k, v in stats.items()})
+            record = report.record(iter_num, step_loss, lr, dt, gaussws.bitwidth_stats(raw_model))
             metrics.log(record)
-            bits = f", b_t {stats['mean']:.2f} [{stats['min']:.2f}, {stats['max']:.2f}]" if stats else ""
-            proc.say(f"iter {iter_num}: loss {step_loss:.4f}, lr {lr:.2e}, {1000 * dt:.0f} ms/iter, "
-                     f"{tokens_per_iter / dt:,.0f} tokens/s{bits}", flush=True)
+            proc.say(report.line(record), flush=True)
+    if not c["eval_only"]:
+        for line in report.summary(iter_num, best_val_loss, proc.dev):
+            proc.say(line)
     if proc.ddp:
         # DDP's reducer and fully_shard keep the gloo process group referenced from C++, so
         # destroy_process_group cannot free it. Freed in the interpreter's teardown, it joins gloo's

@@ -92,11 +92,12 @@ def batch_generator(*key):
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def get_batch(data, key, *, batch_size, block_size, device):
+def get_batch(data, key, *, batch_size, block_size, device, rows=slice(None)):
     """batch_size random windows of block_size (+1) tokens of `data`, drawn by batch_generator(*key):
-    training micro-steps use key (seed, "train", step, micro-step), evaluation (seed, split, "eval", k)."""
+    training micro-steps use key (seed, "train", step, micro-step), evaluation (seed, split, "eval", k).
+    rows: the windows kept, a slice of the batch_size drawn (a process's share of a split batch)."""
     T = block_size
-    ix = torch.randint(len(data) - T - 1, (batch_size,), generator=batch_generator(*key)).tolist()
+    ix = torch.randint(len(data) - T - 1, (batch_size,), generator=batch_generator(*key)).tolist()[rows]
     x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
     if torch.device(device).type == "cuda":  # pinned and non-blocking: the copy overlaps the compute

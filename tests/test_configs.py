@@ -170,9 +170,12 @@ MODEL_KEYS = {f.name for f in fields(ModelConfig)} | {"model"}
 
 def record(path):
     """A config's resolved settings, and the model keys it sets (they decide which of a preset's and
-    an init_from checkpoint's shape wins, train.config_model_args)."""
-    c = dict(train.DEFAULTS)
-    explicit = configure(c, [path])
+    an init_from checkpoint's shape wins, train.config_model_args). Resolved as train.py resolves
+    them (read_config, of its dry run, which writes nothing), not only as the file sets them:
+    lr_decay_iters' default is now 0, the run's max_iters, where e87f73e's was 400, so a file that
+    leaves it unset (config/cpu/*.py, 400 steps) must still resolve to the 400 it had."""
+    c, explicit, _, _ = train.read_config([path, "--dry_run=True"])
+    c["dry_run"], explicit = False, explicit - {"dry_run"}  # the dry run's own flag, not the file's
     assert not explicit & set(MACHINE_DEFAULTS), path
     return {"settings": {k: v for k, v in sorted(c.items()) if k not in MACHINE_DEFAULTS},
             "model_keys_set": sorted(explicit & MODEL_KEYS), "explicit": explicit}

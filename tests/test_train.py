@@ -225,6 +225,95 @@ def test_two_processes_match_one_with_the_same_global_batch(tiny_corpus, tmp_pat
         torch.testing.assert_close(y, x, rtol=1e-3, atol=5e-3 * x.abs().max().item())
 
 
+def test_two_processes_split_each_micro_batch_where_there_is_one_micro_step(tiny_corpus, tmp_path):
+    """gradient_accumulation_steps=1 on 2 processes: each takes half the sequences of the one
+    micro-batch, and the losses are the 1-process run's (a wrong half on either rank would not be)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = dict(max_iters=4, eval_interval=4, gradient_accumulation_steps=1, dtype="float32")
+    r1 = run_cli(tiny(tiny_corpus, one, **args))
+    assert r1.returncode == 0, r1.stderr
+    r2 = torchrun(tiny(tiny_corpus, two, **args))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "2 process(es) on cpu, each taking 1 micro-step(s) of 4 sequences a step" in r2.stdout
+    a, b = losses(one), losses(two)
+    assert a.keys() == b.keys() and len(a) == 4
+    np.testing.assert_allclose([b[k] for k in a], [a[k] for k in a], rtol=1e-5)
+
+
+def test_a_batch_that_does_not_share_out_is_one_line_printed_once(tiny_corpus, tmp_path):
+    r = torchrun(tiny(tiny_corpus, tmp_path / "o", gradient_accumulation_steps=1, batch_size=3))
+    assert r.returncode != 0
+    ours = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1, r.stderr[-3000:]
+    assert "--gradient_accumulation_steps=2 or --batch_size=4" in ours[0] and "--nproc_per_node=1" in ours[0]
+    assert "ConfigError" not in r.stderr and not (tmp_path / "o").exists()  # no traceback of ours, nothing written
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6, 8])
+def test_share_out_takes_every_sequence_of_the_global_batch_once(world_size):
+    """For every (accum, batch_size) up to 12 x 12: where some split of the processes into groups of
+    micro-steps times groups of rows exists (found by brute force), share_out's ranks together take
+    every (micro-step, row) exactly once; where none exists, it refuses."""
+    from step import share_out
+    for accum in range(1, 13):
+        for batch_size in range(1, 13):
+            possible = any(accum % a == 0 and batch_size % (world_size // a) == 0
+                           for a in range(1, world_size + 1) if world_size % a == 0)
+            if not possible:
+                with pytest.raises(ConfigError, match=f"do not share out over {world_size} processes"):
+                    share_out(accum, batch_size, world_size, 0)
+                continue
+            taken = []
+            for rank in range(world_size):
+                first, count, rows = share_out(accum, batch_size, world_size, rank)
+                taken += [(m, row) for m in range(first, first + count) for row in range(batch_size)[rows]]
+            assert sorted(taken) == [(m, row) for m in range(accum) for row in range(batch_size)], (accum, batch_size)
+
+
+def test_a_process_share_of_a_batch_is_its_rows_of_the_whole_batch(tiny_corpus):
+    import torch
+    data = loader.open_split(tiny_corpus, "train", {"dtype": "uint16"}, 32)
+    whole = loader.get_batch(data, (1, "train", 3, 0), batch_size=8, block_size=32, device="cpu")
+    half = loader.get_batch(data, (1, "train", 3, 0), batch_size=8, block_size=32, device="cpu", rows=slice(4, 8))
+    assert all(torch.equal(h, w[4:8]) for h, w in zip(half, whole))
+
+
+def hand_lr(it, c):
+    """The schedule as train.py's docstring of get_lr states it: linear warmup, cosine to min_lr."""
+    import math
+    if it < c["warmup_iters"]:
+        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    if it > c["lr_decay_iters"]:
+        return c["min_lr"]
+    ratio = (it - c["warmup_iters"]) / (c["lr_decay_iters"] - c["warmup_iters"])
+    return c["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
+
+
+def test_the_cosine_follows_max_iters_unless_lr_decay_iters_is_set(tiny_corpus, tmp_path, capsys):
+    args = {k: v for k, v in TINY_RUN.items() if k != "lr_decay_iters"}
+    args.update(max_iters=12, eval_interval=12, warmup_iters=2)
+    train.main([f"--dataset={tiny_corpus}", f"--out_dir={tmp_path / 'a'}"] + [f"--{k}={v}" for k, v in args.items()])
+    assert "note:" not in capsys.readouterr().out
+    with open(tmp_path / "a" / "metrics.jsonl") as f:
+        lrs = {r["iter"]: r["lr"] for r in map(json.loads, f) if "lr" in r}
+    c = dict(train.DEFAULTS, **args, lr_decay_iters=12)
+    assert lrs == pytest.approx({k: hand_lr(k - 1, c) for k in range(1, 13)}, rel=1e-12)  # step k logs lr of k - 1
+    assert lrs[12] < 0.1 * c["learning_rate"]  # the cosine ends with the run, not at step 400
+    assert json.load(open(tmp_path / "a" / "config.json"))["lr_decay_iters"] == 12
+    # an explicit lr_decay_iters before max_iters is said once, and the run goes on
+    train.main([f"--dataset={tiny_corpus}", f"--out_dir={tmp_path / 'b'}", "--lr_decay_iters=8"]
+               + [f"--{k}={v}" for k, v in args.items()])
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: the cosine ends at lr_decay_iters=8, before max_iters=12: the last 4 steps run at "
+                     f"min_lr={c['min_lr']:g}"]
+    assert max(losses(tmp_path / "b")) == 12
+
+
+def test_a_warmup_as_long_as_the_run_is_said(tiny_corpus, tmp_path, capsys):
+    train.main(tiny(tiny_corpus, tmp_path, max_iters=4, eval_interval=4, warmup_iters=10, dry_run=True))
+    assert "note: warmup_iters=10 is not below max_iters=4: the whole run warms up" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])
 def test_adam_mini_trains_with_gaussws(tiny_corpus, tmp_path, arch):
     train.main(tiny(tiny_corpus, tmp_path, arch=arch, bias=arch == "gpt2", optimizer="adam_mini", max_iters=20,
@@ -339,6 +428,22 @@ def test_dry_run_prints_config_and_exits(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "tokens per optimizer step" in r.stdout and "124" in r.stdout
     assert not os.listdir(tmp_path)
+    shown = json.loads(r.stdout[:r.stdout.index("\n}\n") + 2])
+    # GPT-2 small (Radford et al. 2019): 12 layers, 12 heads, 768 wide, 1024 tokens; not the defaults' 4 x 128
+    assert (shown["n_layer"], shown["n_head"], shown["n_embd"], shown["block_size"]) == (12, 12, 768, 1024)
+
+
+def test_dry_run_says_when_the_dataset_is_not_prepared(tiny_corpus, tmp_path):
+    unprepared = tmp_path / "corpus"
+    unprepared.mkdir()
+    (unprepared / "prepare.py").write_text("")
+    r = run_cli(["--dry_run=True", f"--dataset={unprepared}"])
+    assert r.returncode == 0, r.stderr
+    assert (f"dataset '{unprepared}' is not prepared yet ({unprepared} has no meta.json): python "
+            f"{unprepared / 'prepare.py'}") in r.stdout
+    r = run_cli(["--dry_run=True", f"--dataset={tiny_corpus}"])
+    assert r.returncode == 0 and "not prepared" not in r.stdout
+    assert json.loads(r.stdout[:r.stdout.index("\n}\n") + 2])["vocab_size"] == 256  # its meta.json's
 
 
 def test_wandb_gets_config_metrics_and_bitwidth_histograms(tiny_corpus, tmp_path, monkeypatch):
