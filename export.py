@@ -21,6 +21,12 @@ Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoi
 
     model, info = export.load("out/model-auto.safetensors")  # the dequantized model, in eval mode
 
+The file: for each quantized weight W, W.format (a uint8 format id per block, ids in the
+metadata's "formats"), W.<format>.codes (that format's element codes, packed little-endian, blocks
+in row-major order) and W.<format>.scales (E8M0 bytes, or BF16 for integers); every other tensor
+under its own name; metadata with the architecture, the PQT settings, the format and its mix, the
+training config, the dataset's meta.json and the SHA-256s.
+
 load refuses in one line (ExportError) a file that is damaged (a checksum differs), malformed (a
 tensor of the wrong size for its blocks, a format id the file does not name, model_args the model
 does not know), of another tool or of an older export.py (no checksums: export the run again),
