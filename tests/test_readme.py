@@ -2,7 +2,7 @@
 
 Each code block of the README is run as a bash script, in the README's order, in one fresh copy
 of the repository; a line that cannot run on a CPU without network in a test's time is named in
-NOT_RUN with the reason, and every other line runs. `python` is a shim that runs this interpreter
+NOT_RUN with the reason, and every other line runs. `python` (and `torchrun`) is a shim that runs this interpreter
 and, for train.py, appends settings that make each run a few steps long; the out_dirs, checkpoints
 and exported files are those the README's sequence makes, so a refusal (a run that already holds
 an out_dir, an export that would overwrite another's file) fails the test as it stops a newcomer.
@@ -20,7 +20,7 @@ from conftest import ROOT
 REPO = pathlib.Path(ROOT)
 
 # What makes a train.py example short enough for a test; every other setting is the example's.
-SHORT = ["--max_iters=4", "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1"]
+SHORT = ["--max_iters=4", "--eval_interval=2", "--eval_iters=1"]
 
 # README lines not run here, each with why: a pattern that must match some line of the README.
 NOT_RUN = {
@@ -38,6 +38,10 @@ NOT_RUN = {
 SHIM = f"""#!/bin/sh
 if [ "$1" = train.py ]; then exec {sys.executable} "$@" {' '.join(SHORT)}; fi
 exec {sys.executable} "$@"
+"""
+# torchrun's arguments end with train.py's, so the short settings go last.
+TORCHRUN_SHIM = f"""#!/bin/sh
+exec {sys.executable} -m torch.distributed.run "$@" {' '.join(SHORT)}
 """
 
 
@@ -80,10 +84,11 @@ def test_readme_examples_run_in_order_in_a_fresh_clone(tmp_path):
     subprocess.run(git[:1] + ["init", "-q"], cwd=clone, check=True)
     subprocess.run(git[:1] + ["add", "-A"], cwd=clone, check=True)
     subprocess.run(git + ["commit", "-qm", "clone"], cwd=clone, check=True)
+    (tmp_path / "bin").mkdir()
+    for name, text in (("python", SHIM), ("torchrun", TORCHRUN_SHIM)):
+        (tmp_path / "bin" / name).write_text(text)
+        (tmp_path / "bin" / name).chmod(0o755)
     shim = tmp_path / "bin" / "python"
-    shim.parent.mkdir()
-    shim.write_text(SHIM)
-    shim.chmod(0o755)
     env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
     used, ran = set(), []
     for i, block in enumerate(blocks((clone / "README.md").read_text())):
