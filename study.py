@@ -704,10 +704,12 @@ def deploy_rows(study, runs):
     exported loss over the bf16 run's (same length and seed), and the
     exported loss minus PTQ's (the trunk exported at the same format, or at the same budget by each
     block's own error for the learned mix) and, for the mixes, minus uniform STE int3's and int4's (the
-    formats their budget lies between), paired by seed."""
+    formats their budget lies between), and for the learned mix minus the error-ranked mix's (the same
+    budget allocated by each block's own error, then finished by STE), paired by seed."""
     arms = study["arms"]
     index = {id(a): i for i, a in enumerate(arms)}
     ste = {(a["steps"], a["format"]): i for i, a in enumerate(arms) if a["kind"] == "STE phase"}
+    error_mix = {a["steps"]: i for i, a in enumerate(arms) if a["kind"].startswith("error mix")}
     rows = []
     for i, a in enumerate(arms):
         trunk = index[id(a["trunk"])] if a.get("trunk") else next(
@@ -730,8 +732,11 @@ def deploy_rows(study, runs):
                    "wall_min": stats([f["wall_s"] / 60 for _, f in done]),
                    "trained_steps": done[0][1]["trained_steps"] if done else None}
             mix = fmt.startswith(("auto-int", "error-int"))
+            learned = fmt.startswith("auto-int")
             for key, j, other in (("vs_ptq", trunk, ptq), ("vs_ste_int3", ste.get((a["steps"], "int3")), "int3"),
-                                  ("vs_ste_int4", ste.get((a["steps"], "int4")), "int4")):
+                                  ("vs_ste_int4", ste.get((a["steps"], "int4")), "int4"),
+                                  ("vs_error_mix", error_mix.get(a["steps"]) if learned else None,
+                                   f"error-int@{BUDGET:g}")):
                 if j is None or j == i or (key != "vs_ptq" and not mix):
                     continue
                 diffs = [f["export"][fmt]["val_loss"] - runs[j, s]["export"][other]["val_loss"] for s, f in done
@@ -752,13 +757,14 @@ def deploy_markdown(results):
              "Every phase arm trains exactly the bf16 run's steps and tokens: it is that run until its switch and "
              "forks from its checkpoint there, so its wall time is the phase's own.", ""]
     head = ["steps (tokens/param)", "arm", "exported at", "seeds", "val loss", "exported val loss", "increase",
-            "bits/w", "− PTQ (paired)", "− STE int3 (paired)", "− STE int4 (paired)", "own wall min (steps)"]
+            "bits/w", "− PTQ (paired)", "− STE int3 (paired)", "− STE int4 (paired)", "− error mix (paired)",
+            "own wall min (steps)"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results["rows"]:
         tpp = f"{r['steps']} ({r['tokens_per_param']:.1f})" if r["tokens_per_param"] else str(r["steps"])
         seeds = str(r["seeds"]) + (f" (+{len(r['diverged'])} diverged)" if r["diverged"] else "")
         paired = []
-        for key in ("vs_ptq", "vs_ste_int3", "vs_ste_int4"):
+        for key in ("vs_ptq", "vs_ste_int3", "vs_ste_int4", "vs_error_mix"):
             p = r.get(key)
             if not p or not p["n"]:
                 paired.append("-")

@@ -103,6 +103,12 @@ def test_the_table_holds_the_runs_own_figures_and_the_paired_differences(deploy)
             ptq = fmt if fmt in trunk_export else "error-int@3.5"
             assert math.isclose(row["vs_ptq"]["mean"], exported[fmt]["val_loss"] - trunk_export[ptq]["val_loss"])
             assert row["vs_ptq"]["n"] == 1 and row["vs_ptq"]["ci95"] is None  # one seed: no interval
+    # the learned allocation against the same budget ranked by each block's own error, both STE-finished
+    mixes = {a["kind"]: json.load(open(os.path.join(run_dir(root, a), "export.json")))[a["export"][0]]
+             for a in s["arms"] if " mix " in a["kind"]}
+    learned = rows["learned mix 3.5 bits", "auto-int@3.5"]["vs_error_mix"]
+    assert math.isclose(learned["mean"], mixes["learned mix 3.5 bits"]["val_loss"] - mixes["error mix 3.5 bits"]["val_loss"])
+    assert "vs_error_mix" not in rows["error mix 3.5 bits", "error-int@3.5"] and "vs_error_mix" not in rows["STE phase", "int3"]
     table = open(os.path.join(root, "deploy", "results.md")).read()
     assert f"{rows['STE phase', 'int3']['exported']['mean']:.4f}" in table
     for f in ("increase.png", "pareto.png"):
