@@ -241,8 +241,20 @@ class BlockFormats:
     trains on the formats chosen at the switch, never on a new choice)."""
 
     formats_from = None  # the first step on the chosen formats; None: the layer has no budget
+    _fake_quantize = _fake_quantize_blocks = None  # made by _eager_fake_quantizers
+
+    @classmethod
+    def _eager_fake_quantizers(cls):
+        """fake_quantize and fake_quantize_blocks as torch.compile leaves them, eager inside a compiled
+        model: fused, inductor keeps the BF16 scale in FP32 without rounding it (its
+        emulate_precision_casts is off), and the grid would not be export's. Made by the first layer
+        that fake-quantizes, not at import: importing torch._dynamo costs every process over a second."""
+        if BlockFormats._fake_quantize is None:
+            BlockFormats._fake_quantize = staticmethod(torch.compiler.disable(fake_quantize))
+            BlockFormats._fake_quantize_blocks = staticmethod(torch.compiler.disable(fake_quantize_blocks))
 
     def _init_formats(self, fmt, bits_per_weight, formats_from, device):
+        self._eager_fake_quantizers()
         self.fmt, self.bits_per_weight, self.formats_from = fmt, float(bits_per_weight), int(formats_from)
         shape = (-(-self.weight.shape[0] // BL), -(-self.weight.shape[1] // BL))
         self.register_buffer("format_ids", torch.full(shape, UNCHOSEN, dtype=torch.uint8, device=device))
@@ -260,7 +272,8 @@ class BlockFormats:
 
     def weight_on_formats(self):
         """w_q: the weight on its blocks' grids, with the straight-through gradient dL/dw = dL/dw_q."""
-        return _ToWeight.apply(self.weight, fake_quantize_blocks(self.weight, self.format_ids, self.formats_used()))
+        w_q = self._fake_quantize_blocks(self.weight, self.format_ids, self.formats_used())
+        return _ToWeight.apply(self.weight, w_q)
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -477,9 +490,6 @@ def _mx_elements(v, fmt):
     return v.clamp(-fmt.max, fmt.max).to(dtype).float()
 
 
-# Eager inside a compiled model too: fused, inductor keeps the BF16 scale in FP32 without rounding it
-# (its emulate_precision_casts is off), and the grid would not be export's.
-@torch.compiler.disable
 @torch.no_grad()
 def fake_quantize(w, name):
     """w (m, n) on the grid export.py stores for format `name` (FP32 values, no gradient): every 32x32
@@ -505,7 +515,6 @@ def fake_quantize(w, name):
     return q[:m, :n]
 
 
-@torch.compiler.disable
 @torch.no_grad()
 def fake_quantize_blocks(w, format_ids, used=None):
     """w (m, n) with each 32x32 block on the grid export.py stores for that block's own format:
@@ -536,6 +545,7 @@ class STELinear(BlockFormats, nn.Linear):
                  dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fmt, self.start = fmt, int(start)
+        self._eager_fake_quantizers()
         if fmt in BUDGET_TARGETS:
             check_budget(fmt, bits_per_weight, "ste")
             self._init_formats(fmt, bits_per_weight, start, device)
@@ -561,7 +571,7 @@ class STELinear(BlockFormats, nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self.formats_from is not None:
             return F.linear(x, self.weight_on_formats(), self.bias)
-        return F.linear(x, _ToWeight.apply(self.weight, fake_quantize(self.weight, self.fmt)), self.bias)
+        return F.linear(x, _ToWeight.apply(self.weight, self._fake_quantize(self.weight, self.fmt)), self.bias)
 
     def _begin(self, step):
         self.in_step, self.active = True, step >= self.start
