@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import study
+import util
 import train
 from conftest import ROOT
 
@@ -361,18 +362,25 @@ def test_a_hand_edited_record_is_one_line_and_changes_nothing(finished, tiny_con
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.parent != copy / "tiny"} == files
 
 
-def test_a_bad_root_is_one_line(tmp_path):
+def test_a_bad_root_is_one_line(tmp_path, monkeypatch, capsys):
+    """From the shell once (no traceback, exit 1), then each case through the same cli() in-process."""
     (tmp_path / "file").write_text("x")
+    r = subprocess.run([sys.executable, "study.py", "fig3a", f"--root={tmp_path / 'file'}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error: --root=") and "is a file" in line
+    monkeypatch.setattr(study.signal, "signal", lambda *a: None)  # keep pytest's own handlers
     for root, message in ((tmp_path / "file", "is a file"), (tmp_path / "file" / "below", "is a file"),
                           ("/proc/no_such_dir/study", "cannot make")):
         for dry in ([], ["--dry_run"]):
-            r = subprocess.run([sys.executable, "study.py", "fig3a", f"--root={root}", *dry], cwd=ROOT,
-                               capture_output=True, text=True, timeout=120)
+            status = util.cli(study.main, ["fig3a", f"--root={root}", *dry])
+            err = capsys.readouterr().err
             if dry and root == "/proc/no_such_dir/study":  # a dry run makes nothing, so cannot fail to
-                assert r.returncode == 0, r.stderr
+                assert status == 0, err
                 continue
-            assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-            (line,) = r.stderr.strip().splitlines()
+            assert status == 1, err
+            (line,) = err.strip().splitlines()
             assert line.startswith("error: --root=") and message in line
     assert (tmp_path / "file").read_text() == "x"
 
