@@ -305,26 +305,35 @@ def plot_paired(groups, pairs, names, title, path):
     plt.close(fig)
 
 
+DEPLOY_MARKERS = "osD^vP*Xh<>p"
+
+
 def plot_deploy(rows, out, longest):
     """The deployment study's two figures from study.deploy_rows: increase.png, the exported model's
-    loss increase (%) against tokens per parameter, one line per arm and format (log x); pareto.png, at
-    the longest length, exported val loss against bits per weight (mean over seeds, ± std as bars).
-    Returns the paths written."""
+    loss increase (%) against tokens per parameter, one line per arm and format (log x, symlog y); pareto.png, at
+    the longest length, exported val loss against bits per weight (mean over seeds, ± std as bars; log
+    y, so that int2's PTQ does not flatten the rest). An arm has one colour and one marker in both, a
+    format one line style. Returns the paths written."""
     plt = _pyplot()
     done = [r for r in rows if r["seeds"]]
+    arms = list(dict.fromkeys(r["arm"] for r in done))
+    formats = list(dict.fromkeys(r["format"] for r in done))
+    colour = {a: plt.get_cmap("tab20")(i % 20) for i, a in enumerate(arms)}
+    marker = {a: DEPLOY_MARKERS[i % len(DEPLOY_MARKERS)] for i, a in enumerate(arms)}
     lines = {}
     for r in done:
         lines.setdefault((r["arm"], r["format"]), []).append(r)
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
-    for k, ((arm, fmt), rs) in enumerate(sorted(lines.items())):
+    for (arm, fmt), rs in lines.items():
         rs = sorted(rs, key=lambda r: r["tokens_per_param"])
         ax.errorbar([r["tokens_per_param"] for r in rs], [r["increase_pct"]["mean"] for r in rs],
-                    yerr=[r["increase_pct"]["std"] or 0 for r in rs], marker="o", ms=4, capsize=2, lw=1.2,
-                    ls=LINESTYLES[k // 10 % len(LINESTYLES)], label=f"{arm} → {fmt}")
+                    yerr=[r["increase_pct"]["std"] or 0 for r in rs], marker=marker[arm], color=colour[arm], ms=4,
+                    capsize=2, lw=1.2, ls=LINESTYLES[formats.index(fmt) % len(LINESTYLES)], label=f"{arm} → {fmt}")
     ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1.0)  # linear within ±1 %, logarithmic past it: int2's +200 % beside +1 %
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("tokens per parameter")
-    ax.set_ylabel("exported val loss over the bf16 run's (%)")
+    ax.set_ylabel("exported val loss over the bf16 run's (%, symlog)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
     ax.set_title("deploy: the exported model's loss increase against training length", fontsize=10)
@@ -334,13 +343,17 @@ def plot_deploy(rows, out, longest):
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    labelled = set()
     for r in (r for r in done if r["steps"] == longest and r["bits_per_weight"]["n"]):
         ax.errorbar(r["bits_per_weight"]["mean"], r["exported"]["mean"], yerr=r["exported"]["std"] or 0,
-                    marker="o", ms=5, capsize=2, label=f"{r['arm']} → {r['format']}")
+                    marker=marker[r["arm"]], color=colour[r["arm"]], ms=6, capsize=2,
+                    label=None if r["arm"] in labelled else r["arm"])
+        labelled.add(r["arm"])
+    ax.set_yscale("log")
     ax.set_xlabel("bits per weight of the quantized Linears (scales included)")
-    ax.set_ylabel("exported val loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
+    ax.set_ylabel("exported val loss (log)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
     ax.set_title(f"deploy at {longest} steps: exported val loss against bits per weight", fontsize=10)
     fig.tight_layout()
     fig.savefig(paths[1])
