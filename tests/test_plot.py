@@ -258,3 +258,37 @@ def test_a_diverged_line_whose_late_values_are_nan_still_sets_the_axis():
     assert lo < 5.0 < hi
     lo, hi = plot.loss_ylim([([0, 10, 20, 30], [5.0, 3.0, float("nan"), float("inf")]), ([0, 100], [5.5, 2.0])])
     assert lo < 2.0 and 3.0 < hi < 5.0  # the first fifth of each line may be above the axis
+
+
+def deploy_row(arm, fmt, steps, tpp, increase, exported, bits):
+    one = lambda v: {"mean": v, "std": None, "n": 1}  # noqa: E731
+    return {"arm": arm, "format": fmt, "steps": steps, "seeds": 1, "tokens_per_param": tpp,
+            "increase_pct": one(increase), "exported": one(exported), "bits_per_weight": one(bits)}
+
+
+def test_deploy_figures_keep_an_arm_in_one_colour_and_every_point_in_view(tmp_path, drawn):
+    """An arm drawn at two formats has one colour and marker (in both figures), its formats differ in line
+    style; a +230 % next to a +0.1 % and a loss of 3.7 next to 1.16 are all inside the axes."""
+    rows = [deploy_row(arm, fmt, steps, steps / 200, inc, loss, bits)
+            for arm, fmt, bits, incs, losses in (("bf16 + PTQ", "int3", 3.02, (0.2, 43.0), (2.33, 1.62)),
+                                                 ("bf16 + PTQ", "int2", 2.02, (60.0, 230.0), (3.1, 3.73)),
+                                                 ("STE phase", "int3", 3.02, (0.03, 7.3), (2.32, 1.21)),
+                                                 ("learned mix 3.5 bits", "auto-int@3.5", 3.52, (0.06, 2.8), (2.32, 1.16)))
+            for steps, inc, loss in zip((200, 3200), incs, losses)]
+    plot.plot_deploy(rows, str(tmp_path), longest=3200)
+    (inc_ax,), (pareto_ax,) = drawn["increase.png"].axes, drawn["pareto.png"].axes
+    lines = {c.get_label(): c.lines[0] for c in inc_ax.containers}  # errorbar: (data line, caps, bars)
+    assert set(lines) == {f"{r['arm']} → {r['format']}" for r in rows}
+    ptq3, ptq2 = lines["bf16 + PTQ → int3"], lines["bf16 + PTQ → int2"]
+    assert ptq3.get_color() == ptq2.get_color() and ptq3.get_marker() == ptq2.get_marker()
+    assert ptq3.get_linestyle() != ptq2.get_linestyle()
+    assert len({line.get_color() for line in lines.values()}) == 3  # one per arm
+    y0, y1 = inc_ax.get_ylim()
+    assert all(y0 <= y <= y1 for line in lines.values() for y in line.get_ydata())
+    colour = {r["arm"]: lines[f"{r['arm']} → {r['format']}"].get_color() for r in rows}
+    points = [c.lines[0] for c in pareto_ax.containers]
+    drawn_points = sorted((float(p.get_xdata()[0]), float(p.get_ydata()[0]), p.get_color()) for p in points)
+    assert drawn_points == sorted((r["bits_per_weight"]["mean"], r["exported"]["mean"], colour[r["arm"]])
+                                  for r in rows if r["steps"] == 3200)
+    py0, py1 = pareto_ax.get_ylim()
+    assert all(py0 <= y <= py1 for _, y, _ in drawn_points)
