@@ -190,6 +190,8 @@ def check_device(config, key="device"):
     except (RuntimeError, ValueError):
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"{key}={config[key]!r}: expected cpu, cuda or cuda:N")
+        raise ConfigError(f"--{key}={config[key]!r}: expected cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{key}={config[key]!r}, but torch finds no CUDA GPU here; use --{key}=cpu")
+        raise ConfigError(f"--{key}={config[key]!r}, but torch finds no CUDA GPU here; use --{key}=cpu")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--{key}={config[key]!r}, but torch finds {torch.cuda.device_count()} CUDA GPUs here")

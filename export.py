@@ -54,7 +54,7 @@ import torch
 
 import checkpoint
 import gaussws
-from configurator import configure
+from configurator import check_device, configure
 from data import loader
 from data.common import DataError, unusable_dir
 from formats import (BY_NAME, FORMATS, block_weights, budget_format_ids, dequantize_blocks, from_blocks,
@@ -586,20 +586,6 @@ def parse_formats(spec):
     return list(dict.fromkeys(names))
 
 
-def check_device(name):
-    """--device names a device this machine has: cpu, or cuda / cuda:N with a GPU there."""
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ExportError(f"--device={name!r}: expected cpu, cuda or cuda:N")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ExportError(f"--device={name!r}, but torch finds no CUDA GPU here; use --device=cpu")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise ExportError(f"--device={name!r}, but torch finds {torch.cuda.device_count()} CUDA GPUs here")
-
-
 def check_args(cfg):
     """(formats, export_dir, {format: path}) of the command line, every value checked before any work."""
     formats = parse_formats(cfg["format"])
@@ -609,7 +595,7 @@ def check_args(cfg):
         raise ExportError(f"--other_dtype={cfg['other_dtype']!r}: expected 'bfloat16' or 'float32'")
     if cfg["eval_iters"] < 0:
         raise ExportError(f"--eval_iters={cfg['eval_iters']}: expected >= 1 batches, or 0 for the run's own")
-    check_device(cfg["device"])
+    check_device(cfg)
     budget = cfg["bits_per_weight"]
     if budget and not 2 <= budget <= 4:
         raise ExportError(f"--bits_per_weight={budget:g}: expected a mean of 2 to 4 element bits per weight (int2 to "
