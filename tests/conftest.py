@@ -70,3 +70,12 @@ def train_sentencepiece(path, docs, vocab_size=320):
                                    remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, minloglevel=2)
     path.write_bytes(f.getvalue())
     return spm.SentencePieceProcessor(model_file=str(path))
+
+
+@pytest.fixture
+def hub_offline(tmp_path, monkeypatch):
+    """The Hugging Face hub offline, with an empty cache: a hub name must fail, and say what works."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

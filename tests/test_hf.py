@@ -390,11 +390,7 @@ def error_line(r):
     return lines[0]
 
 
-def test_hub_names_offline_fail_in_one_line_that_says_how_to_use_local_files(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    import huggingface_hub.constants
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+def test_hub_names_offline_fail_in_one_line_that_says_how_to_use_local_files(hub_offline):
     with pytest.raises(hf.HFError) as e:
         hf.load_pretrained("gpt2")
     assert "openai-community/gpt2" in one_line(e.value) and "local directory" in str(e.value)

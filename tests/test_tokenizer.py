@@ -11,11 +11,7 @@ def one_line(e):
     return str(e)
 
 
-def test_a_hub_name_offline_fails_in_one_line_that_says_how_to_use_a_local_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    import huggingface_hub.constants
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+def test_a_hub_name_offline_fails_in_one_line_that_says_how_to_use_a_local_file(hub_offline):
     with pytest.raises(tokenizer.TokenizerError) as e:
         tokenizer.load("meta-llama/Llama-2-7b-hf")
     assert "--tokenizer=path/to/tokenizer.model" in one_line(e.value)
