@@ -84,12 +84,12 @@ def test_readme_examples_run_in_order_in_a_fresh_clone(tmp_path):
     subprocess.run(git[:1] + ["init", "-q"], cwd=clone, check=True)
     subprocess.run(git[:1] + ["add", "-A"], cwd=clone, check=True)
     subprocess.run(git + ["commit", "-qm", "clone"], cwd=clone, check=True)
-    (tmp_path / "bin").mkdir()
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
     for name, text in (("python", SHIM), ("torchrun", TORCHRUN_SHIM)):
-        (tmp_path / "bin" / name).write_text(text)
-        (tmp_path / "bin" / name).chmod(0o755)
-    shim = tmp_path / "bin" / "python"
-    env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
     used, ran = set(), []
     for i, block in enumerate(blocks((clone / "README.md").read_text())):
         lines = [r for r in (runnable(line, used) for line in block) if r]
