@@ -723,6 +723,7 @@ def deploy_rows(study, runs):
                    "tokens_per_param": done[0][1]["tokens"] / done[0][1]["params"] if done else None,
                    "val_loss": stats([f["val_loss"] for _, f in done]),
                    "exported": stats([f["export"][fmt]["val_loss"] for _, f in done]),
+                   "exported_by_seed": {str(s): f["export"][fmt]["val_loss"] for s, f in done},
                    "bits_per_weight": stats([f["export"][fmt]["bits_per_weight"] for _, f in done
                                              if isinstance(f["export"][fmt].get("bits_per_weight"), (int, float))]),
                    # over the bf16 run of the same length and seed: what the format costs the model one
@@ -746,6 +747,63 @@ def deploy_rows(study, runs):
     return rows
 
 
+def format_group(fmt):
+    """What a row is deployed as: its format, or for a per-block mix its budget (every mix at one budget
+    is the same deployment question, whoever allocated it)."""
+    return f"int2/int3/int4 per block at {fmt.partition('@')[2]} bits per weight" if "@" in fmt else fmt
+
+
+def deploy_findings(rows):
+    """Per length and deployment format, longest length first: the arm whose exported model has the
+    lowest mean val loss, and each other arm's exported loss minus the winner's, paired by seed, with
+    whether its 95 % interval holds 0 (inside the noise)."""
+    groups = {}
+    for r in rows:
+        if r["seeds"]:
+            groups.setdefault((r["steps"], format_group(r["format"])), []).append(r)
+    findings = []
+    for (steps, group), rs in sorted(groups.items(), key=lambda kv: -kv[0][0]):
+        rs = sorted(rs, key=lambda r: r["exported"]["mean"])
+        best, others = rs[0], []
+        for r in rs[1:]:
+            seeds = sorted(set(r["exported_by_seed"]) & set(best["exported_by_seed"]), key=int)
+            d = interval([r["exported_by_seed"][s] - best["exported_by_seed"][s] for s in seeds])
+            verdict = ("one seed" if d["n"] == 1 else "no common seed" if not d["n"]
+                       else "inside the noise" if abs(d["mean"]) <= d["ci95"] else "outside the noise")
+            others.append({"arm": r["arm"], "format": r["format"], "increase_pct": r["increase_pct"]["mean"],
+                           "minus_best": d, "verdict": verdict})
+        findings.append({"steps": steps, "tokens_per_param": best["tokens_per_param"], "group": group,
+                         "best": {"arm": best["arm"], "format": best["format"], "seeds": best["seeds"],
+                                  "exported": best["exported"]["mean"], "increase_pct": best["increase_pct"]["mean"]},
+                         "others": others})
+    return findings
+
+
+def at_budget(r):
+    """" (error-int@3.5)" for an arm that is not itself a mix but was exported as one (PTQ)."""
+    return f" ({r['format']})" if "@" in r["format"] and " mix " not in r["arm"] else ""
+
+
+def findings_markdown(findings):
+    lines = []
+    for f in findings:
+        b = f["best"]
+        at = at_budget(b)
+        line = (f"- **{f['steps']} steps ({f['tokens_per_param']:.1f} tokens/param), {f['group']}**: {b['arm']}{at} "
+                f"is lowest (exported val loss {b['exported']:.4f}, {b['increase_pct']:+.2f} % over bf16, "
+                f"{b['seeds']} seed{'s' if b['seeds'] > 1 else ''})")
+        behind = []
+        for o in f["others"]:
+            d, at = o["minus_best"], at_budget(o)
+            if not d["n"]:
+                behind.append(f"{o['arm']}{at} (no common seed)")
+                continue
+            ci = f" ± {d['ci95']:.4f}" if d["ci95"] is not None else ""
+            behind.append(f"{o['arm']}{at} {d['mean']:+.4f}{ci} (n={d['n']}, {o['verdict']})")
+        lines.append(line + ("; then " + ", ".join(behind) if behind else "") + ".")
+    return lines
+
+
 def deploy_markdown(results):
     lines = [f"# {results['study']}: {results['about']}", "",
              f"Command: `{results['command']}`. Machine: {results['machine']}; torch {', '.join(results['torch']) or '-'}; "
@@ -759,6 +817,10 @@ def deploy_markdown(results):
     head = ["steps (tokens/param)", "arm", "exported at", "seeds", "val loss", "exported val loss", "increase",
             "bits/w", "− PTQ (paired)", "− STE int3 (paired)", "− STE int4 (paired)", "− error mix (paired)",
             "own wall min (steps)"]
+    lines += ["## What it says", "",
+              "Per length and deployment format, the arm with the lowest exported val loss, then each other "
+              "arm's exported val loss minus that one's, paired by seed (95 % interval; inside the noise when it "
+              "holds 0, one seed gives none):", "", *findings_markdown(results["findings"]), "", "## The runs", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results["rows"]:
         tpp = f"{r['steps']} ({r['tokens_per_param']:.1f})" if r["tokens_per_param"] else str(r["steps"])
@@ -793,7 +855,8 @@ def write_deploy(name, study, root):
                       for x in (read_json(os.path.join(root, "runs", run_name(a, s), "run.json")) or {}).get("attempts", [])})
     results = {"study": name, "about": study["about"], "command": f"python study.py {name}", "machine": machine(),
                "torch": sorted({f["torch"] for f in runs.values() if f["torch"]}), "commits": commits,
-               "runs_finished": len(runs), "runs_total": len(runs_of(study)), "rows": rows}
+               "runs_finished": len(runs), "runs_total": len(runs_of(study)), "rows": rows,
+               "findings": deploy_findings(rows)}
     write_json(os.path.join(out, "results.json"), results)
     try:
         ckpt_io.write_text(os.path.join(out, "results.md"), deploy_markdown(results))

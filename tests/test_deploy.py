@@ -96,7 +96,7 @@ def test_the_table_holds_the_runs_own_figures_and_the_paired_differences(deploy)
         for fmt in a["export"]:
             row = rows[a["kind"], fmt]
             assert row["val_loss"]["mean"] == last["val/loss"] and last["iter"] == STEPS
-            assert row["exported"]["mean"] == exported[fmt]["val_loss"]
+            assert row["exported"]["mean"] == row["exported_by_seed"]["1"] == exported[fmt]["val_loss"]
             assert math.isclose(row["increase_pct"]["mean"], 100 * (exported[fmt]["val_loss"] / trunk_val - 1))
             if a is s["arms"][0]:
                 continue
@@ -111,8 +111,45 @@ def test_the_table_holds_the_runs_own_figures_and_the_paired_differences(deploy)
     assert "vs_error_mix" not in rows["error mix 3.5 bits", "error-int@3.5"] and "vs_error_mix" not in rows["STE phase", "int3"]
     table = open(os.path.join(root, "deploy", "results.md")).read()
     assert f"{rows['STE phase', 'int3']['exported']['mean']:.4f}" in table
+    best = min((r for r in results["rows"] if r["format"] == "int3"), key=lambda r: r["exported"]["mean"])
+    assert f"**{STEPS} steps" in table and f"int3**: {best['arm']} is lowest (exported val loss " \
+        f"{best['exported']['mean']:.4f}" in table
     for f in ("increase.png", "pareto.png"):
         assert os.path.getsize(os.path.join(root, "deploy", "plots", f)) > 0
+
+
+def test_the_findings_name_the_lowest_arm_and_each_others_paired_gap_and_whether_it_is_noise():
+    """Hand-made rows: per length (longest first) and deployment format (the mixes at one budget are
+    one), the lowest mean exported loss, then the others' differences to it over their common seeds."""
+    def row(arm, fmt, steps, by_seed):
+        v = list(by_seed.values())
+        return {"arm": arm, "format": fmt, "steps": steps, "seeds": len(v), "tokens_per_param": steps / 200,
+                "exported": {"mean": sum(v) / len(v) if v else None}, "increase_pct": {"mean": 1.0}, "exported_by_seed": by_seed}
+    rows = [row("bf16 + PTQ", "int3", 800, {"1": 2.0}), row("STE phase", "int3", 800, {"1": 1.5}),
+            row("bf16 + PTQ", "int3", 3200, {"1": 1.60, "2": 1.70, "3": 1.65}),
+            row("STE phase", "int3", 3200, {"1": 1.20, "2": 1.22, "3": 1.21}),
+            row("gaussws phase", "int3", 3200, {"1": 1.25, "2": 1.18}),  # a seed short, gaps of +0.05 and -0.04
+            row("bf16 + PTQ", "error-int@3.5", 3200, {"1": 1.33}),
+            row("learned mix 3.5 bits", "auto-int@3.5", 3200, {"1": 1.16}),
+            row("error mix 3.5 bits", "error-int@3.5", 3200, {"2": 1.18}),
+            row("STE phase", "int4", 3200, {})]  # nothing finished: no finding
+    f = study.deploy_findings(rows)
+    assert [(x["steps"], x["group"]) for x in f] == [
+        (3200, "int3"), (3200, "int2/int3/int4 per block at 3.5 bits per weight"), (800, "int3")]
+    int3 = f[0]
+    assert int3["best"]["arm"] == "STE phase" and [o["arm"] for o in int3["others"]] == ["gaussws phase", "bf16 + PTQ"]
+    gauss, ptq = int3["others"]
+    assert gauss["minus_best"]["n"] == 2 and math.isclose(gauss["minus_best"]["mean"], 0.005)
+    sd = math.sqrt(2 * 0.045 ** 2)  # of the gaps 0.05 and -0.04
+    assert math.isclose(gauss["minus_best"]["ci95"], 12.706 * sd / math.sqrt(2)) and gauss["verdict"] == "inside the noise"
+    assert math.isclose(ptq["minus_best"]["mean"], 0.44) and ptq["verdict"] == "outside the noise"
+    mix = f[1]
+    assert mix["best"]["arm"] == "learned mix 3.5 bits"
+    assert [(o["arm"], o["minus_best"]["n"], o["verdict"]) for o in mix["others"]] == [
+        ("error mix 3.5 bits", 0, "no common seed"), ("bf16 + PTQ", 1, "one seed")]
+    text = "\n".join(study.findings_markdown(f))
+    assert "bf16 + PTQ (error-int@3.5) +0.1700 (n=1, one seed)" in text and "error mix 3.5 bits (no common seed)" in text
+    assert "**800 steps (4.0 tokens/param), int3**: STE phase is lowest (exported val loss 1.5000" in text
 
 
 def test_the_interval_is_students_t():
