@@ -126,7 +126,9 @@ DEPLOY_FORMATS = {200: ("int3", "int4"), 800: ("int3", "int4"), 3200: ("int3", "
 # sum of its learning rates, a few hundredths of a bit.
 BUDGET = 3.5
 SWEEP_B_T = (3.0, 4.0)  # the gaussws int3 phase's b_t swept at 800 steps, beside the matched level 3.49
-BEST_B_T = None  # the sweep's best b_t, for the longest gaussws int3 phase; None: the matched level
+# The sweep's lowest exported int3 loss (one seed; docs/study/deploy/results.md): the longest length
+# runs the gaussws int3 phase at it too, beside the matched level. None: the matched level alone.
+BEST_B_T = 4.0
 
 
 def scratch_decay(steps):
@@ -154,12 +156,12 @@ def deploy_arms():
         forks, scratch = [], []
         for f in DEPLOY_FORMATS[n]:
             forks.append(deploy_arm("STE phase", f, n, [f], trunk, method="ste[all]", target_format=f, pqt_start=phase))
+            # b_t at the level matched to the format's rounding error (gaussws.matched_b_t)
+            forks.append(deploy_arm("gaussws phase", f, n, [f], trunk, method="gaussws[all]", target_format=f,
+                                    pqt_start=phase))
             if n == DEPLOY_STEPS[-1] and f == "int3" and BEST_B_T is not None:  # the 800-step sweep's pick
-                forks.append(deploy_arm("gaussws phase", f, n, [f], trunk, method="gaussws[all]", pqt_start=phase,
-                                        b_init=BEST_B_T, b_target=BEST_B_T))
-            else:  # b_t at the level matched to the format's rounding error (gaussws.matched_b_t)
-                forks.append(deploy_arm("gaussws phase", f, n, [f], trunk, method="gaussws[all]", target_format=f,
-                                        pqt_start=phase))
+                forks.append(deploy_arm(f"gaussws phase b_t {BEST_B_T:g}", f, n, [f], trunk, method="gaussws[all]",
+                                        pqt_start=phase, b_init=BEST_B_T, b_target=BEST_B_T))
             forks.append(deploy_arm("diffq phase", f, n, [f], trunk, method="diffq[all]", target_format=f, pqt_start=phase))
             scratch.append(deploy_arm("gaussws from scratch", f, n, [f], method="gaussws[all]", target_format=f,
                                       bitwidth_weight_decay=scratch_decay(n)))

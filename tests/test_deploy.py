@@ -57,7 +57,7 @@ def records(path):
 def test_every_arm_finishes_and_the_trunk_keeps_its_fork_steps(deploy):
     root, s, _ = deploy
     kinds = [a["kind"] for a in s["arms"]]
-    assert kinds == ["bf16 + PTQ", "STE phase", "gaussws phase", "diffq phase", "learned mix 3.5 bits",
+    assert kinds == ["bf16 + PTQ", "STE phase", "gaussws phase", "gaussws phase b_t 4", "diffq phase", "learned mix 3.5 bits",
                      "error mix 3.5 bits", "gaussws from scratch"]
     for a in s["arms"]:
         assert json.load(open(os.path.join(run_dir(root, a), "done.json")))["status"] == "finished"
@@ -163,7 +163,7 @@ def test_the_dry_run_lists_every_arm_with_its_command(capsys):
     assert study.main(["deploy", "--dry_run"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "python train.py" in line]
     runs = study.runs_of(study.STUDIES["deploy"])
-    assert len(lines) == len(runs) == 83
+    assert len(lines) == len(runs) == 86
     for line, (name, a, seed) in zip(lines, runs):
         assert f"--out_dir=out/study/runs/{name}" in line and f"--seed={seed}" in line
         assert all(f"--{k}=" in line for k in a["overrides"])
