@@ -308,36 +308,52 @@ def plot_paired(groups, pairs, names, title, path):
 DEPLOY_MARKERS = "osD^vP*Xh<>p"
 
 
+def deploy_panel(fmt):
+    """The panel of increase.png a format is drawn in: its own, or one for every per-block mix at its budget."""
+    return f"int2/3/4 mix at {fmt.partition('@')[2]} bits" if "@" in fmt else fmt
+
+
 def plot_deploy(rows, out, longest):
     """The deployment study's two figures from study.deploy_rows: increase.png, the exported model's
-    loss increase (%) against tokens per parameter, one line per arm and format (log x, symlog y); pareto.png, at
-    the longest length, exported val loss against bits per weight (mean over seeds, ± std as bars; log
-    y, so that int2's PTQ does not flatten the rest). An arm has one colour and one marker in both, a
-    format one line style. Returns the paths written."""
+    loss increase (%) against tokens per parameter, one panel per format (the mixes at one budget share
+    one), one line per arm (log x, symlog y); pareto.png, at the longest length, exported val loss
+    against bits per weight (mean over seeds, ± std as bars; log y, so that int2's PTQ does not
+    flatten the rest). An arm has one colour and one marker in every panel of both. Returns the paths
+    written."""
     plt = _pyplot()
     done = [r for r in rows if r["seeds"]]
     arms = list(dict.fromkeys(r["arm"] for r in done))
-    formats = list(dict.fromkeys(r["format"] for r in done))
-    colour = {a: plt.get_cmap("tab20")(i % 20) for i, a in enumerate(arms)}
+    panels = list(dict.fromkeys(deploy_panel(r["format"]) for r in done))
+    # tab10's ten distinct colours first (tab20 pairs would put two arms in near shades), Dark2's after
+    colour = {a: plt.get_cmap("tab10")(i) if i < 10 else plt.get_cmap("Dark2")((i - 10) % 8) for i, a in enumerate(arms)}
     marker = {a: DEPLOY_MARKERS[i % len(DEPLOY_MARKERS)] for i, a in enumerate(arms)}
     lines = {}
     for r in done:
-        lines.setdefault((r["arm"], r["format"]), []).append(r)
-    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
-    for (arm, fmt), rs in lines.items():
+        lines.setdefault((deploy_panel(r["format"]), r["arm"], r["format"]), []).append(r)
+    fig, axes = plt.subplots(1, len(panels), figsize=FIGSIZE, dpi=DPI, sharex=True, sharey=True, squeeze=False)
+    for (panel, arm, fmt), rs in lines.items():
         rs = sorted(rs, key=lambda r: r["tokens_per_param"])
-        ax.errorbar([r["tokens_per_param"] for r in rs], [r["increase_pct"]["mean"] for r in rs],
-                    yerr=[r["increase_pct"]["std"] or 0 for r in rs], marker=marker[arm], color=colour[arm], ms=4,
-                    capsize=2, lw=1.2, ls=LINESTYLES[formats.index(fmt) % len(LINESTYLES)], label=f"{arm} → {fmt}")
-    ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=1.0)  # linear within ±1 %, logarithmic past it: int2's +200 % beside +1 %
-    ax.axhline(0.0, color="k", lw=0.8)
-    ax.set_xlabel("tokens per parameter")
-    ax.set_ylabel("exported val loss over the bf16 run's (%, symlog)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
-    ax.set_title("deploy: the exported model's loss increase against training length", fontsize=10)
-    fig.tight_layout()
+        label = f"{arm} ({fmt})" if "@" in fmt and " mix " not in arm else arm
+        axes[0, panels.index(panel)].errorbar(
+            [r["tokens_per_param"] for r in rs], [r["increase_pct"]["mean"] for r in rs],
+            yerr=[r["increase_pct"]["std"] or 0 for r in rs], marker=marker[arm], color=colour[arm], ms=4,
+            capsize=2, lw=1.2, ls=":" if label != arm else "-", label=label)
+    for panel, ax in zip(panels, axes[0]):
+        ax.set_xscale("log")
+        ax.set_yscale("symlog", linthresh=1.0)  # linear within ±1 %, logarithmic past it: int2's +200 % beside +1 %
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set_xlabel("tokens per parameter", fontsize=8)
+        ax.set_title(panel, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    axes[0, 0].set_ylabel("exported val loss over the bf16 run's (%, symlog)", fontsize=8)
+    handles = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="center right")
+    fig.suptitle("deploy: the exported model's loss increase against training length, per format", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.82, 1))
     paths = [os.path.join(out, "increase.png"), os.path.join(out, "pareto.png")]
     fig.savefig(paths[0])
     plt.close(fig)

@@ -267,25 +267,37 @@ def deploy_row(arm, fmt, steps, tpp, increase, exported, bits):
 
 
 def test_deploy_figures_keep_an_arm_in_one_colour_and_every_point_in_view(tmp_path, drawn):
-    """An arm drawn at two formats has one colour and marker (in both figures), its formats differ in line
-    style; a +230 % next to a +0.1 % and a loss of 3.7 next to 1.16 are all inside the axes."""
+    """increase.png has a panel per format (the mixes at one budget share one), each with a line per arm;
+    an arm has one colour and marker in every panel and in pareto.png, arms differ in colour; a +230 %
+    next to a +0.1 % and a loss of 3.7 next to 1.16 are all inside the axes."""
     rows = [deploy_row(arm, fmt, steps, steps / 200, inc, loss, bits)
             for arm, fmt, bits, incs, losses in (("bf16 + PTQ", "int3", 3.02, (0.2, 43.0), (2.33, 1.62)),
                                                  ("bf16 + PTQ", "int2", 2.02, (60.0, 230.0), (3.1, 3.73)),
+                                                 ("bf16 + PTQ", "error-int@3.5", 3.52, (0.1, 17.7), (2.32, 1.33)),
                                                  ("STE phase", "int3", 3.02, (0.03, 7.3), (2.32, 1.21)),
                                                  ("learned mix 3.5 bits", "auto-int@3.5", 3.52, (0.06, 2.8), (2.32, 1.16)))
             for steps, inc, loss in zip((200, 3200), incs, losses)]
     plot.plot_deploy(rows, str(tmp_path), longest=3200)
-    (inc_ax,), (pareto_ax,) = drawn["increase.png"].axes, drawn["pareto.png"].axes
-    lines = {c.get_label(): c.lines[0] for c in inc_ax.containers}  # errorbar: (data line, caps, bars)
-    assert set(lines) == {f"{r['arm']} → {r['format']}" for r in rows}
-    ptq3, ptq2 = lines["bf16 + PTQ → int3"], lines["bf16 + PTQ → int2"]
-    assert ptq3.get_color() == ptq2.get_color() and ptq3.get_marker() == ptq2.get_marker()
-    assert ptq3.get_linestyle() != ptq2.get_linestyle()
+    (pareto_ax,) = drawn["pareto.png"].axes
+    panels = {ax.get_title(): ax for ax in drawn["increase.png"].axes}
+    assert set(panels) == {"int3", "int2", "int2/3/4 mix at 3.5 bits"}
+    lines = {(title, c.get_label()): c.lines[0] for title, ax in panels.items() for c in ax.containers}
+    assert set(lines) == {("int3", "bf16 + PTQ"), ("int3", "STE phase"), ("int2", "bf16 + PTQ"),
+                          ("int2/3/4 mix at 3.5 bits", "bf16 + PTQ (error-int@3.5)"),
+                          ("int2/3/4 mix at 3.5 bits", "learned mix 3.5 bits")}
+    for (title, label), line in lines.items():
+        rs = [r for r in rows if label.startswith(r["arm"]) and plot.deploy_panel(r["format"]) == title]
+        assert list(line.get_xdata()) == [r["tokens_per_param"] for r in rs]
+        assert list(line.get_ydata()) == [r["increase_pct"]["mean"] for r in rs]
+        y0, y1 = panels[title].get_ylim()
+        assert all(y0 <= y <= y1 for y in line.get_ydata())
+    ptq = [line for (_, label), line in lines.items() if label.startswith("bf16 + PTQ")]
+    assert len({line.get_color() for line in ptq}) == 1 and len({line.get_marker() for line in ptq}) == 1
     assert len({line.get_color() for line in lines.values()}) == 3  # one per arm
-    y0, y1 = inc_ax.get_ylim()
-    assert all(y0 <= y <= y1 for line in lines.values() for y in line.get_ydata())
-    colour = {r["arm"]: lines[f"{r['arm']} → {r['format']}"].get_color() for r in rows}
+    legend = [t.get_text() for t in drawn["increase.png"].legends[0].get_texts()]
+    assert sorted(legend) == sorted({label for _, label in lines})  # each once
+    lines = {label: line for (_, label), line in lines.items()}
+    colour = {r["arm"]: lines[r["arm"]].get_color() for r in rows}
     points = [c.lines[0] for c in pareto_ax.containers]
     drawn_points = sorted((float(p.get_xdata()[0]), float(p.get_ydata()[0]), p.get_color()) for p in points)
     assert drawn_points == sorted((r["bits_per_weight"]["mean"], r["exported"]["mean"], colour[r["arm"]])
