@@ -37,6 +37,7 @@ def deploy(tmp_path_factory):
         mp.setattr(study, "DEPLOY_STEPS", (STEPS,))
         mp.setattr(study, "DEPLOY_SEEDS", {STEPS: (1,)})
         mp.setattr(study, "DEPLOY_FORMATS", {STEPS: ("int3",)})
+        mp.setattr(study, "BEST_B_T", None)  # a gaussws phase at another b_t: the same code as the 800-step sweep's
         s = dict(study.STUDIES["deploy"], arms=study.deploy_arms())
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -57,7 +58,7 @@ def records(path):
 def test_every_arm_finishes_and_the_trunk_keeps_its_fork_steps(deploy):
     root, s, _ = deploy
     kinds = [a["kind"] for a in s["arms"]]
-    assert kinds == ["bf16 + PTQ", "STE phase", "gaussws phase", "gaussws phase b_t 4", "diffq phase", "learned mix 3.5 bits",
+    assert kinds == ["bf16 + PTQ", "STE phase", "gaussws phase", "diffq phase", "learned mix 3.5 bits",
                      "error mix 3.5 bits", "gaussws from scratch"]
     for a in s["arms"]:
         assert json.load(open(os.path.join(run_dir(root, a), "done.json")))["status"] == "finished"
@@ -157,6 +158,18 @@ def test_the_interval_is_students_t():
     s = study.interval([1.0, 2.0, 4.0])
     sd = math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2)
     assert math.isclose(s["ci95"], 4.303 * sd / math.sqrt(3))
+
+
+def test_the_longest_length_runs_the_gaussws_int3_phase_also_at_the_sweeps_best_b_t():
+    arms = study.deploy_arms()
+    longest = [a for a in arms if a["steps"] == max(study.DEPLOY_STEPS) and a["format"] == "int3"
+               and a["kind"].startswith("gaussws phase")]
+    assert [a["kind"] for a in longest] == ["gaussws phase", f"gaussws phase b_t {study.BEST_B_T:g}"]
+    assert longest[0]["overrides"]["target_format"] == "int3" and "b_init" not in longest[0]["overrides"]
+    swept = next(a for a in arms if a["steps"] == 800 and a["kind"] == longest[1]["kind"])
+    assert {k: v for k, v in longest[1]["overrides"].items() if k not in ("max_iters", "lr_decay_iters", "eval_interval",
+                                                                       "pqt_start")} == \
+        {k: v for k, v in swept["overrides"].items() if k not in ("max_iters", "lr_decay_iters", "eval_interval", "pqt_start")}
 
 
 def test_the_dry_run_lists_every_arm_with_its_command(capsys):
