@@ -37,6 +37,7 @@ import platform
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -692,11 +693,16 @@ def deploy_runs(study, root):
             done = read_json(os.path.join(run_dir, "done.json"))
             if done is None:
                 continue
-            fig = run_figures(run_dir, done)
+            fig, run = run_figures(run_dir, done), plot.read_run(run_dir)
             if done["status"] == "finished":
                 fig["export"] = export_losses(run_dir, a["export"])
-                fig["params"] = parameters(plot.read_run(run_dir)["config"])
-            fig["trained_steps"] = a["steps"] - a["overrides"].get("pqt_start", 0) if a.get("trunk") else a["steps"]
+                fig["params"] = parameters(run["config"])
+            first = a["overrides"].get("pqt_start", 0) if a.get("trunk") else 0  # a fork's earlier records are its trunk's
+            fig["trained_steps"] = a["steps"] - first
+            # Its own steps' time: the median logged step time (robust to a runner paused on a shared
+            # machine, which done.json's wall_s counts), times its steps.
+            ms = [r["ms_per_iter"] for r in run["logs"] if r["iter"] > first]
+            fig["train_min"] = statistics.median(ms) * fig["trained_steps"] / 60e3 if ms else None
             runs[i, seed] = fig
     return runs
 
@@ -733,6 +739,7 @@ def deploy_rows(study, runs):
                    "increase_pct": stats([100 * (f["export"][fmt]["val_loss"] / runs[trunk, s]["val_loss"] - 1)
                                           for s, f in done if runs.get((trunk, s), {}).get("status") == "finished"]),
                    "wall_min": stats([f["wall_s"] / 60 for _, f in done]),
+                   "train_min": stats([f["train_min"] for _, f in done if f["train_min"] is not None]),
                    "trained_steps": done[0][1]["trained_steps"] if done else None}
             mix = fmt.startswith(("auto-int", "error-int"))
             learned = fmt.startswith("auto-int")
@@ -815,10 +822,12 @@ def deploy_markdown(results):
              "bf16 run's of the same length and seed; ± is the standard deviation over seeds; the paired "
              "columns give the mean difference by seed with its 95 % interval (Student's t; none for one seed). "
              "Every phase arm trains exactly the bf16 run's steps and tokens: it is that run until its switch and "
-             "forks from its checkpoint there, so its wall time is the phase's own.", ""]
+             "forks from its checkpoint there, so its time is the phase's own: its steps times its median logged "
+             "time a step (a runner paused on the shared machine does not count; each run's done.json has its "
+             "wall time, results.json both).", ""]
     head = ["steps (tokens/param)", "arm", "exported at", "seeds", "val loss", "exported val loss", "increase",
             "bits/w", "− PTQ (paired)", "− STE int3 (paired)", "− STE int4 (paired)", "− error mix (paired)",
-            "own wall min (steps)"]
+            "own train min (steps)"]
     lines += ["## What it says", "",
               "Per length and deployment format, the arm with the lowest exported val loss, then each other "
               "arm's exported val loss minus that one's, paired by seed (95 % interval; inside the noise when it "
@@ -836,7 +845,7 @@ def deploy_markdown(results):
                 ci = f" ± {p['ci95']:.4f}" if p["ci95"] is not None else ""
                 paired.append(f"{p['mean']:+.4f}{ci} (n={p['n']})")
         bits = f"{r['bits_per_weight']['mean']:.2f}" if r["bits_per_weight"]["n"] else "-"
-        wall = f"{r['wall_min']['mean']:.1f} ({r['trained_steps']})" if r["wall_min"]["n"] else "-"
+        wall = f"{r['train_min']['mean']:.1f} ({r['trained_steps']})" if r["train_min"]["n"] else "-"
         lines.append("| " + " | ".join([tpp, r["arm"], r["format"], seeds, fmt_stats(r["val_loss"]),
                                         fmt_stats(r["exported"]), fmt_stats(r["increase_pct"], 2, pct=True), bits,
                                         *paired, wall]) + " |")

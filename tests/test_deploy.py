@@ -99,6 +99,12 @@ def test_the_table_holds_the_runs_own_figures_and_the_paired_differences(deploy)
             assert row["val_loss"]["mean"] == last["val/loss"] and last["iter"] == STEPS
             assert row["exported"]["mean"] == row["exported_by_seed"]["1"] == exported[fmt]["val_loss"]
             assert math.isclose(row["increase_pct"]["mean"], 100 * (exported[fmt]["val_loss"] / trunk_val - 1))
+            # its own steps' time: the median logged step time of the steps after its fork, times their count
+            first = a["overrides"].get("pqt_start", 0) if a["trunk"] else 0
+            ms = sorted(r["ms_per_iter"] for r in records(d) if "ms_per_iter" in r and r["iter"] > first)
+            median = (ms[(len(ms) - 1) // 2] + ms[len(ms) // 2]) / 2
+            assert row["trained_steps"] == STEPS - first
+            assert math.isclose(row["train_min"]["mean"], median * (STEPS - first) / 60e3)
             if a is s["arms"][0]:
                 continue
             ptq = fmt if fmt in trunk_export else "error-int@3.5"
