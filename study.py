@@ -126,6 +126,8 @@ DEPLOY_FORMATS = {200: ("int3", "int4"), 800: ("int3", "int4"), 3200: ("int3", "
 # where their b_t (or errors, in bits) differ by more than a bit, and a phase moves b_t by about the
 # sum of its learning rates, a few hundredths of a bit.
 BUDGET = 3.5
+PHASE = 0.85  # where the phases start, as a fraction of the run: the last 15 %
+MIX_PHASE = 0.7  # where the learned mix's gaussws phase starts (it learns the b_t that allocate, then STE from PHASE)
 SWEEP_B_T = (3.0, 4.0)  # the gaussws int3 phase's b_t swept at 800 steps, beside the matched level 3.49
 # The sweep's lowest exported int3 loss (one seed; docs/study/deploy/results.md): the longest length
 # runs the gaussws int3 phase at it too, beside the matched level. None: the matched level alone.
@@ -152,7 +154,7 @@ def deploy_arms():
     the arms from scratch (the costliest, last)."""
     arms, bits = [], f"{BUDGET:g}"
     for n in DEPLOY_STEPS:
-        phase = round(0.85 * n)
+        phase = round(PHASE * n)
         trunk = deploy_arm("bf16 + PTQ", "", n, [*DEPLOY_FORMATS[n], f"error-int@{bits}"], method="bf16")
         forks, scratch = [], []
         for f in DEPLOY_FORMATS[n]:
@@ -168,7 +170,7 @@ def deploy_arms():
                                       bitwidth_weight_decay=scratch_decay(n)))
         forks.append(deploy_arm(f"learned mix {bits} bits", "int3", n, [f"auto-int@{bits}"], trunk,
                                 method="gaussws[all]", target_format="auto-int", bits_per_weight=BUDGET,
-                                pqt_start=round(0.7 * n), ste_start=phase))
+                                pqt_start=round(MIX_PHASE * n), ste_start=phase))
         forks.append(deploy_arm(f"error mix {bits} bits", "int3", n, [f"error-int@{bits}"], trunk, method="ste[all]",
                                 target_format="error-int", bits_per_weight=BUDGET, pqt_start=phase))
         if n == 800:
@@ -824,7 +826,9 @@ def deploy_markdown(results):
              "Every phase arm trains exactly the bf16 run's steps and tokens: it is that run until its switch and "
              "forks from its checkpoint there, so its time is the phase's own: its steps times its median logged "
              "time a step (a runner paused on the shared machine does not count; each run's done.json has its "
-             "wall time, results.json both).", ""]
+             "wall time, results.json both). The two mixes end on the same STE phase over the last "
+             f"{100 - 100 * PHASE:.0f} %; the learned one leaves bf16 earlier, at {100 * MIX_PHASE:.0f} %, for the "
+             "gaussws phase whose b_t allocate its formats.", ""]
     head = ["steps (tokens/param)", "arm", "exported at", "seeds", "val loss", "exported val loss", "increase",
             "bits/w", "− PTQ (paired)", "− STE int3 (paired)", "− STE int4 (paired)", "− error mix (paired)",
             "own train min (steps)"]
