@@ -173,6 +173,10 @@ def deploy_arms():
                                 pqt_start=round(MIX_PHASE * n), ste_start=phase))
         forks.append(deploy_arm(f"error mix {bits} bits", "int3", n, [f"error-int@{bits}"], trunk, method="ste[all]",
                                 target_format="error-int", bits_per_weight=BUDGET, pqt_start=phase))
+        if n == DEPLOY_STEPS[-1]:  # the learned mix's phases exactly, only the ranking by error: the allocator alone
+            forks.append(deploy_arm(f"gaussws phase + error mix {bits} bits", "int3", n, [f"error-int@{bits}"], trunk,
+                                    method="gaussws[all]", target_format="error-int", bits_per_weight=BUDGET,
+                                    pqt_start=round(MIX_PHASE * n), ste_start=phase))
         if n == 800:
             forks += [deploy_arm(f"gaussws phase b_t {b:g}", "int3", n, ["int3"], trunk, method="gaussws[all]",
                                  pqt_start=phase, b_init=b, b_target=b) for b in SWEEP_B_T]
@@ -719,7 +723,7 @@ def deploy_rows(study, runs):
     arms = study["arms"]
     index = {id(a): i for i, a in enumerate(arms)}
     ste = {(a["steps"], a["format"]): i for i, a in enumerate(arms) if a["kind"] == "STE phase"}
-    error_mix = {a["steps"]: i for i, a in enumerate(arms) if a["kind"].startswith("error mix")}
+    error_mix = {a["steps"]: i for i, a in enumerate(arms) if a["kind"] == f"error mix {BUDGET:g} bits"}
     rows = []
     for i, a in enumerate(arms):
         trunk = index[id(a["trunk"])] if a.get("trunk") else next(

@@ -59,7 +59,7 @@ def test_every_arm_finishes_and_the_trunk_keeps_its_fork_steps(deploy):
     root, s, _ = deploy
     kinds = [a["kind"] for a in s["arms"]]
     assert kinds == ["bf16 + PTQ", "STE phase", "gaussws phase", "diffq phase", "learned mix 3.5 bits",
-                     "error mix 3.5 bits", "gaussws from scratch"]
+                     "error mix 3.5 bits", "gaussws phase + error mix 3.5 bits", "gaussws from scratch"]
     for a in s["arms"]:
         assert json.load(open(os.path.join(run_dir(root, a), "done.json")))["status"] == "finished"
     trunk = s["arms"][0]
@@ -116,6 +116,12 @@ def test_the_table_holds_the_runs_own_figures_and_the_paired_differences(deploy)
     learned = rows["learned mix 3.5 bits", "auto-int@3.5"]["vs_error_mix"]
     assert math.isclose(learned["mean"], mixes["learned mix 3.5 bits"]["val_loss"] - mixes["error mix 3.5 bits"]["val_loss"])
     assert "vs_error_mix" not in rows["error mix 3.5 bits", "error-int@3.5"] and "vs_error_mix" not in rows["STE phase", "int3"]
+    # the control: the learned mix's phases, its blocks ranked by their own error at the switch
+    control, learned_arm = (next(a for a in s["arms"] if a["kind"] == k) for k in
+                            ("gaussws phase + error mix 3.5 bits", "learned mix 3.5 bits"))
+    same = ("method", "pqt_start", "ste_start", "bits_per_weight")
+    assert {k: control["overrides"][k] for k in same} == {k: learned_arm["overrides"][k] for k in same}
+    assert control["overrides"]["target_format"] == "error-int" and learned_arm["overrides"]["target_format"] == "auto-int"
     table = open(os.path.join(root, "deploy", "results.md")).read()
     assert f"{rows['STE phase', 'int3']['exported']['mean']:.4f}" in table
     best = min((r for r in results["rows"] if r["format"] == "int3"), key=lambda r: r["exported"]["mean"])
@@ -168,7 +174,7 @@ def test_the_interval_is_students_t():
 
 def test_the_longest_length_runs_the_gaussws_int3_phase_also_at_the_sweeps_best_b_t():
     arms = study.deploy_arms()
-    longest = [a for a in arms if a["steps"] == max(study.DEPLOY_STEPS) and a["format"] == "int3"
+    longest = [a for a in arms if a["steps"] == max(study.DEPLOY_STEPS) and a["export"] == ["int3"]
                and a["kind"].startswith("gaussws phase")]
     assert [a["kind"] for a in longest] == ["gaussws phase", f"gaussws phase b_t {study.BEST_B_T:g}"]
     assert longest[0]["overrides"]["target_format"] == "int3" and "b_init" not in longest[0]["overrides"]
@@ -182,7 +188,7 @@ def test_the_dry_run_lists_every_arm_with_its_command(capsys):
     assert study.main(["deploy", "--dry_run"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "python train.py" in line]
     runs = study.runs_of(study.STUDIES["deploy"])
-    assert len(lines) == len(runs) == 86
+    assert len(lines) == len(runs) == 89
     for line, (name, a, seed) in zip(lines, runs):
         assert f"--out_dir=out/study/runs/{name}" in line and f"--seed={seed}" in line
         assert all(f"--{k}=" in line for k in a["overrides"])
