@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import signal
@@ -46,7 +45,7 @@ import time
 import checkpoint as ckpt_io
 import configurator
 import plot
-from util import UserError, cli
+from util import UserError, cli, machine
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 GPT2, LLAMA2 = "config/mini_gpt2.py", "config/mini_llama2.py"
@@ -491,18 +490,23 @@ def run_figures(run_dir, done):
         "wall_s": done["wall_s"], "train_s": train_s,
         "b_t": {k: last_log[f"b_t/{k}"] for k in ("mean", "min", "max")} if "b_t/mean" in last_log else None,
         "method": config["method"], "seed": config["seed"], "torch": config.get("versions", {}).get("torch"),
+        "machine": config.get("versions", {}).get("machine"),
         "device": config.get("device"), "world_size": config.get("world_size"),
     }
 
 
-def machine():
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical cores"
+def machines(runs):
+    """The machines the runs record (train.py's config.json), each with its count of runs; runs that
+    record none (made before train.py recorded it) are said to be so, with the machine writing this."""
+    runs = list(runs)
+    recorded = collections.Counter(f["machine"] for f in runs if f.get("machine"))
+    unrecorded = len(runs) - sum(recorded.values())
+    parts = [f"{m} ({n} run{'s' if n > 1 else ''})" for m, n in sorted(recorded.items())] if len(recorded) != 1 or unrecorded \
+        else list(recorded)
+    if unrecorded:
+        parts.append(f"not recorded by {unrecorded} run{'s' if unrecorded > 1 else ''} (this report was written on "
+                     f"{machine()})")
+    return "; ".join(parts) or machine()
 
 
 def reference_arm(a):
@@ -580,7 +584,7 @@ def summarize(name, study, root):
     for entry, a in zip(arms, study["arms"]):  # after all arms: a reference's exports are then written
         paired(entry, a, study, root, runs)
     return {"study": name, "about": study["about"], "command": f"python study.py {name}", "seeds": list(study["seeds"]),
-            "machine": machine(), "torch": sorted({f["torch"] for f in runs.values() if f["torch"]}),
+            "machine": machines(runs.values()), "torch": sorted({f["torch"] for f in runs.values() if f["torch"]}),
             "devices": sorted({f"{f['device']} x{f['world_size']}" for f in runs.values()}),
             "commits": sorted({x["commit"] for n in runs for x in (read_json(os.path.join(root, "runs", n, "run.json")) or {}).get("attempts", [])}),
             "runs_finished": len(runs), "runs_total": len(runs_of(study)), "arms": arms, "runs": runs}
@@ -872,7 +876,7 @@ def write_deploy(name, study, root):
     rows = deploy_rows(study, runs)
     commits = sorted({x["commit"] for a in study["arms"] for s in a["seeds"]
                       for x in (read_json(os.path.join(root, "runs", run_name(a, s), "run.json")) or {}).get("attempts", [])})
-    results = {"study": name, "about": study["about"], "command": f"python study.py {name}", "machine": machine(),
+    results = {"study": name, "about": study["about"], "command": f"python study.py {name}", "machine": machines(runs.values()),
                "torch": sorted({f["torch"] for f in runs.values() if f["torch"]}), "commits": commits,
                "runs_finished": len(runs), "runs_total": len(runs_of(study)), "rows": rows,
                "findings": deploy_findings(rows)}

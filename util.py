@@ -8,6 +8,7 @@ error every script reports as one line instead of a traceback.
 """
 import ctypes
 import os
+import platform
 import secrets
 import shutil
 import sys
@@ -34,6 +35,18 @@ def cli(main, argv=None):
         print(f"error: {e}", file=sys.stderr)
         return e.exit_status
     return status if isinstance(status, int) else 0
+
+
+def machine():
+    """The CPU's model name and logical core count (from /proc/cpuinfo where there is one): what a
+    run's record says it ran on, beside the GPU's name where it had one."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical cores"
 
 
 def first_line(e):

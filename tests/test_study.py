@@ -94,6 +94,31 @@ def test_results_json_holds_the_figures_of_the_runs_own_logs(finished):
     assert f"{results['arms'][0]['val_loss']['mean']:.4f}" in md and "python study.py tiny" in md
 
 
+def cpu_model():
+    with open("/proc/cpuinfo") as f:
+        return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="the CPU's name is read back from /proc/cpuinfo (Linux)")
+def test_the_machine_is_the_one_each_run_recorded(finished):
+    """train.py writes the CPU it ran on into config.json; the results name the runs' machine, not the
+    report writer's."""
+    root, _, _ = finished
+    here = f"{cpu_model()}, {os.cpu_count()} logical cores"
+    for name in ("tiny-bf16-s1", "tiny-gaussws_all-s1"):
+        assert json.load(open(os.path.join(root, "runs", name, "config.json")))["versions"]["machine"] == here
+    assert json.load(open(os.path.join(root, "tiny", "results.json")))["machine"] == here
+    assert f"Machine: {here};" in open(os.path.join(root, "tiny", "results.md")).read()
+
+
+def test_runs_on_other_machines_or_none_recorded_are_each_named_with_their_count():
+    runs = [{"machine": "A"}, {"machine": "B"}, {"machine": "A"}]
+    assert study.machines(runs) == "A (2 runs); B (1 run)"
+    assert study.machines(runs[:1] * 2) == "A"
+    said = study.machines([{"machine": "A"}, {"machine": None}])
+    assert said == f"A (1 run); not recorded by 1 run (this report was written on {study.machine()})"
+
+
 def test_each_pqt_arm_is_paired_by_seed_with_its_bf16_run(finished):
     """vs_bf16: the PQT run's last val loss minus the bf16 run's of the same seed, read by hand."""
     root, _, _ = finished
