@@ -309,7 +309,8 @@ DEPLOY_MARKERS = "osD^vP*Xh<>p"
 
 
 def deploy_panel(fmt):
-    """The panel of increase.png a format is drawn in: its own, or one for every per-block mix at its budget."""
+    """What a format is deployed as, and the panel of increase.png it is drawn in: its own, or for a
+    per-block mix its budget (every mix at one budget is one deployment question, whoever allocated it)."""
     return f"int2/3/4 mix at {fmt.partition('@')[2]} bits" if "@" in fmt else fmt
 
 

@@ -473,9 +473,9 @@ def stats(values):
     return {"mean": mean, "std": std, "n": n, "values": values}
 
 
-def run_figures(run_dir, done):
-    """The figures of one run, from its own metrics.jsonl and config.json."""
-    run = plot.read_run(run_dir)
+def run_figures(run_dir, done, run=None):
+    """The figures of one run, from its own metrics.jsonl and config.json (`run`: plot.read_run's, if read)."""
+    run = run or plot.read_run(run_dir)
     last_eval, last_log = run["evals"][-1], (run["logs"][-1] if run["logs"] else {})
     config = run["config"]
     train_s = 0.0  # training time logged by train.py: ms per step times the steps since the previous log line
@@ -703,7 +703,8 @@ def deploy_runs(study, root):
             done = read_json(os.path.join(run_dir, "done.json"))
             if done is None:
                 continue
-            fig, run = run_figures(run_dir, done), plot.read_run(run_dir)
+            run = plot.read_run(run_dir)
+            fig = run_figures(run_dir, done, run)
             if done["status"] == "finished":
                 fig["export"] = export_losses(run_dir, a["export"])
                 fig["params"] = parameters(run["config"])
@@ -766,12 +767,6 @@ def deploy_rows(study, runs):
     return rows
 
 
-def format_group(fmt):
-    """What a row is deployed as: its format, or for a per-block mix its budget (every mix at one budget
-    is the same deployment question, whoever allocated it)."""
-    return f"int2/int3/int4 per block at {fmt.partition('@')[2]} bits per weight" if "@" in fmt else fmt
-
-
 def deploy_findings(rows):
     """Per length and deployment format, longest length first: the arm whose exported model has the
     lowest mean val loss, and each other arm's exported loss minus the winner's, paired by seed, with
@@ -779,7 +774,7 @@ def deploy_findings(rows):
     groups = {}
     for r in rows:
         if r["seeds"]:
-            groups.setdefault((r["steps"], format_group(r["format"])), []).append(r)
+            groups.setdefault((r["steps"], plot.deploy_panel(r["format"])), []).append(r)
     findings = []
     for (steps, group), rs in sorted(groups.items(), key=lambda kv: -kv[0][0]):
         rs = sorted(rs, key=lambda r: r["exported"]["mean"])

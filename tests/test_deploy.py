@@ -148,7 +148,7 @@ def test_the_findings_name_the_lowest_arm_and_each_others_paired_gap_and_whether
             row("STE phase", "int4", 3200, {})]  # nothing finished: no finding
     f = study.deploy_findings(rows)
     assert [(x["steps"], x["group"]) for x in f] == [
-        (3200, "int3"), (3200, "int2/int3/int4 per block at 3.5 bits per weight"), (800, "int3")]
+        (3200, "int3"), (3200, "int2/3/4 mix at 3.5 bits"), (800, "int3")]
     int3 = f[0]
     assert int3["best"]["arm"] == "STE phase" and [o["arm"] for o in int3["others"]] == ["gaussws phase", "bf16 + PTQ"]
     gauss, ptq = int3["others"]
