@@ -192,6 +192,29 @@ STUDIES["deploy"] = dict(
           "phase over the last 15 %, gaussws from scratch, and learned mixed precision, over 1-16 tokens per parameter",
     arms=deploy_arms(), seeds=(1,), export=(), export_bf16=True, report="deploy")
 
+# --- the llama.cpp study (beyond the paper): trained GGUF files against llama-quantize -------------
+# A model llama.cpp can K-quantize (config/mini_gpt2_gguf.py: every Linear input width a multiple of
+# 256), one bf16 trunk per seed trained to 8 tokens per parameter; its phases fork from the trunk's
+# checkpoints at 70 % (the learned mix's gaussws phase) and 85 % (the STE phases), as the deployment
+# study's do, and llama.cpp's own quantizer starts from its last one.
+GGUF_CONFIG = "config/mini_gpt2_gguf.py"
+GGUF_STEPS = 6400
+GGUF_SEEDS = (1, 2, 3)
+
+
+def gguf_arms():
+    """The llama.cpp study's arms: per seed, the bf16 trunk, kept at the phases' fork steps."""
+    trunk = arm(GGUF_CONFIG, method="bf16", max_iters=GGUF_STEPS, lr_decay_iters=GGUF_STEPS,
+                eval_interval=GGUF_STEPS // 4)
+    trunk.update(kind="bf16", seeds=GGUF_SEEDS, keep=sorted({round(MIX_PHASE * GGUF_STEPS), round(PHASE * GGUF_STEPS)}))
+    return [trunk]
+
+
+STUDIES["gguf"] = dict(
+    about="Trained GGUF files against llama.cpp's quantizer (beyond the paper): STE phases on llama.cpp's grids "
+          "and learned per-tensor types, against llama-quantize with an importance matrix, judged by llama.cpp",
+    arms=gguf_arms(), seeds=GGUF_SEEDS, export=(), export_bf16=False)
+
 SHORT = {"method": "", "learning_rate": "lr", "optimizer": "", "b_init": "binit", "b_target": "btarget",
          "bitwidth_weight_decay": "bwd", "target_format": "", "pqt_start": "from", "ste_start": "ste",
          "bits_per_weight": "bpw", "max_iters": "n", "lr_decay_iters": "decay", "eval_interval": "eval"}
