@@ -62,7 +62,6 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -74,7 +73,7 @@ import model as model_lib
 from configurator import configure
 from kernels import BL
 from step import sync, train_step
-from util import UserError, cli, keep_freed_cpu_memory, write_atomic
+from util import UserError, cli, git_commit, keep_freed_cpu_memory, write_atomic
 
 # --- small helpers ---------------------------------------------------------------------------------
 
@@ -577,14 +576,6 @@ def kernel_bandwidth(device, shape, repeats):
     return rows, peak
 
 
-def _commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def gpu_check(argv):
     """python bench.py gpu-check: parity, bandwidth, Fig. 6 and Table 1 on the first GPU, one table."""
     config = dict(GPU_CHECK_CONFIG)
@@ -598,7 +589,7 @@ def gpu_check(argv):
     name = torch.cuda.get_device_name(device)
     import triton
     head = (f"bench.py gpu-check on {name}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"commit {_commit()}")
+            f"commit {git_commit()}")
     say(head)
     say("parity: Triton on CUDA tensors against the PyTorch twin ...")
     parity = gpu_parity(device)

@@ -8,7 +8,13 @@ folder) applies the base's settings first and then the file's own, so a paper ru
 differs from its family's recipe. A base may name a base of its own. An override must name an
 existing key (a typo lists close matches) and keep the default's type (an int default takes
 "3", a float default "3e-4" or "3", a bool "True"/"False", a string anything); a config file's
-values, its bases' included, are checked the same way.
+values, its bases' included, are checked the same way. A bare `--key` sets a bool key to True
+(`--dry_run` is `--dry_run=True`); any other key needs its value.
+
+Every script reads its command line here, so all speak one dialect: `--key=value` (or a bare
+`--flag`), the same one-line error for an unknown key, and `--help` from the defaults' comments. A
+script whose plain arguments are not config files (a study's name, run directories) passes
+`positional=[]` and gets them there in order.
 
 `--help` (or `-h`) prints every key with its value and the one-line comment the script's defaults
 block gives it (read from the script's source: `key = value  # comment`, or `key=value,  # comment`
@@ -73,20 +79,24 @@ def file_settings(path, named_by=()):
     return file_settings(os.path.join(os.path.dirname(path), base), (*named_by, path)) + [(path, own)]
 
 
-def configure(config, argv, script=None):
+def configure(config, argv, script=None, positional=None, usage=None):
     """Apply config files and --key=value overrides in `argv` to the dict `config`, in order.
 
     Returns the set of keys that were set, so a caller can tell a user's choice from a default.
     `--help` or `-h` prints the keys (help_text: their comments from `script`, by default the
-    source file of the module that calls configure) and exits 0, as argparse does.
+    source file of the module that calls configure; `usage` its first line) and exits 0, as
+    argparse does. With a list as `positional`, plain arguments are appended to it instead of
+    being read as config files.
     """
     explicit, defaults = set(), dict(config)
     for arg in argv:
         if arg in ("-h", "--help"):
             caller = sys._getframe(1).f_globals  # the script whose defaults these are
-            print(help_text(config, defaults, script or caller.get("__file__"), caller.get("__doc__")))
+            print(help_text(config, defaults, script or caller.get("__file__"), caller.get("__doc__"), usage))
             raise SystemExit(0)
-        if not arg.startswith("--"):
+        if not arg.startswith("--") and positional is not None:
+            positional.append(arg)
+        elif not arg.startswith("--"):
             for path, settings in file_settings(arg):
                 for key, value in settings.items():
                     if key not in config:
@@ -98,11 +108,12 @@ def configure(config, argv, script=None):
                     explicit.add(key)
         else:
             key, sep, value = arg[2:].partition("=")
-            if not sep:
-                raise ConfigError(f"{arg}: overrides are written --key=value")
             if key not in config:
                 raise _unknown(key, config)
-            config[key] = _coerce(key, value, config[key])
+            if not sep and not isinstance(config[key], bool):
+                raise ConfigError(f"{arg}: overrides are written --key=value (a bare --key is for the true/false "
+                                  f"keys only)")
+            config[key] = _coerce(key, value, config[key]) if sep else True
             explicit.add(key)
     return explicit
 
@@ -138,7 +149,7 @@ def key_comments(path):
     return found
 
 
-def help_text(config, defaults, script, doc=None):
+def help_text(config, defaults, script, doc=None, usage=None):
     """What --help prints: how to call the script, its docstring's first line, and each key of
     config as a config file assigns it, with its comment (key_comments) and, where earlier arguments
     changed it, its default."""
@@ -147,7 +158,7 @@ def help_text(config, defaults, script, doc=None):
     rows = [(f"{k} = {v!r}", comments.get(k, "") + (f" (default {defaults[k]!r})" if v != defaults[k] else ""))
             for k, v in config.items()]
     width = min(max(len(a) for a, _ in rows), 40) if rows else 0
-    head = [f"usage: python {name} [config.py ...] [--key=value ...]"] + ([doc.strip().splitlines()[0]] if doc else [])
+    head = [usage or f"usage: python {name} [config.py ...] [--key=value ...]"] + ([doc.strip().splitlines()[0]] if doc else [])
     return "\n".join(head + ["", "keys (a config file reassigns them in Python; --key=value overrides, left to right):"]
                      + [f"  {a:<{width}}  # {c}" if c else f"  {a}" for a, c in rows])
 

@@ -45,7 +45,7 @@ import time
 import checkpoint as ckpt_io
 import configurator
 import plot
-from util import UserError, cli, machine
+from util import UserError, cli, git_commit, machine
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 GPT2, LLAMA2 = "config/mini_gpt2.py", "config/mini_llama2.py"
@@ -298,17 +298,6 @@ def write_json(path, obj):
 def file_sha(path):
     with open(os.path.join(REPO, path), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()[:16]
-
-
-def git_commit():
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (sha or "unknown") + ("+uncommitted changes" if dirty else "")
 
 
 def check_run_dir(run_dir, args, config):

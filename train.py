@@ -44,7 +44,7 @@ from configurator import ConfigError, configure
 from data import loader
 from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
 from step import Diverging, NonFinite, check_sane, get_lr, schedule_notes, share_out, train_step
-from util import cli, keep_freed_cpu_memory, machine
+from util import cli, git_commit, keep_freed_cpu_memory, machine
 
 # -----------------------------------------------------------------------------------------------
 # default config values: a small gaussws[all] GPT2 on the offline default corpus
@@ -414,7 +414,7 @@ def _main(argv, resources):
                                progress.device_peak(proc.dev, c["dtype"], proc.world_size))
 
     # logging
-    versions = {"torch": torch.__version__, "python": sys.version.split()[0],
+    versions = {"torch": torch.__version__, "python": sys.version.split()[0], "commit": git_commit(),
                 "machine": machine() + (f", {torch.cuda.get_device_name(proc.dev)}" if proc.device_type == "cuda" else "")}
     run_info = {**c, "model_args": asdict(mconf), "world_size": proc.world_size, "versions": versions}
     if proc.master and not c["eval_only"]:  # an evaluation leaves the run's record as it is

@@ -49,6 +49,22 @@ def machine():
     return f"{cpu}, {os.cpu_count()} logical cores"
 
 
+def git_commit(repo=None):
+    """The repository's commit (short hash), with "+uncommitted changes" where tracked files differ
+    from it; "unknown" outside a git checkout. What a run, a benchmark or a study record says its
+    numbers came from."""
+    import subprocess
+    repo = repo or os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha or "unknown") + ("+uncommitted changes" if sha and dirty else "")
+
+
 def first_line(e):
     """The first line of an exception's message: an OSError's strerror (without the errno and the
     path, which the caller's message names), else str(e), else the exception's type."""

@@ -64,3 +64,20 @@ def test_help_is_a_flag_not_a_config_file_and_other_arguments_still_fail():
     assert done.value.code == 0
     with pytest.raises(ConfigError, match="config file '-x' not found"):
         configure({"a": 1}, ["-x"])
+
+
+def test_a_bare_flag_is_true_for_a_bool_key_and_refused_for_any_other():
+    c = {"dry_run": False, "steps": 3}
+    assert configure(c, ["--dry_run"]) == {"dry_run"} and c["dry_run"] is True
+    with pytest.raises(ConfigError, match="--steps: overrides are written --key=value"):
+        configure(c, ["--steps"])
+    with pytest.raises(ConfigError, match="unknown config key 'dry_rn'; did you mean --dry_run"):
+        configure(c, ["--dry_rn"])
+
+
+def test_plain_arguments_go_to_positional_where_a_script_takes_names(tmp_path):
+    names, c = [], {"root": "out"}
+    configure(c, ["fig1b", "--root=x", "deploy"], positional=names)
+    assert names == ["fig1b", "deploy"] and c["root"] == "x"
+    with pytest.raises(ConfigError, match="config file 'fig1b' not found"):  # without positional: a config file
+        configure(dict(c), ["fig1b"])

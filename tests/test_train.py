@@ -315,7 +315,11 @@ def test_the_cosine_follows_max_iters_unless_lr_decay_iters_is_set(tiny_corpus, 
     c = dict(train.DEFAULTS, **args, lr_decay_iters=12)
     assert lrs == pytest.approx({k: hand_lr(k - 1, c) for k in range(1, 13)}, rel=1e-12)  # step k logs lr of k - 1
     assert lrs[12] < 0.1 * c["learning_rate"]  # the cosine ends with the run, not at step 400
-    assert json.load(open(tmp_path / "a" / "config.json"))["lr_decay_iters"] == 12
+    config = json.load(open(tmp_path / "a" / "config.json"))
+    assert config["lr_decay_iters"] == 12
+    # the run names the commit its numbers came from (git's own answer, not ours)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert config["versions"]["commit"].partition("+")[0] == head
     # an explicit lr_decay_iters before max_iters is said once, and the run goes on
     train.main([f"--dataset={tiny_corpus}", f"--out_dir={tmp_path / 'b'}", "--lr_decay_iters=8"]
                + [f"--{k}={v}" for k, v in args.items()])
