@@ -132,6 +132,7 @@ def _fp16_fit(s, cmax, t, what, check):
     to the next FP16 value away from zero where that would put the largest sub-block scale's code beyond
     cmax + 1/2: a subnormal d rounded to nearest can be a third too small (and a non-zero one 0); in
     FP16's normal range (relative rounding below 2^-11) this never happens."""
+    s = s + 0.0  # -0 + 0 = +0: an all-zero block's d is 0, not -0 (its codes then dequantize to +0 as stored)
     s16 = _fp16(s, t, what, check)
     short = s16.float().abs() * (cmax + 0.5) < s.abs() * cmax
     return torch.where(short, (s16.view(torch.int16) + 1).view(torch.float16), s16)  # + 1: the next away from 0
@@ -209,7 +210,7 @@ def _scale_codes(s, d, cmin, cmax):
     range, and at least magnitude 1 where s is not zero (d = 0 gives code 0)."""
     c = torch.round(_div_or_zero(s, d[..., None]))
     c = torch.where((c == 0) & (s != 0) & (d[..., None] != 0), torch.sign(s * d[..., None]), c)
-    return c.clamp_(cmin, cmax)
+    return c.clamp_(cmin, cmax).add_(0.0)  # -0 + 0 = +0: the integer 0
 
 
 def _tree_sum(x):
