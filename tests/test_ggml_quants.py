@@ -392,7 +392,8 @@ def test_only_a_2d_float_weight_is_taken():
 
 # --- devices and llama.cpp ------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA's codes are compared with the CPU's there")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: where there is one, its codes are compared with the CPU's")
 @pytest.mark.parametrize("t", G.TYPES, ids=lambda t: t.name)
 def test_cuda_gives_the_cpus_codes_and_values(t):
     w = torch.cat([weights("heavy", 8, 1024), weights("outliers", 8, 1024, seed=2)])
