@@ -128,24 +128,21 @@ def _check(w, t, check):
     return w.float()
 
 
-def _fp16(s, t, what, check):
-    """FP32 scales as FP16 (round to nearest even, as GGML_FP32_TO_FP16), refusing any beyond FP16's range."""
+def _fp16(s, t, what, check, cmax=None):
+    """FP32 scales in FP16, rounded to nearest even (GGML_FP32_TO_FP16), refusing any beyond FP16's range.
+    With cmax (a K-quant's d or dmin: the largest sub-block scale / cmax): rounded instead to the next FP16
+    value away from zero where nearest would put the largest sub-block scale's code beyond cmax + 1/2; a
+    subnormal d rounded to nearest can be a third too small (a non-zero one 0); in FP16's normal range
+    (relative rounding below 2^-11) this never happens."""
     s16 = s.half()
+    if cmax is not None:
+        s16 = s16 + 0.0  # -0 + 0 = +0: an all-zero block's d is 0, not -0 (its codes then dequantize to +0)
+        short = s16.float().abs() * (cmax + 0.5) < s.abs() * cmax
+        s16 = torch.where(short, (s16.view(torch.int16) + 1).view(torch.float16), s16)  # + 1: the next from 0
     if check and not bool(torch.isfinite(s16).all()):
         raise QuantError(f"{t.name}: a block's {what} {s.abs().max().item():.6g} is beyond FP16's largest value "
                          f"65504; these weights are too large for {t.name} (scale them down)")
     return s16
-
-
-def _fp16_fit(s, cmax, t, what, check):
-    """The super-block scale s (FP32; the largest sub-block scale / cmax) in FP16, rounded to nearest, or
-    to the next FP16 value away from zero where that would put the largest sub-block scale's code beyond
-    cmax + 1/2: a subnormal d rounded to nearest can be a third too small (and a non-zero one 0); in
-    FP16's normal range (relative rounding below 2^-11) this never happens."""
-    s = s + 0.0  # -0 + 0 = +0: an all-zero block's d is 0, not -0 (its codes then dequantize to +0 as stored)
-    s16 = _fp16(s, t, what, check)
-    short = s16.float().abs() * (cmax + 0.5) < s.abs() * cmax
-    return torch.where(short, (s16.view(torch.int16) + 1).view(torch.float16), s16)  # + 1: the next away from 0
 
 
 def _first_absmax(x):
@@ -170,9 +167,9 @@ def _div_or_zero(a, b):
 def _codes(x, scale, offset, lo, hi):
     """round((x + offset) / scale), clamped to lo..hi, per sub-block (scale, offset: x's shape less its last
     dimension; a zero scale gives code 0)."""
-    q = x + offset[..., None] if offset is not None else x.clone()
-    q.div_(torch.where(scale != 0, scale, torch.inf)[..., None]).round_().clamp_(lo, hi)
-    return q.add_(0.0)  # -0 + 0 = +0: the integer 0, which dequantizes as ggml's does (d*0 - 0 = +0)
+    step = torch.where(scale != 0, scale, torch.inf)[..., None]
+    q = (x + offset[..., None]).div_(step) if offset is not None else x / step
+    return q.round_().clamp_(lo, hi).add_(0.0)  # -0 + 0 = +0: the integer 0 (d*0 - 0 = +0, as ggml)
 
 
 # --- llama.cpp's reference rules: Q4_0, Q8_0 --------------------------------------------------------------
@@ -253,8 +250,8 @@ def _quantize_affine(x, t, check, sub, qmax, cmax):
     """Q4_K, Q5_K, Q2_K: x = d*sc*q - dmin*m, sub-blocks of `sub` weights, q in 0..qmax, codes 0..cmax."""
     x = x.unflatten(-1, (QK_K // sub, sub))
     scale, mn = _affine_fit(x, qmax)
-    d = _fp16_fit(scale.amax(-1) / cmax, cmax, t, "scale d", check)
-    dmin = _fp16_fit(mn.amax(-1) / cmax, cmax, t, "min scale dmin", check)
+    d = _fp16(scale.amax(-1) / cmax, t, "scale d", check, cmax)
+    dmin = _fp16(mn.amax(-1) / cmax, t, "min scale dmin", check, cmax)
     sc, m = _scale_codes(scale, d.float(), 0, cmax), _scale_codes(mn, dmin.float(), 0, cmax)
     q = _codes(x, d.float()[..., None] * sc, dmin.float()[..., None] * m, 0, qmax)  # the stored grid, as ggml
     return {"d": d, "dmin": dmin, "sc": sc, "m": m, "q": q}
@@ -276,7 +273,7 @@ def _quantize_symmetric(x, t, check, qneg, cneg):
     the stored codes are sc + 32 (Q3_K) and q + qneg."""
     x = x.unflatten(-1, (QK_K // 16, 16))
     scale = _symmetric_fit(x, qneg)
-    d = _fp16_fit(_first_absmax(scale) / -cneg, cneg, t, "scale d", check)
+    d = _fp16(_first_absmax(scale) / -cneg, t, "scale d", check, cneg)
     sc = _scale_codes(scale, d.float(), -cneg, min(cneg - 1, 127))
     q = _codes(x, d.float()[..., None] * sc, None, -qneg, qneg - 1).add_(qneg)
     return {"d": d, "sc": sc + 32 if t == T.Q3_K else sc, "q": q}
