@@ -48,8 +48,8 @@ Scale rules, and why:
     takes the one extra negative level, as Q4_0 does;
   - then LLOYD_ROUNDS rounds of Lloyd's algorithm: each weight's nearest code, then the sub-block's
     least-squares scale (and min, kept >= 0) for those codes, which clips the tails where that lowers
-    the error. The range alone leaves 3-13 % more RMSE than llama-quantize's searches on Gaussian and
-    heavy-tailed weights; two rounds 1-4 % more for Q4_K, Q5_K, Q6_K and 2-12 % less for Q3_K, Q2_K
+    the error. The range alone leaves 1-12 % more RMS error than llama-quantize's searches on Gaussian
+    and heavy-tailed weights; two rounds 1-4 % more for Q4_K, Q5_K, Q6_K and 2-12 % less for Q3_K, Q2_K
     (docs/GGUF.md); more rounds add little;
   - the super-block's d (and dmin): the largest sub-block scale (min) / the code maximum 63 (15 for
     Q2_K; for Q3_K and Q6_K the signed largest / -32 or / -128, which takes the extra negative code),
