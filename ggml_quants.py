@@ -44,8 +44,8 @@ Scale rules, and why:
   device (maxima, minima, correctly rounded divisions, sums in one fixed order: _tree_sum):
   - each sub-block's scale starts from its range. Q4_K, Q5_K, Q2_K (x = d*sc*q - dmin*m): [min(x, 0),
     max(x)], the grid's lowest point -dmin*m never above 0, as in llama.cpp. Q3_K, Q6_K (x = d*sc*q,
-    q in -4..3 or -32..31): the signed value of largest magnitude / -4 (or / -32), so that this weight
-    takes the one extra negative level, as Q4_0 does;
+    q in -4..3 or -32..31): the signed value of largest magnitude (the positive one at a tie) / -4 (or
+    / -32), so that this weight takes the one extra negative level, as Q4_0 does;
   - then LLOYD_ROUNDS rounds of Lloyd's algorithm: each weight's nearest code, then the sub-block's
     least-squares scale (and min, kept >= 0) for those codes, which clips the tails where that lowers
     the error. The range alone leaves 1-12 % more RMS error than llama-quantize's searches on Gaussian
@@ -152,6 +152,13 @@ def _first_absmax(x):
     return v + 0.0  # -0 + 0 = +0: an all-zero block's "max" stays the reference's initial +0
 
 
+def _signed_absmax(x):
+    """Each row's (last dimension's) signed value of largest magnitude, the positive one where +a and -a
+    tie: the K-quants' rule, which need not find the first as llama.cpp's loops do, in two reductions."""
+    hi, lo = x.amax(-1), x.amin(-1)
+    return torch.where(hi >= -lo, hi, lo) + 0.0  # -0 + 0 = +0
+
+
 def _round_half_away(p):
     """C's roundf: round to nearest, ties away from zero, exactly (a + 0.5 would round 0.49999997 to 1)."""
     a = p.abs()
@@ -166,10 +173,10 @@ def _div_or_zero(a, b):
 
 def _codes(x, scale, offset, lo, hi):
     """round((x + offset) / scale), clamped to lo..hi, per sub-block (scale, offset: x's shape less its last
-    dimension; a zero scale gives code 0)."""
+    dimension; a zero scale gives code 0, possibly -0)."""
     step = torch.where(scale != 0, scale, torch.inf)[..., None]
     q = (x + offset[..., None]).div_(step) if offset is not None else x / step
-    return q.round_().clamp_(lo, hi).add_(0.0)  # -0 + 0 = +0: the integer 0 (d*0 - 0 = +0, as ggml)
+    return q.round_().clamp_(lo, hi)
 
 
 # --- llama.cpp's reference rules: Q4_0, Q8_0 --------------------------------------------------------------
@@ -236,7 +243,7 @@ def _affine_fit(x, qmax):
     n, sx = x.shape[-1], _tree_sum(x)
     for _ in range(LLOYD_ROUNDS):
         L = _codes(x, s, b, 0, qmax)
-        sl, sl2, sxl = _tree_sum(L), _tree_sum(L * L), _tree_sum(x * L)  # integer sums of L: exact
+        sl, sl2, sxl = L.sum(-1), (L * L).sum(-1), _tree_sum(x * L)  # sums of integers: exact in any order
         det = n * sl2 - sl * sl
         fit_s, fit_b = _div_or_zero(n * sxl - sx * sl, det), _div_or_zero(sl * sxl - sl2 * sx, det)
         lowest_above_0 = fit_b < 0  # the grid's lowest point -b may not lie above 0: fit s alone, b = 0
@@ -254,16 +261,17 @@ def _quantize_affine(x, t, check, sub, qmax, cmax):
     dmin = _fp16(mn.amax(-1) / cmax, t, "min scale dmin", check, cmax)
     sc, m = _scale_codes(scale, d.float(), 0, cmax), _scale_codes(mn, dmin.float(), 0, cmax)
     q = _codes(x, d.float()[..., None] * sc, dmin.float()[..., None] * m, 0, qmax)  # the stored grid, as ggml
+    q += 0.0  # -0 + 0 = +0: the integer 0 (d1*0 - m1 is then ggml's value where m1 = 0)
     return {"d": d, "dmin": dmin, "sc": sc, "m": m, "q": q}
 
 
 def _symmetric_fit(x, qneg):
     """Each sub-block's signed scale s (x ~ s*L, L in -qneg..qneg-1): its signed value of largest magnitude
     / -qneg (which takes the extra level), then LLOYD_ROUNDS of: nearest codes, least-squares s."""
-    s = _first_absmax(x) / -qneg
+    s = _signed_absmax(x) / -qneg
     for _ in range(LLOYD_ROUNDS):
         L = _codes(x, s, None, -qneg, qneg - 1)
-        fit = _div_or_zero(_tree_sum(x * L), _tree_sum(L * L))
+        fit = _div_or_zero(_tree_sum(x * L), (L * L).sum(-1))  # the sum of integers: exact in any order
         s = torch.where(fit != 0, fit, s)
     return s
 
@@ -273,7 +281,7 @@ def _quantize_symmetric(x, t, check, qneg, cneg):
     the stored codes are sc + 32 (Q3_K) and q + qneg."""
     x = x.unflatten(-1, (QK_K // 16, 16))
     scale = _symmetric_fit(x, qneg)
-    d = _fp16(_first_absmax(scale) / -cneg, t, "scale d", check, cneg)
+    d = _fp16(_signed_absmax(scale) / -cneg, t, "scale d", check, cneg)
     sc = _scale_codes(scale, d.float(), -cneg, min(cneg - 1, 127))
     q = _codes(x, d.float()[..., None] * sc, None, -qneg, qneg - 1).add_(qneg)
     return {"d": d, "sc": sc + 32 if t == T.Q3_K else sc, "q": q}
