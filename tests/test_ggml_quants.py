@@ -186,82 +186,101 @@ def test_the_32_weight_types_are_idempotent(t):
 
 # --- the blocks' layouts, decoded naively -------------------------------------------------------------
 
-def naive_decode(t, block):
-    """One GGML block's bytes as ggml-quants.c's dequantize_row_* reads them, element by element: a list of
-    (value, grid) per weight, values in FP32 as the C computes them; for the K-quants grid is the (scale,
-    offset, codes) of the weight's sub-block (value = scale*q - offset, q in codes), else None."""
-    block = [int(b) for b in block]
+# Each decodes one GGML block's bytes (a list of ints) as ggml-quants.c's dequantize_row_* reads them, element
+# by element, into a list of (value, grid) per weight, values in FP32 as the C computes them; for the
+# K-quants grid is the (scale, offset, codes) of the weight's sub-block (value = scale*q - offset, q in
+# codes), else None.
 
-    def h(i):
-        return f32(np.frombuffer(bytes(block[i:i + 2]), np.float16)[0])
-    out = []
+def fp16_at(block, i):
+    return f32(np.frombuffer(bytes(block[i:i + 2]), np.float16)[0])
+
+
+def naive_32(t, block):
     if t == T.Q8_0:
-        return [(f32(c - 256 * (c > 127)) * h(0), None) for c in block[2:]]
-    if t in (T.Q4_0, T.MXFP4):
-        qs = block[2:] if t == T.Q4_0 else block[1:]
-        codes = [b & 0xF for b in qs] + [b >> 4 for b in qs]  # byte j: codes j and 16 + j
-        if t == T.Q4_0:
-            return [(f32(c - 8) * h(0), None) for c in codes]
-        d = f32(2.0 ** (block[0] - 128))  # GGML_E8M0_TO_FP32_HALF: half the scale, the table holds 2x E2M1
-        kv = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
-        return [(f32(kv[c]) * d, None) for c in codes]
-    if t in (T.Q4_K, T.Q5_K):
-        d, dmin, sc, qs = h(0), h(2), block[4:16], block[16:] if t == T.Q4_K else block[48:]
+        return [(f32(c - 256 * (c > 127)) * fp16_at(block, 0), None) for c in block[2:]]
+    qs = block[2:] if t == T.Q4_0 else block[1:]
+    codes = [b & 0xF for b in qs] + [b >> 4 for b in qs]  # byte j: codes j and 16 + j
+    if t == T.Q4_0:
+        return [(f32(c - 8) * fp16_at(block, 0), None) for c in codes]
+    d = f32(2.0 ** (block[0] - 128))  # GGML_E8M0_TO_FP32_HALF: half the scale, the table holds 2x E2M1
+    kvalues = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+    return [(f32(kvalues[c]) * d, None) for c in codes]
 
-        def scale_min(j):
-            if j < 4:
-                return sc[j] & 63, sc[j + 4] & 63
-            return (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
-        for j in range(0, 256, 64):
-            for half in (0, 1):
-                s, m = scale_min(j // 32 + half)
-                d1, m1 = f32(d * f32(s)), f32(dmin * f32(m))
-                for l in range(32):
-                    c = qs[j // 2 + l] >> (4 * half) & 0xF
-                    if t == T.Q5_K:
-                        c += 16 if block[16 + l] & (1 << (j // 32 + half)) else 0
-                    out.append((f32(f32(d1 * f32(c)) - m1), (d1, m1, range(16 if t == T.Q4_K else 32))))
-        return out
-    if t == T.Q2_K:
-        sc, qs, d, dmin = block[:16], block[16:80], h(80), h(82)
-        for n in range(0, 256, 128):
-            for shift in range(0, 8, 2):
-                for part in (0, 1):
-                    s = sc[n // 16 + shift + part]
-                    dl, ml = f32(d * f32(s & 0xF)), f32(dmin * f32(s >> 4))
-                    for l in range(16):
-                        c = qs[n // 4 + 16 * part + l] >> shift & 3
-                        out.append((f32(f32(dl * f32(c)) - ml), (dl, ml, range(4))))
-        return out
-    if t == T.Q3_K:
-        hmask, qs, d = block[:32], block[32:96], h(108)
-        aux = np.frombuffer(bytes(block[96:108]) + bytes(4), np.uint32).copy()  # the C's kmask unpacking
-        tmp = aux[2]
-        aux[2] = ((aux[0] >> 4) & 0x0F0F0F0F) | (((tmp >> 4) & 0x03030303) << 4)
-        aux[3] = ((aux[1] >> 4) & 0x0F0F0F0F) | (((tmp >> 6) & 0x03030303) << 4)
-        aux[0] = (aux[0] & 0x0F0F0F0F) | (((tmp >> 0) & 0x03030303) << 4)
-        aux[1] = (aux[1] & 0x0F0F0F0F) | (((tmp >> 2) & 0x03030303) << 4)
-        scales, bit, i = aux.view(np.int8).tolist(), 1, 0
-        for n in range(0, 256, 128):
-            for shift in range(0, 8, 2):
-                for part in (0, 1):
-                    dl = f32(d * f32(scales[i] - 32))
-                    i += 1
-                    for l in range(16):
-                        c = (qs[n // 4 + 16 * part + l] >> shift & 3) - (0 if hmask[16 * part + l] & bit else 4)
-                        out.append((f32(dl * f32(c)), (dl, f32(0), range(-4, 4))))
-                bit <<= 1
-        return out
-    ql, qh, sc, d = block[:128], block[128:192], [c - 256 * (c > 127) for c in block[192:208]], h(208)  # Q6_K
-    vals = [None] * 256
+
+def naive_q4_k_q5_k(t, block):
+    d, dmin, sc, qs = fp16_at(block, 0), fp16_at(block, 2), block[4:16], block[16:] if t == T.Q4_K else block[48:]
+
+    def scale_min(j):  # get_scale_min_k4
+        if j < 4:
+            return sc[j] & 63, sc[j + 4] & 63
+        return (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+    out = []
+    for j in range(0, 256, 64):
+        for half in (0, 1):
+            s, m = scale_min(j // 32 + half)
+            d1, m1 = f32(d * f32(s)), f32(dmin * f32(m))
+            for l in range(32):
+                c = qs[j // 2 + l] >> (4 * half) & 0xF
+                if t == T.Q5_K:
+                    c += 16 if block[16 + l] & (1 << (j // 32 + half)) else 0
+                out.append((f32(f32(d1 * f32(c)) - m1), (d1, m1, range(16 if t == T.Q4_K else 32))))
+    return out
+
+
+def naive_q2_k(t, block):
+    sc, qs, d, dmin = block[:16], block[16:80], fp16_at(block, 80), fp16_at(block, 82)
+    out = []
+    for n in range(0, 256, 128):
+        for shift in range(0, 8, 2):
+            for part in (0, 1):
+                s = sc[n // 16 + shift + part]
+                dl, ml = f32(d * f32(s & 0xF)), f32(dmin * f32(s >> 4))
+                for l in range(16):
+                    c = qs[n // 4 + 16 * part + l] >> shift & 3
+                    out.append((f32(f32(dl * f32(c)) - ml), (dl, ml, range(4))))
+    return out
+
+
+def naive_q3_k(t, block):
+    hmask, qs, d = block[:32], block[32:96], fp16_at(block, 108)
+    aux = np.frombuffer(bytes(block[96:108]) + bytes(4), np.uint32).copy()  # the C's kmask unpacking
+    tmp = aux[2]
+    aux[2] = ((aux[0] >> 4) & 0x0F0F0F0F) | (((tmp >> 4) & 0x03030303) << 4)
+    aux[3] = ((aux[1] >> 4) & 0x0F0F0F0F) | (((tmp >> 6) & 0x03030303) << 4)
+    aux[0] = (aux[0] & 0x0F0F0F0F) | (((tmp >> 0) & 0x03030303) << 4)
+    aux[1] = (aux[1] & 0x0F0F0F0F) | (((tmp >> 2) & 0x03030303) << 4)
+    scales, bit, i, out = aux.view(np.int8).tolist(), 1, 0, []
+    for n in range(0, 256, 128):
+        for shift in range(0, 8, 2):
+            for part in (0, 1):
+                dl = f32(d * f32(scales[i] - 32))
+                i += 1
+                for l in range(16):
+                    c = (qs[n // 4 + 16 * part + l] >> shift & 3) - (0 if hmask[16 * part + l] & bit else 4)
+                    out.append((f32(dl * f32(c)), (dl, f32(0), range(-4, 4))))
+            bit <<= 1
+    return out
+
+
+def naive_q6_k(t, block):
+    ql, qh, sc, d = block[:128], block[128:192], [c - 256 * (c > 127) for c in block[192:208]], fp16_at(block, 208)
+    out = [None] * 256
     for n in range(0, 256, 128):
         for l in range(32):
-            for k, (lo, sh) in enumerate([(ql[n // 2 + l] & 0xF, 0), (ql[n // 2 + 32 + l] & 0xF, 2),
-                                          (ql[n // 2 + l] >> 4, 4), (ql[n // 2 + 32 + l] >> 4, 6)]):
-                c = (lo | ((qh[n // 4 + l] >> sh & 3) << 4)) - 32
+            for k, (low, shift) in enumerate([(ql[n // 2 + l] & 0xF, 0), (ql[n // 2 + 32 + l] & 0xF, 2),
+                                              (ql[n // 2 + l] >> 4, 4), (ql[n // 2 + 32 + l] >> 4, 6)]):
+                c = (low | ((qh[n // 4 + l] >> shift & 3) << 4)) - 32
                 d1 = f32(d * f32(sc[n // 16 + l // 16 + 2 * k]))
-                vals[n + 32 * k + l] = (f32(d1 * f32(c)), (d1, f32(0), range(-32, 32)))
-    return vals
+                out[n + 32 * k + l] = (f32(d1 * f32(c)), (d1, f32(0), range(-32, 32)))
+    return out
+
+
+NAIVE = {T.Q4_0: naive_32, T.Q8_0: naive_32, T.MXFP4: naive_32, T.Q4_K: naive_q4_k_q5_k, T.Q5_K: naive_q4_k_q5_k,
+         T.Q2_K: naive_q2_k, T.Q3_K: naive_q3_k, T.Q6_K: naive_q6_k}
+
+
+def naive_decode(t, block):
+    return NAIVE[t](t, [int(b) for b in block])
 
 
 CODE_RANGES = {T.Q4_0: (0, 15), T.Q8_0: (-127, 127), T.MXFP4: (0, 15), T.Q4_K: (0, 15), T.Q5_K: (0, 31),
@@ -341,6 +360,38 @@ def test_an_all_zero_block_has_a_zero_scale_and_dequantizes_to_zero(t):
     assert (scale[0] == 0).all() and (scale[1, 0] == 0).all()
     if "dmin" in q:
         assert (q["dmin"][0] == 0).all() and q["dmin"][1, 0] == 0
+    if t in K_TYPES:  # +0, not -0 (Q4_0's is -0, as llama.cpp computes it)
+        assert (q["d"][0].view(torch.int16) == 0).all()
+
+
+@pytest.mark.parametrize("t", G.TYPES, ids=lambda t: t.name)
+def test_fake_quantize_keeps_the_sign_of_zero_that_the_stored_codes_give(t):
+    """A weight whose code is 0 (or whose value is 0) dequantizes as the stored integer code does, never to a -0
+    that the FP32 codes alone would give: non-negative sub-blocks with tiny negative weights and -0s, beside
+    sub-blocks whose large mins set dmin."""
+    rng = np.random.default_rng(11)
+    w = rng.random((4, 512)).astype(f32) * 0.02
+    w[:, 1::7], w[:, 3::11] = -1e-9, -0.0
+    w[:, 256:288] -= 0.05
+    w = torch.from_numpy(w)
+    assert np.array_equal(bits(G.fake_quantize(w, t)), bits(G.dequantize(G.quantize(w, t), t)))
+
+
+@pytest.mark.parametrize("t,codes", [(T.Q4_K, 63), (T.Q5_K, 63), (T.Q2_K, 15), (T.Q3_K, 32), (T.Q6_K, 128)],
+                         ids=lambda x: getattr(x, "name", ""))
+def test_a_small_sub_block_keeps_a_scale_code_of_1(t, codes):
+    """Sub-blocks whose scale is about 0.3 of the super-block's d (the largest sub-block scale / its code
+    maximum) round to scale code 0, all their weights one value; code 1 is kept instead, and is closer."""
+    w = weights("gauss", 2, 256, scale=0.3 / codes)
+    sub = 32 if t in (T.Q4_K, T.Q5_K) else 16
+    w[:, :sub] = weights("gauss", 2, sub, scale=1.0, seed=1)
+    q = G.quantize(w, t)
+    zero = 32 if t == T.Q3_K else 0
+    assert ((q["sc"][:, 0, 1:].int() - zero).abs() == 1).all()
+    collapsed = dict(q, sc=q["sc"].clone())
+    collapsed["sc"][:, 0, 1:] = zero
+    error = [(G.dequantize(x, t) - w)[:, sub:].pow(2).sum() for x in (q, collapsed)]
+    assert error[0] < error[1]
 
 
 # --- bad input -----------------------------------------------------------------------------------------
