@@ -326,24 +326,24 @@ def quantize(w, type, check=True):
 def _dequantize_affine(q, sub):
     d1 = q["d"].float()[..., None] * q["sc"].float()  # ggml: d1 = d * sc, m1 = dmin * m (exact), d1*q - m1
     m1 = q["dmin"].float()[..., None] * q["m"].float()
-    x = q["q"].view(*d1.shape, sub).float()
+    x = q["q"].reshape(*d1.shape, sub).float()
     return (d1[..., None] * x).sub_(m1[..., None])
 
 
 def _dequantize_symmetric(q, sc, offset):
     d1 = q["d"].float()[..., None] * sc.float()
-    return d1[..., None] * (q["q"].view(*d1.shape, 16).float() - offset)
+    return d1[..., None] * (q["q"].reshape(*d1.shape, 16).float() - offset)
 
 
 def _dequantize_mxfp4(q):
     values = torch.tensor(KVALUES_MXFP4, dtype=torch.float32, device=q["q"].device)
     d = _e8m0_to_fp32(q["e"], half=True)  # ggml's table holds twice the E2M1 values, so half the scale
-    return values[q["q"].long()].view(*d.shape, 32) * d[..., None]
+    return values[q["q"].long()].reshape(*d.shape, 32) * d[..., None]
 
 
 _DEQUANTIZE = {
-    T.Q4_0: lambda q: (q["q"].view(*q["d"].shape, 32).float() - 8) * q["d"].float()[..., None],
-    T.Q8_0: lambda q: q["q"].view(*q["d"].shape, 32).float() * q["d"].float()[..., None],
+    T.Q4_0: lambda q: (q["q"].reshape(*q["d"].shape, 32).float() - 8) * q["d"].float()[..., None],
+    T.Q8_0: lambda q: q["q"].reshape(*q["d"].shape, 32).float() * q["d"].float()[..., None],
     T.MXFP4: _dequantize_mxfp4,
     T.Q4_K: lambda q: _dequantize_affine(q, 32),
     T.Q5_K: lambda q: _dequantize_affine(q, 32),
@@ -380,7 +380,7 @@ def _f16_bytes(d):
 
 
 def _nibbles(q, groups):
-    """Pairs of 4-bit codes: byte l of each group of 2*32 (or 2*16) codes holds code l and, above, code 32 + l."""
+    """Pairs of 4-bit codes: byte l of each 2*groups codes holds code l (low nibble) and code groups + l."""
     q = q.reshape(*q.shape[:-1], -1, 2, groups)
     return (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*q.shape[:-3], -1)
 
@@ -430,7 +430,8 @@ def _pack_blocks(t, q):
         return [q["sc"] | (q["m"] << 4), _crumbs(codes), _f16_bytes(q["d"]), _f16_bytes(q["dmin"])]
     if t == T.Q3_K:
         return [_bits(codes, 2, 32), _crumbs(codes & 3), _q3_k_scales(q["sc"]), _f16_bytes(q["d"])]
-    low = (codes & 0xF).reshape(*codes.shape[:-1], 2, 2, 2, 32)  # Q6_K: (half, high pair, pair, l)
+    # Q6_K: ql byte 64h + 32b + l holds the low 4 bits of codes 128h + 32b + l and (above) 128h + 64 + 32b + l
+    low = (codes & 0xF).reshape(*codes.shape[:-1], 2, 2, 2, 32)
     ql = (low[..., 0, :, :] | (low[..., 1, :, :] << 4)).reshape(*codes.shape[:-1], -1)
     return [ql, _crumbs(codes >> 4), q["sc"].view(np.uint8), _f16_bytes(q["d"])]
 
