@@ -1,0 +1,446 @@
+"""llama.cpp's block types as grids to train on and to write bit for bit: Q4_0, Q8_0, Q4_K, Q5_K, Q3_K,
+Q2_K, Q6_K and MXFP4.
+
+    q = quantize(w, "q4_k")         # w: float32 (m, n); blocks run along each row; codes and scales
+    w_hat = dequantize(q, "q4_k")   # float32, exactly as ggml's dequantize_row_q4_K computes it
+    w_hat = fake_quantize(w, "q4_k")           # the same, the STE forward's weight
+    raw = pack(q, "q4_k")           # numpy uint8 (m, bytes per row): the GGML blocks
+    writer.add_tensor(name, raw, raw_dtype=ggml_type("q4_k"))   # gguf.GGUFWriter
+
+A type is named by its GGML name in any case ("q4_k", "Q4_K") or by gguf's GGMLQuantizationType.
+quantize returns a dict of tensors on w's device, the block's fields as ggml-common.h stores them
+(FP16 scales as torch.float16, codes as the unsigned or signed integers of the layout), one entry per
+block or sub-block, blocks in row order:
+
+    Q4_0   d (m, n/32) f16; q (m, n) u8 0..15, x = d*(q-8)
+    Q8_0   d (m, n/32) f16; q (m, n) i8 -127..127, x = d*q
+    MXFP4  e (m, n/32) u8 E8M0; q (m, n) u8 E2M1 code (bit 3 the sign), x = 2^(e-127) * E2M1(q)
+    Q4_K   d, dmin (m, n/256) f16; sc, m (m, n/256, 8) u8 0..63; q (m, n) u8 0..15, x = d*sc*q - dmin*m
+    Q5_K   as Q4_K with q 0..31
+    Q2_K   d, dmin (m, n/256) f16; sc, m (m, n/256, 16) u8 0..15; q (m, n) u8 0..3, x = d*sc*q - dmin*m
+    Q3_K   d (m, n/256) f16; sc (m, n/256, 16) u8 0..63; q (m, n) u8 0..7, x = d*(sc-32)*(q-4)
+    Q6_K   d (m, n/256) f16; sc (m, n/256, 16) i8; q (m, n) u8 0..63, x = d*sc*(q-32)
+
+Scale rules, and why:
+
+- Q4_0 and Q8_0 are llama.cpp's reference quantizers (quantize_row_q4_0_ref, quantize_row_q8_0_ref),
+  operation for operation in FP32, so that llama-quantize (without an importance matrix) of an F32
+  GGUF of the trained master weights writes the bytes pack(quantize(w)) writes: a model trained on
+  these grids and its llama.cpp file are the same whichever of the two writes it. Q4_0: d = the
+  block's signed value of largest magnitude (the first, at ties) / -8, stored FP16; the codes use the
+  FP32 1/d of the unrounded d: q = min(15, trunc(x*(1/d) + 8.5)) with the product and the sum each
+  rounded to FP32 (llama.cpp's ggml-base is built without FMA). As in llama.cpp, a code is not always
+  the nearest point of the stored (FP16-rounded) grid. Q8_0: d = amax/127, q = roundf(x*(1/d)) (half
+  away from zero).
+- MXFP4: the OCP MX v1.0 conversion, as our safetensors file's mxfp4 (formats.py): shared exponent
+  floor(log2 amax) - 2 (exact, from the float's own exponent), elements E2M1 rounded half to even,
+  saturating at 6, a zero stored as the +0 code. llama.cpp's quantize_row_mxfp4_ref takes the same
+  exponent but rounds each element to the first nearest of its table, i.e. half towards zero: at the
+  ties 0.75, 1.75 and 3.5 (in units of the scale) it writes 0.5, 1.5 and 3 where OCP writes 1, 2 and
+  4; and its FP32 log2f rounds up to the next exponent when amax lies within a few FP32 roundings
+  below a power of two. Anywhere else the two write the same codes. An amax below 2^-125 (whose
+  exponent is below E8M0's range) takes the smallest scale, 2^-127.
+- K-quants, our own rule: vectorised, about 25 passes over the weight, and the same codes on every
+  device (maxima, minima, correctly rounded divisions, sums in one fixed order: _tree_sum):
+  - each sub-block's scale starts from its range. Q4_K, Q5_K, Q2_K (x = d*sc*q - dmin*m): [min(x, 0),
+    max(x)], the grid's lowest point -dmin*m never above 0, as in llama.cpp. Q3_K, Q6_K (x = d*sc*q,
+    q in -4..3 or -32..31): the signed value of largest magnitude (the positive one at a tie) / -4 (or
+    / -32), so that this weight takes the one extra negative level, as Q4_0 does;
+  - then LLOYD_ROUNDS rounds of Lloyd's algorithm: each weight's nearest code, then the sub-block's
+    least-squares scale (and min, kept >= 0) for those codes, which clips the tails where that lowers
+    the error. The range alone leaves 1-12 % more RMS error than llama-quantize's searches on Gaussian
+    and heavy-tailed weights; two rounds 1-4 % more for Q4_K, Q5_K, Q6_K and 2-12 % less for Q3_K, Q2_K
+    (docs/GGUF.md); more rounds add little;
+  - the super-block's d (and dmin): the largest sub-block scale (min) / the code maximum 63 (15 for
+    Q2_K; for Q3_K and Q6_K the signed largest / -32 or / -128, which takes the extra negative code),
+    in FP16; each sub-block's codes rounded to nearest against it, at least magnitude 1 where its
+    scale is not 0 (no sub-block collapses to one value);
+  - every code q = round((x + dmin*m) / (d*sc)) (or round(x / (d*sc))), clamped, from the stored FP16
+    d, dmin and integer codes: dequantize gives the nearest point of the stored grid (up to an FP32
+    rounding at the midpoints).
+  Q4_0, Q8_0 and MXFP4 are idempotent (a weight on the grid stays there: its block's largest lands on
+  the extreme code, which gives back the same scale); the K-quants are not: a sub-block whose weights
+  miss its extreme codes starts again from a narrower range and may settle on another grid.
+- FP16 scales: Q4_0 and Q8_0 round d to nearest as llama.cpp does (a tiny block's d may be subnormal,
+  or zero: then the block is all zeros). The K-quants' d and dmin round to nearest unless that would
+  put the largest sub-block's code beyond its range (a subnormal d rounded to nearest can be a third
+  too small, a non-zero one 0), then to the FP16 value above: a tiny non-zero block keeps a scale and
+  its shape. A scale beyond FP16's 65504 is refused, as are NaN and infinite weights (llama.cpp would
+  store an infinite d and dequantize NaNs).
+- quantize, dequantize and fake_quantize run eagerly inside a torch.compile'd model (a graph break):
+  inductor keeps a value cast to FP16 and back in FP32 within a fused kernel (unless
+  torch._inductor.config.emulate_precision_casts), which moves the grid, and may contract Q4_0's
+  x*(1/d) + 8.5 into one FMA; and its CPU code for the K-quants took 4-5x eager's time.
+
+dequantize computes as ggml's dequantize_row_* and gguf-py's numpy dequantizer do, in FP32: each
+product of an FP16 scale, an integer scale code and an integer code is exact in FP32 (at most 11 + 8
++ 6 significant bits), so the only rounding is the subtraction of dmin*m, where ggml rounds too;
+the results are bit-identical whatever the order and FMA contraction.
+"""
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+import util
+
+T = GGMLQuantizationType
+TYPES = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q3_K, T.Q2_K, T.Q6_K, T.MXFP4)
+QK_K = 256  # weights per K-quant super-block
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # ggml's: twice E2M1's value of each code
+LLOYD_ROUNDS = 2  # K-quants' least-squares refits of the sub-block scales: 2 take most of the gain (docs/GGUF.md)
+
+
+class QuantError(util.UserError, ValueError):
+    """A weight a GGML type cannot hold: its width, its shape, non-finite values, a scale beyond FP16."""
+
+
+def ggml_type(name):
+    """gguf's GGMLQuantizationType of one of TYPES, from it or its name in any case ("q4_k")."""
+    t = name if isinstance(name, GGMLQuantizationType) else T.__members__.get(str(name).upper())
+    if t not in TYPES:
+        raise QuantError(f"unknown GGML block type {name!r}: one of {', '.join(t.name.lower() for t in TYPES)}")
+    return t
+
+
+def block_size(name):
+    """Weights per block of a row: 32, or 256 for the K-quants."""
+    return GGML_QUANT_SIZES[ggml_type(name)][0]
+
+
+def bits_per_weight(name):
+    """The type's bits per weight, from gguf's own block sizes (bytes per block * 8 / weights per block)."""
+    weights, size = GGML_QUANT_SIZES[ggml_type(name)]
+    return size * 8 / weights
+
+
+def _check(w, t, check):
+    """w as float32 (m, n) blocks of t: a one-line QuantError for a shape or width t cannot hold, and with
+    check for NaN or infinite weights (one host-device synchronisation)."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+        shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+        raise QuantError(f"{t.name} quantizes a 2-D floating-point weight (rows, input width); got {shape}")
+    bs = GGML_QUANT_SIZES[t][0]
+    if w.shape[1] % bs:
+        raise QuantError(f"{t.name} needs a row width (the Linear's input dimension) that is a multiple of {bs}; "
+                         f"this weight's is {w.shape[1]}")
+    if check and not bool(torch.isfinite(torch.stack(torch.aminmax(w))).all()):  # NaN propagates to both
+        raise QuantError(f"{t.name}: the weight has NaN or infinite values; only finite weights can be quantized")
+    return w.float()
+
+
+def _fp16(s, t, what, check, cmax=None):
+    """FP32 scales in FP16, rounded to nearest even (GGML_FP32_TO_FP16), refusing any beyond FP16's range.
+    With cmax (a K-quant's d or dmin: the largest sub-block scale / cmax): rounded instead to the next FP16
+    value away from zero where nearest would put the largest sub-block scale's code beyond cmax + 1/2; a
+    subnormal d rounded to nearest can be a third too small (a non-zero one 0); in FP16's normal range
+    (relative rounding below 2^-11) this never happens."""
+    s16 = s.half()
+    if cmax is not None:
+        s16 = s16 + 0.0  # -0 + 0 = +0: an all-zero block's d is 0, not -0 (its codes then dequantize to +0)
+        short = s16.float().abs() * (cmax + 0.5) < s.abs() * cmax
+        s16 = torch.where(short, (s16.view(torch.int16) + 1).view(torch.float16), s16)  # + 1: the next from 0
+    if check and not bool(torch.isfinite(s16).all()):
+        raise QuantError(f"{t.name}: a block's {what} {s.abs().max().item():.6g} is beyond FP16's largest value "
+                         f"65504; these weights are too large for {t.name} (scale them down)")
+    return s16
+
+
+def _first_absmax(x):
+    """Each row's (last dimension's) signed value of largest magnitude, the first at ties, as
+    llama.cpp's loops find it; +0 for an all-zero row."""
+    v = x.gather(-1, torch.max(x.abs(), -1, keepdim=True).indices).squeeze(-1)  # max: the first index at ties
+    return v + 0.0  # -0 + 0 = +0: an all-zero block's "max" stays the reference's initial +0
+
+
+def _signed_absmax(x):
+    """Each row's (last dimension's) signed value of largest magnitude, the positive one where +a and -a
+    tie: the K-quants' rule, which need not find the first as llama.cpp's loops do, in two reductions."""
+    hi, lo = x.amax(-1), x.amin(-1)
+    return torch.where(hi >= -lo, hi, lo) + 0.0  # -0 + 0 = +0
+
+
+def _round_half_away(p):
+    """C's roundf: round to nearest, ties away from zero, exactly (a + 0.5 would round 0.49999997 to 1)."""
+    a = p.abs()
+    f = a.floor()
+    return torch.copysign(f.add_(a.sub_(f) >= 0.5), p).add_(0.0)  # -0 + 0 = +0: the integer 0
+
+
+def _div_or_zero(a, b):
+    """a / b where b != 0, else 0 (correctly rounded division, no NaN from 0/0)."""
+    return a / torch.where(b != 0, b, torch.inf)
+
+
+def _codes(x, scale, offset, lo, hi):
+    """round((x + offset) / scale), clamped to lo..hi, per sub-block (scale, offset: x's shape less its last
+    dimension; a zero scale gives code 0, possibly -0)."""
+    step = torch.where(scale != 0, scale, torch.inf)[..., None]
+    q = (x + offset[..., None]).div_(step) if offset is not None else x / step
+    return q.round_().clamp_(lo, hi)
+
+
+# --- llama.cpp's reference rules: Q4_0, Q8_0 --------------------------------------------------------------
+
+def _quantize_q4_0(x, t, check):
+    d = _first_absmax(x) / -8
+    q = x * _div_or_zero(torch.ones_like(d), d)[..., None]
+    q.add_(8.5).trunc_().clamp_(max=15)  # the product and the sum each rounded to FP32, as the reference's C
+    return {"d": _fp16(d, t, "scale d", check), "q": q}
+
+
+def _quantize_q8_0(x, t, check):
+    d = x.abs().amax(-1) / 127
+    q = _round_half_away(x * _div_or_zero(torch.ones_like(d), d)[..., None])
+    return {"d": _fp16(d, t, "scale d", check), "q": q}
+
+
+# --- MXFP4: the OCP MX rule ------------------------------------------------------------------------------
+
+def _e8m0_to_fp32(e, half=False):
+    """2^(e-127) (half: 2^(e-128), ggml's GGML_E8M0_TO_FP32_HALF) as FP32, built from its bits, exact down to
+    the subnormals."""
+    e = e.to(torch.int32) - int(half)
+    subnormal = torch.tensor(0x00400000, dtype=torch.int32, device=e.device) >> -e.clamp(max=0)
+    return torch.where(e >= 1, e << 23, subnormal).view(torch.float32)
+
+
+def _quantize_mxfp4(x, t, check):
+    amax = x.abs().amax(-1)
+    exponent = torch.frexp(amax)[1] - 1  # floor(log2 amax), exactly: amax = f * 2^e, f in [0.5, 1)
+    e = torch.where(amax > 0, exponent - 2 + 127, 0).clamp_(0, 254).float()
+    v = x / _e8m0_to_fp32(e)[..., None]  # exact: a power-of-two rescaling
+    a = v.abs()
+    step = (a >= 2).float().mul_(0.5).add_(0.5).add_(a >= 4)  # E2M1's spacing at a: 0.5, 1 from 2, 2 from 4
+    r = a.div_(step).round_().mul_(step).clamp_(max=6.0)  # round half to even, saturating
+    code = torch.minimum(2 * r, r + 2).sub_((r > 4).float())  # r's index in E2M1's table 0, .5, 1, 1.5, 2, 3, 4, 6
+    code += ((v < 0) & (code > 0)).float().mul_(8)  # the sign bit; a zero takes the +0 code, as llama.cpp's
+    return {"e": e, "q": code}
+
+
+# --- K-quants: our rule ----------------------------------------------------------------------------------
+
+def _scale_codes(s, d, cmin, cmax):
+    """Codes of scales s against the stored super-block scale d: rounded to nearest, clamped to the code
+    range, and at least magnitude 1 where s is not zero (d = 0 gives code 0)."""
+    c = torch.round(_div_or_zero(s, d[..., None]))
+    c = torch.where((c == 0) & (s != 0) & (d[..., None] != 0), torch.sign(s * d[..., None]), c)
+    return c.clamp_(cmin, cmax).add_(0.0)  # -0 + 0 = +0: the integer 0
+
+
+def _tree_sum(x):
+    """Sum over the last dimension (a power of two) by halves: one fixed order, so that every device gives
+    the same FP32 sum and the same codes."""
+    while x.shape[-1] > 1:
+        x = x[..., :x.shape[-1] // 2] + x[..., x.shape[-1] // 2:]
+    return x[..., 0]
+
+
+def _affine_fit(x, qmax):
+    """Each sub-block's scale s and min b >= 0 (x ~ s*L - b, L in 0..qmax): its range [min(x, 0), max(x)],
+    then LLOYD_ROUNDS of: each weight's nearest code L, then the least-squares s and b for those L."""
+    lo = x.amin(-1).clamp_(max=0)
+    s, b = (x.amax(-1) - lo) / qmax, -lo
+    n, sx = x.shape[-1], _tree_sum(x)
+    for _ in range(LLOYD_ROUNDS):
+        L = _codes(x, s, b, 0, qmax)
+        sl, sl2, sxl = L.sum(-1), (L * L).sum(-1), _tree_sum(x * L)  # sums of integers: exact in any order
+        det = n * sl2 - sl * sl
+        fit_s, fit_b = _div_or_zero(n * sxl - sx * sl, det), _div_or_zero(sl * sxl - sl2 * sx, det)
+        lowest_above_0 = fit_b < 0  # the grid's lowest point -b may not lie above 0: fit s alone, b = 0
+        fit_s = torch.where(lowest_above_0, _div_or_zero(sxl, sl2), fit_s)
+        ok = (det > 0) & (fit_s > 0)  # L not all equal
+        s, b = torch.where(ok, fit_s, s), torch.where(ok, fit_b.clamp_(min=0), b)
+    return s, b
+
+
+def _quantize_affine(x, t, check, sub, qmax, cmax):
+    """Q4_K, Q5_K, Q2_K: x = d*sc*q - dmin*m, sub-blocks of `sub` weights, q in 0..qmax, codes 0..cmax."""
+    x = x.unflatten(-1, (QK_K // sub, sub))
+    scale, mn = _affine_fit(x, qmax)
+    d = _fp16(scale.amax(-1) / cmax, t, "scale d", check, cmax)
+    dmin = _fp16(mn.amax(-1) / cmax, t, "min scale dmin", check, cmax)
+    sc, m = _scale_codes(scale, d.float(), 0, cmax), _scale_codes(mn, dmin.float(), 0, cmax)
+    q = _codes(x, d.float()[..., None] * sc, dmin.float()[..., None] * m, 0, qmax)  # the stored grid, as ggml
+    q += 0.0  # -0 + 0 = +0: the integer 0 (d1*0 - m1 is then ggml's value where m1 = 0)
+    return {"d": d, "dmin": dmin, "sc": sc, "m": m, "q": q}
+
+
+def _symmetric_fit(x, qneg):
+    """Each sub-block's signed scale s (x ~ s*L, L in -qneg..qneg-1): its signed value of largest magnitude
+    / -qneg (which takes the extra level), then LLOYD_ROUNDS of: nearest codes, least-squares s."""
+    s = _signed_absmax(x) / -qneg
+    for _ in range(LLOYD_ROUNDS):
+        L = _codes(x, s, None, -qneg, qneg - 1)
+        fit = _div_or_zero(_tree_sum(x * L), (L * L).sum(-1))  # the sum of integers: exact in any order
+        s = torch.where(fit != 0, fit, s)
+    return s
+
+
+def _quantize_symmetric(x, t, check, qneg, cneg):
+    """Q3_K, Q6_K: x = d*sc*q, sub-blocks of 16, q in -qneg..qneg-1, sc in -cneg..cneg-1 (Q6_K: ..127);
+    the stored codes are sc + 32 (Q3_K) and q + qneg."""
+    x = x.unflatten(-1, (QK_K // 16, 16))
+    scale = _symmetric_fit(x, qneg)
+    d = _fp16(_signed_absmax(scale) / -cneg, t, "scale d", check, cneg)
+    sc = _scale_codes(scale, d.float(), -cneg, min(cneg - 1, 127))
+    q = _codes(x, d.float()[..., None] * sc, None, -qneg, qneg - 1).add_(qneg)
+    return {"d": d, "sc": sc + 32 if t == T.Q3_K else sc, "q": q}
+
+
+_QUANTIZE = {
+    T.Q4_0: _quantize_q4_0,
+    T.Q8_0: _quantize_q8_0,
+    T.MXFP4: _quantize_mxfp4,
+    T.Q4_K: lambda x, t, check: _quantize_affine(x, t, check, 32, 15, 63),
+    T.Q5_K: lambda x, t, check: _quantize_affine(x, t, check, 32, 31, 63),
+    T.Q2_K: lambda x, t, check: _quantize_affine(x, t, check, 16, 3, 15),
+    T.Q3_K: lambda x, t, check: _quantize_symmetric(x, t, check, 4, 32),
+    T.Q6_K: lambda x, t, check: _quantize_symmetric(x, t, check, 32, 128),
+}
+_SIGNED = {T.Q8_0: "q", T.Q6_K: "sc"}  # the one int8 field of these types; every other code is uint8
+
+
+def _quantize_float(w, t, check):
+    """quantize's fields with the integer codes still in FP32 (what fake_quantize dequantizes directly)."""
+    w = _check(w, t, check)
+    m, n = w.shape
+    bs = GGML_QUANT_SIZES[t][0]
+    q = _QUANTIZE[t](w.reshape(m, n // bs, bs), t, check)
+    q["q"] = q["q"].reshape(m, n)
+    return q
+
+
+@torch.compiler.disable
+@torch.no_grad()
+def quantize(w, type, check=True):
+    """Codes and scales of w (float (m, n), n a multiple of the type's block) on the type's grid by the
+    module's scale rules: a dict of tensors on w's device, laid out as the module docstring lists.
+    check=False skips the host-device synchronisations that refuse non-finite weights and FP16-overflowing
+    scales (for a training step, whose loss is checked)."""
+    t = ggml_type(type)
+    q = _quantize_float(w, t, check)
+    return {k: v if v.dtype == torch.float16 else v.to(torch.int8 if _SIGNED.get(t) == k else torch.uint8)
+            for k, v in q.items()}
+
+
+def _dequantize_affine(q, sub):
+    d1 = q["d"].float()[..., None] * q["sc"].float()  # ggml: d1 = d * sc, m1 = dmin * m (exact), d1*q - m1
+    m1 = q["dmin"].float()[..., None] * q["m"].float()
+    x = q["q"].reshape(*d1.shape, sub).float()
+    return (d1[..., None] * x).sub_(m1[..., None])
+
+
+def _dequantize_symmetric(q, sc, offset):
+    d1 = q["d"].float()[..., None] * sc.float()
+    return d1[..., None] * (q["q"].reshape(*d1.shape, 16).float() - offset)
+
+
+def _dequantize_mxfp4(q):
+    values = torch.tensor(KVALUES_MXFP4, dtype=torch.float32, device=q["q"].device)
+    d = _e8m0_to_fp32(q["e"], half=True)  # ggml's table holds twice the E2M1 values, so half the scale
+    return values[q["q"].long()].reshape(*d.shape, 32) * d[..., None]
+
+
+_DEQUANTIZE = {
+    T.Q4_0: lambda q: (q["q"].reshape(*q["d"].shape, 32).float() - 8) * q["d"].float()[..., None],
+    T.Q8_0: lambda q: q["q"].reshape(*q["d"].shape, 32).float() * q["d"].float()[..., None],
+    T.MXFP4: _dequantize_mxfp4,
+    T.Q4_K: lambda q: _dequantize_affine(q, 32),
+    T.Q5_K: lambda q: _dequantize_affine(q, 32),
+    T.Q2_K: lambda q: _dequantize_affine(q, 16),
+    T.Q3_K: lambda q: _dequantize_symmetric(q, q["sc"].float() - 32, 4),
+    T.Q6_K: lambda q: _dequantize_symmetric(q, q["sc"], 32),
+}
+
+
+@torch.compiler.disable
+@torch.no_grad()
+def dequantize(q, type):
+    """The float32 (m, n) values of quantize's codes and scales, bit for bit as ggml's dequantize_row_*."""
+    t = ggml_type(type)
+    return _DEQUANTIZE[t](q).reshape(q["q"].shape)
+
+
+@torch.compiler.disable
+@torch.no_grad()
+def fake_quantize(w, type, check=True):
+    """dequantize(quantize(w, type)), bit for bit: w on the type's grid, the STE forward's weight."""
+    t = ggml_type(type)
+    return _DEQUANTIZE[t](_quantize_float(w, t, check)).reshape(w.shape)
+
+
+# --- the GGML block bytes (ggml-common.h) ----------------------------------------------------------------
+
+def _np(q):
+    return {k: v.detach().cpu().numpy() for k, v in q.items()}
+
+
+def _f16_bytes(d):
+    return d.astype("<f2").view(np.uint8).reshape(*d.shape, 2)
+
+
+def _nibbles(q, groups):
+    """Pairs of 4-bit codes: byte l of each 2*groups codes holds code l (low nibble) and code groups + l."""
+    q = q.reshape(*q.shape[:-1], -1, 2, groups)
+    return (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*q.shape[:-3], -1)
+
+
+def _crumbs(q):
+    """Four 2-bit fields per byte: byte l of each 128 codes holds codes l, 32+l, 64+l, 96+l from bit 0 up."""
+    q = q.reshape(*q.shape[:-1], -1, 4, 32).astype(np.uint8)
+    return np.bitwise_or.reduce(q << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=-2).reshape(*q.shape[:-3], -1)
+
+
+def _k_scales(sc, m):
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and mins: low 6 bits of sub-blocks 0-3 in bytes 0-3 (scales)
+    and 4-7 (mins), sub-blocks 4-7's low nibbles in bytes 8-11, their top 2 bits in bytes 0-7's top bits."""
+    return np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                           (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)], axis=-1)
+
+
+def _q3_k_scales(sc):
+    """Q3_K's 12 bytes of sixteen 6-bit scales: low nibbles of 0-7 and (above) 8-15 in bytes 0-7, the top
+    2 bits of scale j in byte 8 + j%4 at bit 2*(j//4)."""
+    top = (sc >> 4).reshape(*sc.shape[:-1], 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+    return np.concatenate([(sc[..., :8] & 0xF) | ((sc[..., 8:] & 0xF) << 4),
+                           np.bitwise_or.reduce(top, axis=-2)], axis=-1)
+
+
+def _bits(q, shift, groups):
+    """Bit `shift` of each code, in byte l of `groups` bytes at bit (index // groups)."""
+    b = ((q >> shift) & 1).reshape(*q.shape[:-1], -1, groups)
+    return np.bitwise_or.reduce(b << np.arange(b.shape[-2], dtype=np.uint8)[:, None], axis=-2)
+
+
+def _pack_blocks(t, q):
+    """The fields of each block as bytes, (m, blocks, fields...), in ggml-common.h's order."""
+    nb = q["q"].shape[1] // GGML_QUANT_SIZES[t][0]
+    codes = q["q"].reshape(q["q"].shape[0], nb, -1)
+    if t in (T.Q4_0, T.MXFP4):
+        scale = _f16_bytes(q["d"]) if t == T.Q4_0 else q["e"][..., None]
+        return [scale, _nibbles(codes, 16)]
+    if t == T.Q8_0:
+        return [_f16_bytes(q["d"]), codes.view(np.uint8)]
+    if t == T.Q4_K:
+        return [_f16_bytes(q["d"]), _f16_bytes(q["dmin"]), _k_scales(q["sc"], q["m"]), _nibbles(codes, 32)]
+    if t == T.Q5_K:
+        return [_f16_bytes(q["d"]), _f16_bytes(q["dmin"]), _k_scales(q["sc"], q["m"]), _bits(codes, 4, 32),
+                _nibbles(codes & 0xF, 32)]
+    if t == T.Q2_K:
+        return [q["sc"] | (q["m"] << 4), _crumbs(codes), _f16_bytes(q["d"]), _f16_bytes(q["dmin"])]
+    if t == T.Q3_K:
+        return [_bits(codes, 2, 32), _crumbs(codes & 3), _q3_k_scales(q["sc"]), _f16_bytes(q["d"])]
+    # Q6_K: ql byte 64h + 32b + l holds the low 4 bits of codes 128h + 32b + l and (above) 128h + 64 + 32b + l
+    low = (codes & 0xF).reshape(*codes.shape[:-1], 2, 2, 2, 32)
+    ql = (low[..., 0, :, :] | (low[..., 1, :, :] << 4)).reshape(*codes.shape[:-1], -1)
+    return [ql, _crumbs(codes >> 4), q["sc"].view(np.uint8), _f16_bytes(q["d"])]
+
+
+def pack(q, type):
+    """quantize's codes and scales as the type's GGML blocks: a numpy uint8 array (m, bytes per row), the
+    raw data gguf.GGUFWriter.add_tensor(name, packed, raw_dtype=type) writes."""
+    t = ggml_type(type)
+    q = _np(q)
+    fields = _pack_blocks(t, q)
+    blocks = np.concatenate([f.astype(np.uint8, copy=False) for f in fields], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(blocks.shape[0], -1))
