@@ -3,6 +3,7 @@ error every script reports as one line instead of a traceback.
 
     with util.atomic_open(path) as f: ...     # readers see the old file or the new one, never a part
     util.write_atomic(path, data)             # bytes or str, the same way
+    util.read_record(path, form, ok, E, fix)  # a JSON record a program keeps (None where none; else E, one line)
     class ExportError(util.UserError): ...    # a script's bad input: what util.cli reports
     sys.exit(util.cli(main))                  # the script's last line: `error: <message>`, exit status 1
 """
