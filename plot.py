@@ -1,5 +1,7 @@
-"""Plots of training runs: loss against tokens (the paper's Fig. 1b, 3 and 4 layout), b_t, and the loss
-paired with the bf16 run of the same seed.
+"""Plots of training runs: their loss and b_t against tokens, and the loss paired with the bf16 run's.
+
+The loss panels are laid out as the paper's Fig. 1b, 3 and 4; a PQT run is paired with the bf16 run of
+the same settings and seed.
 
     python plot.py out/run_a out/run_b out/run_c --out=plots
 

@@ -18,6 +18,7 @@ import os
 
 import checkpoint as ckpt_io
 import figures
+from step import insanity
 from util import UserError, read_record
 
 STUDY_LOCK = ".study.lock"  # a runner's lock of a run directory (train.py's own is .lock)
@@ -71,7 +72,6 @@ def bad_loss(value, vocab_size, trained):
     """Why a loss of a run train.py let go on is not one, or None: a cross-entropy is a finite number
     >= 0, and an evaluated val loss after the first step passes train.py's own rule (step.insanity:
     at most ln(vocab_size) + VAL_LOSS_MARGIN). vocab_size None: the first rule alone."""
-    from step import insanity
     if not (_number(value) and math.isfinite(value) and value >= 0):
         return f"{value!r} (a loss is a finite number >= 0)"
     broken = vocab_size and insanity({"val": value}, None, vocab_size, 0.0, trained)
