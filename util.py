@@ -3,10 +3,12 @@ error every script reports as one line instead of a traceback.
 
     with util.atomic_open(path) as f: ...     # readers see the old file or the new one, never a part
     util.write_atomic(path, data)             # bytes or str, the same way
+    util.read_record(path, form, ok, E, fix)  # a JSON record a program keeps (None where none; else E, one line)
     class ExportError(util.UserError): ...    # a script's bad input: what util.cli reports
     sys.exit(util.cli(main))                  # the script's last line: `error: <message>`, exit status 1
 """
 import ctypes
+import json
 import os
 import platform
 import secrets
@@ -85,6 +87,22 @@ def reason(e):
     line = (str(e).strip().splitlines() or [""])[0]
     line = line if len(line) <= 160 else line[:160] + "..."
     return f"{type(e).__name__}: {line}" if line else type(e).__name__
+
+
+def read_record(path, form, ok, error, fix):
+    """The JSON object a program keeps at path (a run's record), or None where there is none. One that
+    cannot be read, is not JSON, or is not of its form (ok(record) is false: hand-edited, damaged) is
+    an `error` (a UserError) of one line naming the file, the form expected (form) and what to do (fix)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise error(f"cannot read {path}: {first_line(e)}; {fix}") from None
+    if not isinstance(record, dict) or not ok(record):
+        raise error(f"{path} is not {form}; {fix}")
+    return record
 
 
 # --- atomic writes ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from configurator import ConfigError, configure
 from model import PRESETS, ROLES, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# config/mini_*.py are the laptop-scale bases of study.py, tested in test_study.py
+# config/mini_*.py are the laptop-scale bases of the studies (studies/), tested in test_study.py
 CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "config", "*.py")) if not os.path.basename(p).startswith("mini_"))
 NAMES = [os.path.basename(p)[:-3] for p in CONFIGS]
 

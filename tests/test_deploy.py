@@ -1,17 +1,20 @@
-"""study.py's deployment study on tiny models, end to end: the bf16 trunk keeps its checkpoints at the
-fork steps, every phase arm forks there and is the trunk until then, and the table holds the
-figures of the runs' own logs and export records, the increase and the paired differences computed
-here by hand."""
+"""The deployment study (python -m studies deploy) on tiny models, end to end: the bf16 trunk keeps its
+checkpoints at the fork steps, every phase arm forks there and computes what the phase run trained
+whole computes, and the table holds the figures of the runs' own logs and export records, the
+increase and the paired differences computed here by hand; a damaged run is refused, not averaged."""
 import contextlib
 import io
 import json
 import math
 import os
+import subprocess
 
 import numpy as np
 import pytest
 
-import study
+import studies.__main__ as entry
+from studies import definitions as defs
+from studies import deploy_report, runner, stats
 
 STEPS = 20
 
@@ -29,25 +32,25 @@ def deploy(tmp_path_factory):
     config = d / "tiny_deploy.py"
     tiny = dict(dataset=str(d), n_layer=1, n_embd=64, n_head=2, block_size=16, batch_size=2,
                 gradient_accumulation_steps=1, warmup_iters=2, eval_iters=2, log_interval=1, learning_rate=3e-3,
-                device="cpu", dtype="float32")
+                min_lr=3e-4, device="cpu", dtype="float32")
     config.write_text("".join(f"{k} = {v!r}\n" for k, v in tiny.items()))
     root = str(tmp_path_factory.mktemp("deploy"))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(study, "DEPLOY", str(config))
-        mp.setattr(study, "DEPLOY_STEPS", (STEPS,))
-        mp.setattr(study, "DEPLOY_SEEDS", {STEPS: (1,)})
-        mp.setattr(study, "DEPLOY_FORMATS", {STEPS: ("int3",)})
-        mp.setattr(study, "BEST_B_T", None)  # a gaussws phase at another b_t: the same code as the 800-step sweep's
-        s = dict(study.STUDIES["deploy"], arms=study.deploy_arms())
+        mp.setattr(defs, "DEPLOY", str(config))
+        mp.setattr(defs, "DEPLOY_STEPS", (STEPS,))
+        mp.setattr(defs, "DEPLOY_SEEDS", {STEPS: (1,)})
+        mp.setattr(defs, "DEPLOY_FORMATS", {STEPS: ("int3",)})
+        mp.setattr(defs, "BEST_B_T", None)  # a gaussws phase at another b_t: the same code as the 800-step sweep's
+        s = dict(defs.STUDIES["deploy"], arms=defs.deploy_arms())
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            failed = study.run_study("deploy", s, root, echo=False)
+            failed = runner.run_study("deploy", s, root, echo=False)
     assert failed == 0, out.getvalue()
     return root, s, out.getvalue()
 
 
 def run_dir(root, a, seed=1):
-    return os.path.join(root, "runs", study.run_name(a, seed))
+    return os.path.join(root, "runs", defs.run_name(a, seed))
 
 
 def records(path):
@@ -68,17 +71,41 @@ def test_every_arm_finishes_and_the_trunk_keeps_its_fork_steps(deploy):
         assert os.path.exists(os.path.join(run_dir(root, trunk), f"ckpt_{step}.pt"))
 
 
-def test_a_forked_arm_is_the_trunk_until_its_switch(deploy):
-    """Its records up to the fork step are the trunk's (the same losses), its own ones follow."""
+# What a run computes, in its records (not its timing); b_t only from the switch on: before it a
+# phase run trained whole logs the level its PQT layers wait at, the bf16 trunk none
+COMPUTED = ("loss", "lr", "train/loss", "val/loss")
+B_T = ("b_t/mean", "b_t/min", "b_t/max")
+
+
+def computed(recs, kind, start):
+    """{iter: what the run computed} of its log ("loss") or eval ("val/loss") records."""
+    return {r["iter"]: {k: r[k] for k in COMPUTED + (B_T if r["iter"] > start else ()) if k in r}
+            for r in recs if kind in r}
+
+
+def test_a_forked_arm_is_the_trunk_until_its_switch(deploy, tmp_path):
+    """Its records up to the fork step are the trunk's (a fork starts with a copy of them), its own ones
+    follow; and all of them are those of the same arm trained whole, from step 0 in one train.py (the
+    bf16 steps until its switch included), evaluation for evaluation and step for step."""
     root, s, _ = deploy
     trunk = records(run_dir(root, s["arms"][0]))
-    for a in s["arms"][1:-1]:
+    forked = [a for a in s["arms"] if a.get("trunk")]
+    assert len(forked) == 6
+    for a in forked:
         start = a["overrides"]["pqt_start"]
         mine = records(run_dir(root, a))
         assert [r for r in mine if r["iter"] <= start] == [r for r in trunk if r["iter"] <= start], a["kind"]
         assert max(r["iter"] for r in mine) == STEPS
         assert [r["loss"] for r in mine if r["iter"] > start and "loss" in r] != \
                [r["loss"] for r in trunk if r["iter"] > start and "loss" in r], a["kind"]  # the phase trains otherwise
+        whole_dir = str(tmp_path / defs.run_name(a, 1))
+        subprocess.run([*runner.launcher(1), *defs.train_args(a, 1, whole_dir), "--init_from=scratch"],
+                       cwd=defs.REPO, check=True, capture_output=True)
+        whole = records(whole_dir)
+        assert computed(mine, "loss", start) == computed(whole, "loss", start), a["kind"]
+        # the fork's evaluations also hold the trunk's at its kept steps, which the whole run does not make
+        evals, whole_evals = computed(mine, "val/loss", start), computed(whole, "val/loss", start)
+        assert {it: evals.get(it) for it in whole_evals} == whole_evals, a["kind"]
 
 
 def test_the_table_holds_the_runs_own_figures_and_the_paired_differences(deploy):
@@ -114,14 +141,17 @@ def test_the_table_holds_the_runs_own_figures_and_the_paired_differences(deploy)
     mixes = {a["kind"]: json.load(open(os.path.join(run_dir(root, a), "export.json")))[a["export"][0]]
              for a in s["arms"] if " mix " in a["kind"]}
     learned = rows["learned mix 3.5 bits", "auto-int@3.5"]["vs_error_mix"]
-    assert math.isclose(learned["mean"], mixes["learned mix 3.5 bits"]["val_loss"] - mixes["error mix 3.5 bits"]["val_loss"])
-    assert "vs_error_mix" not in rows["error mix 3.5 bits", "error-int@3.5"] and "vs_error_mix" not in rows["STE phase", "int3"]
+    assert math.isclose(learned["mean"],
+                        mixes["learned mix 3.5 bits"]["val_loss"] - mixes["error mix 3.5 bits"]["val_loss"])
+    assert "vs_error_mix" not in rows["error mix 3.5 bits", "error-int@3.5"]
+    assert "vs_error_mix" not in rows["STE phase", "int3"]
     # the control: the learned mix's phases, its blocks ranked by their own error at the switch
     control, learned_arm = (next(a for a in s["arms"] if a["kind"] == k) for k in
                             ("gaussws phase + error mix 3.5 bits", "learned mix 3.5 bits"))
     same = ("method", "pqt_start", "ste_start", "bits_per_weight")
     assert {k: control["overrides"][k] for k in same} == {k: learned_arm["overrides"][k] for k in same}
-    assert control["overrides"]["target_format"] == "error-int" and learned_arm["overrides"]["target_format"] == "auto-int"
+    assert control["overrides"]["target_format"] == "error-int"
+    assert learned_arm["overrides"]["target_format"] == "auto-int"
     table = open(os.path.join(root, "deploy", "results.md")).read()
     assert f"{rows['STE phase', 'int3']['exported']['mean']:.4f}" in table
     best = min((r for r in results["rows"] if r["format"] == "int3"), key=lambda r: r["exported"]["mean"])
@@ -137,7 +167,8 @@ def test_the_findings_name_the_lowest_arm_and_each_others_paired_gap_and_whether
     def row(arm, fmt, steps, by_seed):
         v = list(by_seed.values())
         return {"arm": arm, "format": fmt, "steps": steps, "seeds": len(v), "tokens_per_param": steps / 200,
-                "exported": {"mean": sum(v) / len(v) if v else None}, "increase_pct": {"mean": 1.0}, "exported_by_seed": by_seed}
+                "exported": {"mean": sum(v) / len(v) if v else None}, "increase_pct": {"mean": 1.0},
+                "exported_by_seed": by_seed}
     rows = [row("bf16 + PTQ", "int3", 800, {"1": 2.0}), row("STE phase", "int3", 800, {"1": 1.5}),
             row("bf16 + PTQ", "int3", 3200, {"1": 1.60, "2": 1.70, "3": 1.65}),
             row("STE phase", "int3", 3200, {"1": 1.20, "2": 1.22, "3": 1.21}),
@@ -146,7 +177,7 @@ def test_the_findings_name_the_lowest_arm_and_each_others_paired_gap_and_whether
             row("learned mix 3.5 bits", "auto-int@3.5", 3200, {"1": 1.16}),
             row("error mix 3.5 bits", "error-int@3.5", 3200, {"2": 1.18}),
             row("STE phase", "int4", 3200, {})]  # nothing finished: no finding
-    f = study.deploy_findings(rows)
+    f = deploy_report.deploy_findings(rows)
     assert [(x["steps"], x["group"]) for x in f] == [
         (3200, "int3"), (3200, "int2/3/4 mix at 3.5 bits"), (800, "int3")]
     int3 = f[0]
@@ -154,41 +185,176 @@ def test_the_findings_name_the_lowest_arm_and_each_others_paired_gap_and_whether
     gauss, ptq = int3["others"]
     assert gauss["minus_best"]["n"] == 2 and math.isclose(gauss["minus_best"]["mean"], 0.005)
     sd = math.sqrt(2 * 0.045 ** 2)  # of the gaps 0.05 and -0.04
-    assert math.isclose(gauss["minus_best"]["ci95"], 12.706 * sd / math.sqrt(2)) and gauss["verdict"] == "inside the noise"
+    # t(0.975, 1) = 12.706 as tables print it (to 1e-4)
+    assert math.isclose(gauss["minus_best"]["ci95"], 12.706 * sd / math.sqrt(2), rel_tol=1e-4)
+    assert gauss["verdict"] == "inside the noise"
     assert math.isclose(ptq["minus_best"]["mean"], 0.44) and ptq["verdict"] == "outside the noise"
     mix = f[1]
     assert mix["best"]["arm"] == "learned mix 3.5 bits"
     assert [(o["arm"], o["minus_best"]["n"], o["verdict"]) for o in mix["others"]] == [
         ("error mix 3.5 bits", 0, "no common seed"), ("bf16 + PTQ", 1, "one seed")]
-    text = "\n".join(study.findings_markdown(f))
-    assert "bf16 + PTQ (error-int@3.5) +0.1700 (n=1, one seed)" in text and "error mix 3.5 bits (no common seed)" in text
+    text = "\n".join(deploy_report.findings_markdown(f))
+    assert "bf16 + PTQ (error-int@3.5) +0.1700 (n=1, one seed)" in text
+    assert "error mix 3.5 bits (no common seed)" in text
     assert "**800 steps (4.0 tokens/param), int3**: STE phase is lowest (exported val loss 1.5000" in text
 
 
 def test_the_interval_is_students_t():
-    """The 95 % half-width of three values, t(0.975, 2) = 4.303 times the standard error."""
-    s = study.interval([1.0, 2.0, 4.0])
+    """The 95 % half-width of three values, t(0.975, 2) = 4.303 (as tables print it) times the standard error."""
+    s = stats.interval([1.0, 2.0, 4.0])
     sd = math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2)
-    assert math.isclose(s["ci95"], 4.303 * sd / math.sqrt(3))
+    assert math.isclose(s["ci95"], 4.303 * sd / math.sqrt(3), rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("df,table", [(1, 12.706), (2, 4.303), (3, 3.182), (5, 2.571), (6, 2.447), (10, 2.228),
+                                      (30, 2.042), (120, 1.980)])
+def test_the_t_quantile_is_the_tables_for_any_degrees_of_freedom(df, table):
+    """t(0.975, df) as printed in tables of Student's t (3 decimals); exact where it has a closed form:
+    tan(pi (p - 1/2)) for 1 degree of freedom, (2p - 1) / sqrt(2 p (1 - p)) for 2."""
+    t = stats.t_quantile(0.975, df)
+    assert abs(t - table) <= 5e-4
+    exact = {1: math.tan(math.pi * 0.475), 2: 0.95 / math.sqrt(2 * 0.975 * 0.025)}
+    if df in exact:
+        assert math.isclose(t, exact[df], rel_tol=1e-12)
+    assert math.isclose(stats.t_cdf(t, df), 0.975, rel_tol=1e-12)
+
+
+def test_the_interval_of_seven_values_uses_six_degrees_of_freedom():
+    values = [1.0, 2.0, 4.0, 3.0, 2.5, 1.5, 3.5]
+    s = stats.interval(values)
+    sd = math.sqrt(sum((v - 2.5) ** 2 for v in values) / 6)
+    assert s["n"] == 7 and math.isclose(s["ci95"], 2.447 * sd / math.sqrt(7), rel_tol=1e-4)
 
 
 def test_the_longest_length_runs_the_gaussws_int3_phase_also_at_the_sweeps_best_b_t():
-    arms = study.deploy_arms()
-    longest = [a for a in arms if a["steps"] == max(study.DEPLOY_STEPS) and a["export"] == ["int3"]
+    arms = defs.deploy_arms()
+    longest = [a for a in arms if a["steps"] == max(defs.DEPLOY_STEPS) and a["export"] == ["int3"]
                and a["kind"].startswith("gaussws phase")]
-    assert [a["kind"] for a in longest] == ["gaussws phase", f"gaussws phase b_t {study.BEST_B_T:g}"]
+    assert [a["kind"] for a in longest] == ["gaussws phase", f"gaussws phase b_t {defs.BEST_B_T:g}"]
     assert longest[0]["overrides"]["target_format"] == "int3" and "b_init" not in longest[0]["overrides"]
     swept = next(a for a in arms if a["steps"] == 800 and a["kind"] == longest[1]["kind"])
-    assert {k: v for k, v in longest[1]["overrides"].items() if k not in ("max_iters", "lr_decay_iters", "eval_interval",
-                                                                       "pqt_start")} == \
-        {k: v for k, v in swept["overrides"].items() if k not in ("max_iters", "lr_decay_iters", "eval_interval", "pqt_start")}
+    length = ("max_iters", "lr_decay_iters", "eval_interval", "pqt_start")
+    assert {k: v for k, v in longest[1]["overrides"].items() if k not in length} == \
+        {k: v for k, v in swept["overrides"].items() if k not in length}
 
 
 def test_the_dry_run_lists_every_arm_with_its_command(capsys):
-    assert study.main(["deploy", "--dry_run"]) == 0
+    assert entry.main(["deploy", "--dry_run"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "python train.py" in line]
-    runs = study.runs_of(study.STUDIES["deploy"])
+    runs = defs.runs_of(defs.STUDIES["deploy"])
     assert len(lines) == len(runs) == 89
     for line, (name, a, seed) in zip(lines, runs):
         assert f"--out_dir=out/study/runs/{name}" in line and f"--seed={seed}" in line
         assert all(f"--{k}=" in line for k in a["overrides"])
+
+
+# --- a damaged run is refused, never averaged in -------------------------------------------------
+
+def rewrite(run_dir_, change):
+    """metrics.jsonl with change(records) written back as train.py writes it (NaN as JSON's NaN)."""
+    path = os.path.join(run_dir_, "metrics.jsonl")
+    recs = change(records(run_dir_))
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+
+
+def last_eval(recs, key, value):
+    r = [r for r in recs if "val/loss" in r][-1]
+    r[key] = value
+    return recs
+
+
+def cut_last_line(run_dir_, chars=25):
+    path = os.path.join(run_dir_, "metrics.jsonl")
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:-chars])
+
+
+def mark_diverged(run_dir_):
+    path = os.path.join(run_dir_, "done.json")
+    done = json.load(open(path))
+    with open(path, "w") as f:
+        json.dump({**done, "status": "diverged", "step": 10, "what": "loss"}, f)
+
+
+def divergence_beside(run_dir_):
+    with open(os.path.join(run_dir_, "diverged.json"), "w") as f:
+        json.dump({"step": 10, "what": "loss", "value": "nan"}, f)
+
+
+# How a finished run's records get damaged, and what the refusal says
+DAMAGES = {
+    "last line cut short": (cut_last_line, "is cut short"),
+    "final-step records lost": (lambda d: rewrite(d, lambda rs: [r for r in rs if r["iter"] < STEPS]),
+                                f"not of max_iters={STEPS}"),
+    "NaN val loss": (lambda d: rewrite(d, lambda rs: last_eval(rs, "val/loss", float("nan"))), "is nan"),
+    "absurd val loss": (lambda d: rewrite(d, lambda rs: last_eval(rs, "val/loss", 1e6)), "above train.py's limit"),
+    "negative train loss": (lambda d: rewrite(d, lambda rs: last_eval(rs, "train/loss", -1.0)), "is -1.0"),
+    "a logged loss that is inf": (lambda d: rewrite(d, lambda rs: [{**r, "loss": float("inf")} if r["iter"] == 5
+                                                                   and "loss" in r else r for r in rs]),
+                                  "its loss at step 5 is inf"),
+    "marked diverged by hand": (mark_diverged, f"its records hold an evaluation of step {STEPS}, past its "
+                                               f"divergence at step 10"),
+    "finished beside a divergence record": (divergence_beside, "train.py recorded a divergence at step 10"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_the_report_refuses_a_damaged_run_in_one_line_and_writes_nothing(deploy, tmp_path, damage):
+    """A finished run (the STE phase) whose records no longer bear out its done.json: the report is one
+    line naming the run and what is wrong, and no file of the study is written."""
+    import shutil
+    from studies import records as study_records
+    root, s, _ = deploy
+    copy = tmp_path / "root"
+    shutil.copytree(root, copy)
+    d = run_dir(str(copy), s["arms"][1])
+    make, said = DAMAGES[damage]
+    make(d)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and not p.name.endswith("lock")}
+    with pytest.raises(study_records.StudyError) as e, contextlib.redirect_stdout(io.StringIO()):
+        runner.write_results("deploy", s, str(copy))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{d}: done.json says") and said in message, message
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and not p.name.endswith("lock")} == before
+
+
+@pytest.mark.parametrize("damage", ["last line cut short", "NaN val loss", "final-step records lost"])
+def test_the_runner_does_not_mark_finished_a_run_whose_records_are_damaged(deploy, tmp_path, damage):
+    """train.py exited 0, but the run's records are not a finished run's: no done.json, the run is
+    tried again (finish returns None) and the runner says why."""
+    import shutil
+    root, s, _ = deploy
+    a = s["arms"][1]
+    d = str(tmp_path / "runs" / defs.run_name(a, 1))
+    shutil.copytree(run_dir(root, a), d)
+    os.remove(os.path.join(d, "done.json"))
+    DAMAGES[damage][0](d)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        done = runner.finish(defs.run_name(a, 1), a, d, json.load(open(os.path.join(d, "run.json"))), 0, [])
+    assert done is None and not os.path.exists(os.path.join(d, "done.json"))
+    assert "train.py exited 0, but" in out.getvalue() and DAMAGES[damage][1] in out.getvalue()
+
+
+def test_the_committed_deploy_report_refuses_a_run_cut_short(tmp_path, capsys, monkeypatch):
+    """python -m studies deploy --report over a copy of studies/results whose 3200-step gaussws int3
+    phase (seed 2) lost the last 25 characters of its metrics.jsonl (its evaluation at step 3200): one
+    line, exit status 1, the results as they were; its step-2400 loss is not taken as its last."""
+    import shutil
+    import util
+    results = os.path.join(defs.REPO, "studies", "results")
+    copy = tmp_path / "results"
+    shutil.copytree(os.path.join(results, "runs"), copy / "runs")
+    shutil.copytree(os.path.join(results, "deploy"), copy / "deploy")
+    name = "gpt2_deploy-gaussws_all-eval800-decay3200-n3200-from2720-int3-s2"
+    cut_last_line(copy / "runs" / name)
+    before = {p: p.read_bytes() for p in (copy / "deploy").rglob("*") if p.is_file()}
+    monkeypatch.chdir(defs.REPO)  # main() works in the repository; the test's directory is restored after
+    monkeypatch.setattr(entry.signal, "signal", lambda *a: None)  # keep pytest's own handlers
+    assert util.cli(entry.main, ["deploy", "--report", f"--root={copy}"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {copy / 'runs' / name}: done.json says finished, but ") and "cut short" in line
+    assert {p: p.read_bytes() for p in (copy / "deploy").rglob("*") if p.is_file()} == before

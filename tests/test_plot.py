@@ -1,4 +1,5 @@
-"""plot.py on synthetic run directories: the PNGs it promises, seeds grouped, bad input refused."""
+"""plot.py and its library figures.py on synthetic run directories: the PNGs they promise, seeds grouped,
+bad input refused; and the deployment study's figures (studies.plots)."""
 import json
 import math
 import os
@@ -9,12 +10,14 @@ import zlib
 
 import pytest
 
+import figures
 import plot
 from conftest import ROOT
+from studies import plots as study_plots
 
 
 def config(method="gaussws[all]", lr=2e-3, seed=1, **kw):
-    """The keys of a train.py config.json that plot.py reads, with a tiny model's values."""
+    """The keys of a train.py config.json that figures.py reads, with a tiny model's values."""
     c = dict(method=method, learning_rate=lr, optimizer="adamw", b_init=6.0, b_target=4.0, bitwidth_weight_decay=0.1,
              arch="gpt2", n_layer=2, n_embd=32, dataset="default", max_iters=40, batch_size=4, block_size=16,
              gradient_accumulation_steps=2, seed=seed, out_dir=f"out/{method}-{seed}", device="cpu",
@@ -30,7 +33,8 @@ def make_run(path, cfg, offset=0.0):
         json.dump(cfg, f)
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
         for it in range(0, cfg["max_iters"] + 1, 10):
-            f.write(json.dumps({"iter": it, "train/loss": 5.0 - it / 20 + offset, "val/loss": 5.1 - it / 20 + offset}) + "\n")
+            record = {"iter": it, "train/loss": 5.0 - it / 20 + offset, "val/loss": 5.1 - it / 20 + offset}
+            f.write(json.dumps(record) + "\n")
             if it:
                 rec = {"iter": it, "loss": 5.0 - it / 21 + offset, "lr": 1e-3, "ms_per_iter": 10.0, "tokens_per_s": 1.0}
                 if cfg["method"] != "bf16":
@@ -62,7 +66,8 @@ def drawn_fraction(path):
 @pytest.fixture
 def runs(tmp_path):
     return [make_run(tmp_path / "g1", config(seed=1)), make_run(tmp_path / "g2", config(seed=2), offset=0.05),
-            make_run(tmp_path / "g3", config(seed=3), offset=-0.05), make_run(tmp_path / "b1", config("bf16", seed=1), 0.1)]
+            make_run(tmp_path / "g3", config(seed=3), offset=-0.05),
+            make_run(tmp_path / "b1", config("bf16", seed=1), 0.1)]
 
 
 def test_draws_loss_bitwidth_and_paired_pngs_of_the_expected_size(runs, tmp_path):
@@ -70,7 +75,7 @@ def test_draws_loss_bitwidth_and_paired_pngs_of_the_expected_size(runs, tmp_path
     plot.main([*runs, f"--out={out}"])
     for name in ("loss.png", "bitwidth.png", "paired.png"):
         path = out / name
-        assert png_size(path) == (int(plot.FIGSIZE[0] * plot.DPI), int(plot.FIGSIZE[1] * plot.DPI))
+        assert png_size(path) == (int(figures.FIGSIZE[0] * figures.DPI), int(figures.FIGSIZE[1] * figures.DPI))
         assert os.path.getsize(path) > 10_000
         assert drawn_fraction(path) > 0.02  # axes, ticks, text and the curves; a blank canvas has none
 
@@ -79,38 +84,38 @@ def test_a_pqt_run_is_paired_with_the_bf16_run_of_its_seed_and_settings(runs, tm
     """g1 (seed 1) has a bf16 twin 0.1 above it: its val loss minus the twin's is -0.1 at every eval.
     g2, g3 (seeds 2, 3) have none; a bf16 run at another lr is no twin; b_target (which bf16 does not
     read) does not stop a pairing."""
-    groups = plot.group_seeds([plot.read_run(d) for d in runs])
-    (i, curves), = plot.paired_curves(groups)
+    groups = figures.group_seeds([figures.read_run(d) for d in runs])
+    (i, curves), = figures.paired_curves(groups)
     assert groups[i][0]["config"]["method"] == "gaussws[all]" and len(curves) == 1
     assert sorted(curves[0]) == [it * 2 * 4 * 16 for it in range(0, 41, 10)]
     assert all(v == pytest.approx(-0.1) for v in curves[0].values())
     other_lr = make_run(tmp_path / "b_lr", config("bf16", lr=1e-2, seed=2))
     low_bits = make_run(tmp_path / "g_low", config(seed=1, b_target=2.0, bitwidth_weight_decay=10.0), offset=0.3)
-    groups = plot.group_seeds([plot.read_run(d) for d in [*runs, other_lr, low_bits]])
-    paired = {groups[i][0]["config"]["b_target"]: curves for i, curves in plot.paired_curves(groups)}
+    groups = figures.group_seeds([figures.read_run(d) for d in [*runs, other_lr, low_bits]])
+    paired = {groups[i][0]["config"]["b_target"]: curves for i, curves in figures.paired_curves(groups)}
     assert sorted(paired) == [2.0, 4.0] and len(paired[4.0]) == 1
     assert all(v == pytest.approx(0.2) for v in paired[2.0][0].values())
 
 
 def test_no_paired_png_without_a_bf16_twin(runs, tmp_path):
-    written = plot.make_plots(runs[:3], str(tmp_path / "plots"))
+    written = figures.make_plots(runs[:3], str(tmp_path / "plots"))
     assert [os.path.basename(p) for p in written] == ["loss.png", "bitwidth.png"]
 
 
 def test_a_twin_given_apart_is_paired_with_but_not_drawn(runs, tmp_path):
     """The bf16 run b1 as twin_dirs: g1 is paired with it (-0.1), and it is no setting of its own."""
-    gaussws = [plot.read_run(d) for d in runs[:3]]
-    groups = plot.group_seeds(gaussws)
-    (i, curves), = plot.paired_curves(groups, [plot.read_run(runs[3])])
+    gaussws = [figures.read_run(d) for d in runs[:3]]
+    groups = figures.group_seeds(gaussws)
+    (i, curves), = figures.paired_curves(groups, [figures.read_run(runs[3])])
     assert len(groups) == 1 and i == 0 and len(curves) == 1
     assert all(v == pytest.approx(-0.1) for v in curves[0].values())
-    written = plot.make_plots(runs[:3], str(tmp_path / "plots"), twin_dirs=[runs[3]])
+    written = figures.make_plots(runs[:3], str(tmp_path / "plots"), twin_dirs=[runs[3]])
     assert [os.path.basename(p) for p in written] == ["loss.png", "bitwidth.png", "paired.png"]
 
 
 def test_no_bitwidth_png_without_pqt_runs(tmp_path):
     run = make_run(tmp_path / "b", config("bf16"))
-    written = plot.make_plots([run], str(tmp_path / "plots"))
+    written = figures.make_plots([run], str(tmp_path / "plots"))
     assert [os.path.basename(p) for p in written] == ["loss.png"]
     assert not os.path.exists(tmp_path / "plots" / "bitwidth.png")
 
@@ -130,21 +135,21 @@ def test_a_directory_without_metrics_is_refused_with_one_line(runs, tmp_path, ma
 
 
 def test_seeds_of_one_setting_are_grouped_and_labels_name_method_lr_optimizer(runs):
-    groups = plot.group_seeds([plot.read_run(d) for d in runs])
+    groups = figures.group_seeds([figures.read_run(d) for d in runs])
     assert [[r["config"]["seed"] for r in g] for g in groups] == [[1, 2, 3], [1]]
-    names, title = plot.labels(groups)
+    names, title = figures.labels(groups)
     assert names == ["gaussws[all], lr 0.002, adamw, b_t 6→4, b_i decay 0.1", "bf16, lr 0.002, adamw"]
     assert "gpt2 2 layers x 32" in title and "1-3 seeds per line" in title
 
 
 def test_another_learning_rate_is_another_setting(tmp_path):
-    a = plot.read_run(make_run(tmp_path / "a", config(lr=2e-3)))
-    b = plot.read_run(make_run(tmp_path / "b", config(lr=1e-2)))
-    assert len(plot.group_seeds([a, b])) == 2
+    a = figures.read_run(make_run(tmp_path / "a", config(lr=2e-3)))
+    b = figures.read_run(make_run(tmp_path / "b", config(lr=1e-2)))
+    assert len(figures.group_seeds([a, b])) == 2
 
 
 def test_mean_and_band_over_seeds():
-    xs, mean, lo, hi = plot.mean_band([{0: 3.0, 10: 2.0}, {0: 4.0, 10: 1.0}, {0: 5.0}])
+    xs, mean, lo, hi = figures.mean_band([{0: 3.0, 10: 2.0}, {0: 4.0, 10: 1.0}, {0: 5.0}])
     assert xs == [0, 10] and mean == [4.0, 1.5] and lo == [3.0, 1.0] and hi == [5.0, 2.0]
 
 
@@ -154,13 +159,44 @@ def test_a_resumed_log_counts_each_step_once_the_later_record_winning(tmp_path):
     recs = [{"iter": 10, "loss": 3.0}, {"iter": 20, "loss": 2.5}, {"iter": 20, "train/loss": 2.4, "val/loss": 2.6},
             {"iter": 30, "loss": 9.9}, {"iter": 20, "train/loss": 2.4, "val/loss": 2.6}, {"iter": 30, "loss": 2.2}]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"iter": 40, "lo')  # cut short by a kill
-    evals, logs = plot.read_metrics(str(path))
+    evals, logs = figures.read_metrics(str(path))
     assert [(r["iter"], r["loss"]) for r in logs] == [(10, 3.0), (20, 2.5), (30, 2.2)]
     assert [(r["iter"], r["val/loss"]) for r in evals] == [(20, 2.6)]
 
 
+def test_a_run_that_ended_has_no_last_line_cut_short(tmp_path):
+    """The records of a run that ended are read whole: a last line cut short (a full disk, a crash) is
+    one line naming the file and the line, where a running run's is left out."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"iter": 10, "loss": 3.0}) + "\n" + '{"iter": 20, "train/loss": 2.4, "val/lo')
+    assert figures.read_metrics(str(path)) == ([], [{"iter": 10, "loss": 3.0}])
+    with pytest.raises(figures.PlotError, match=r"metrics.jsonl line 2 is cut short: '\{\"iter\": 20"):
+        figures.read_metrics(str(path), whole=True)
+    path.write_text(json.dumps({"iter": "10", "loss": 3.0}) + "\n")  # a record train.py does not write
+    with pytest.raises(figures.PlotError, match="line 1 is not a JSON record with an integer 'iter'"):
+        figures.read_metrics(str(path))
+
+
+def test_a_phase_run_is_paired_with_its_bf16_run_and_a_forked_one_is_the_whole_one(tmp_path):
+    """What only PQT reads comes from checkpoint's key sets (PQT_KEYS, FORK_FREE): a phase run (its
+    switch, target format, budget and STE phase) pairs with the bf16 run of its other settings, and a
+    phase run forked from that bf16 run is one setting with the phase run trained whole."""
+    import checkpoint
+    assert set(checkpoint.PQT_KEYS) | {"bitwidth_weight_decay", "bitwidth_lambda"} <= figures.PQT_ONLY
+    assert not figures.PQT_ONLY & {"learning_rate", "max_iters", "eval_interval", "optimizer", "n_layer"}
+    phases = dict(pqt_start=28.0, target_format="auto-int", ste_start=34.0, bits_per_weight=3.5)
+    bf16 = make_run(tmp_path / "bf16", config("bf16", **{k: checkpoint.PQT_DEFAULTS[k] for k in phases}), 0.1)
+    whole = make_run(tmp_path / "whole", config(**phases, fork_from=""))
+    forked = make_run(tmp_path / "forked", config(**phases, fork_from=str(tmp_path / "bf16" / "ckpt_28.pt")))
+    groups = figures.group_seeds([figures.read_run(d) for d in (bf16, whole, forked)])
+    assert [len(g) for g in groups] == [1, 2]  # the forked run is a second run of the whole one's setting
+    (i, curves), = figures.paired_curves(groups)
+    assert i == 1 and len(curves) == 2  # each run of the phase setting with the bf16 run of its seed
+    assert all(v == pytest.approx(-0.1) for c in curves for v in c.values())
+
+
 def test_tokens_count_every_process_and_micro_step(runs):
-    run = plot.read_run(runs[0])
+    run = figures.read_run(runs[0])
     assert run["tokens_per_iter"] == 2 * 4 * 16  # gradient_accumulation_steps x batch_size x block_size
 
 
@@ -196,7 +232,7 @@ def long_and_short_runs(tmp_path):
 
 @pytest.fixture
 def drawn(monkeypatch):
-    """The figures plot.py saves, kept for their Axes (recorded at savefig, before plot.py closes them)."""
+    """The figures figures.py saves, kept for their Axes (recorded at savefig, before it closes them)."""
     import matplotlib.figure
     figures, savefig = {}, matplotlib.figure.Figure.savefig
 
@@ -212,7 +248,7 @@ def test_a_short_run_beside_a_long_one_is_inside_both_loss_axes(tmp_path, drawn)
     the axes, and its last point too; the x axis starts at 0 and reaches the longest run's end. The
     points are read back from each matplotlib line and checked against the metrics written above."""
     runs = long_and_short_runs(tmp_path)
-    plot.make_plots(runs, str(tmp_path / "plots"))
+    figures.make_plots(runs, str(tmp_path / "plots"))
     train_ax, val_ax = drawn["loss.png"].axes
     tokens = 2 * 4 * 16  # tokens per step of config()
     for ax, key, kind in ((train_ax, "loss", "logs"), (val_ax, "val/loss", "evals")):
@@ -221,10 +257,12 @@ def test_a_short_run_beside_a_long_one_is_inside_both_loss_axes(tmp_path, drawn)
         (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
         assert x0 <= 0 and x1 >= 400 * tokens
         for line, run in zip(lines, runs):
-            evals, logs = plot.read_metrics(os.path.join(run, "metrics.jsonl"))
+            evals, logs = figures.read_metrics(os.path.join(run, "metrics.jsonl"))
             want = [(r["iter"] * tokens, r[key]) for r in (logs if kind == "logs" else evals)]
             xs, ys = line.get_xdata(), line.get_ydata()
-            assert list(zip(xs, ys)) == pytest.approx(want)  # the line is this run's data
+            # the line is this run's data (approx of flat lists: pytest 9.2 refuses approx of nested data)
+            assert len(xs) == len(ys) == len(want)
+            assert list(xs) == pytest.approx([x for x, _ in want]) and list(ys) == pytest.approx([y for _, y in want])
             end = xs[-1]
             for x, y in zip(xs, ys):
                 if x >= 0.2 * end or x == end:
@@ -232,7 +270,7 @@ def test_a_short_run_beside_a_long_one_is_inside_both_loss_axes(tmp_path, drawn)
 
 
 def test_val_lines_have_markers_and_the_panels_say_what_pqn_on_and_off_mean(tmp_path, drawn):
-    plot.make_plots(long_and_short_runs(tmp_path), str(tmp_path / "plots"))
+    figures.make_plots(long_and_short_runs(tmp_path), str(tmp_path / "plots"))
     train_ax, val_ax = drawn["loss.png"].axes
     assert all(line.get_marker() not in (None, "None", "", " ") for line in val_ax.get_lines())
     assert len(val_ax.get_lines()[1].get_xdata()) == 3  # the short run's three evaluations, each a marker
@@ -244,19 +282,37 @@ def test_val_lines_have_markers_and_the_panels_say_what_pqn_on_and_off_mean(tmp_
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_prints_the_usage_and_exits_0(flag):
+    """The configurator's --help: the usage, then each key with its default and its comment."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), flag], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert r.returncode == 0 and r.stderr == ""
-    assert "usage: python plot.py RUN_DIR" in r.stdout
-    for option in ("RUN_DIR", "--out=DIR", "-h, --help"):
-        assert any(line.strip().startswith(option) for line in r.stdout.splitlines()), option
+    lines = r.stdout.splitlines()
+    assert lines[0] == "usage: python plot.py RUN_DIR [RUN_DIR ...] [--out=DIR]"
+    (out,) = [line.strip() for line in lines if line.strip().startswith("out = ")]
+    assert out.split("  # ") == ["out = 'plots'", "the directory loss.png, bitwidth.png and paired.png are written to"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--outt=x"], "unknown config key 'outt'; did you mean --out?"),
+    (["--out"], "--out: overrides are written --key=value"),
+    ([], "no run directory given")])
+def test_a_bad_command_line_is_the_configurators_one_line_error(runs, tmp_path, argv, message):
+    """plot.py speaks the configurator's dialect: an unknown key or a bare --key of a string is its
+    one-line error, exit status 1, nothing drawn."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), *(runs[:1] if argv else []), *argv],
+                       capture_output=True, text=True, timeout=120, cwd=cwd)
+    (line,) = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and line.startswith("error: ") and message in line
+    assert not os.listdir(cwd)
 
 
 def test_a_diverged_line_whose_late_values_are_nan_still_sets_the_axis():
     """A run that diverged early logs NaN after its first points: the axis covers its finite values."""
-    lo, hi = plot.loss_ylim([([0, 10, 100], [5.0, float("nan"), float("inf")])])
+    lo, hi = figures.loss_ylim([([0, 10, 100], [5.0, float("nan"), float("inf")])])
     assert lo < 5.0 < hi
-    lo, hi = plot.loss_ylim([([0, 10, 20, 30], [5.0, 3.0, float("nan"), float("inf")]), ([0, 100], [5.5, 2.0])])
+    lo, hi = figures.loss_ylim([([0, 10, 20, 30], [5.0, 3.0, float("nan"), float("inf")]), ([0, 100], [5.5, 2.0])])
     assert lo < 2.0 and 3.0 < hi < 5.0  # the first fifth of each line may be above the axis
 
 
@@ -275,9 +331,10 @@ def test_deploy_figures_keep_an_arm_in_one_colour_and_every_point_in_view(tmp_pa
                                                  ("bf16 + PTQ", "int2", 2.02, (60.0, 230.0), (3.1, 3.73)),
                                                  ("bf16 + PTQ", "error-int@3.5", 3.52, (0.1, 17.7), (2.32, 1.33)),
                                                  ("STE phase", "int3", 3.02, (0.03, 7.3), (2.32, 1.21)),
-                                                 ("learned mix 3.5 bits", "auto-int@3.5", 3.52, (0.06, 2.8), (2.32, 1.16)))
+                                                 ("learned mix 3.5 bits", "auto-int@3.5", 3.52, (0.06, 2.8),
+                                                  (2.32, 1.16)))
             for steps, inc, loss in zip((200, 3200), incs, losses)]
-    plot.plot_deploy(rows, str(tmp_path), longest=3200)
+    study_plots.plot_deploy(rows, str(tmp_path), longest=3200)
     (pareto_ax,) = drawn["pareto.png"].axes
     panels = {ax.get_title(): ax for ax in drawn["increase.png"].axes}
     assert set(panels) == {"int3", "int2", "int2/3/4 mix at 3.5 bits"}
@@ -286,7 +343,7 @@ def test_deploy_figures_keep_an_arm_in_one_colour_and_every_point_in_view(tmp_pa
                           ("int2/3/4 mix at 3.5 bits", "bf16 + PTQ (error-int@3.5)"),
                           ("int2/3/4 mix at 3.5 bits", "learned mix 3.5 bits")}
     for (title, label), line in lines.items():
-        rs = [r for r in rows if label.startswith(r["arm"]) and plot.deploy_panel(r["format"]) == title]
+        rs = [r for r in rows if label.startswith(r["arm"]) and study_plots.deploy_panel(r["format"]) == title]
         assert list(line.get_xdata()) == [r["tokens_per_param"] for r in rs]
         assert list(line.get_ydata()) == [r["increase_pct"]["mean"] for r in rs]
         y0, y1 = panels[title].get_ylim()

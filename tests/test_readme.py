@@ -32,7 +32,7 @@ NOT_RUN = {
     r"^torchrun .*--nproc_per_node=8|^torchrun --nnodes": "8 GPUs, or two nodes of them",
     r"^llama-cli": "llama.cpp's own program, not a Python package",
     r"^python export_gguf\.py": "llama-cpp-python, built from source (tests/test_gguf.py runs it where present)",
-    r"^python study\.py fig1b\s*(#|$)": "hours of training",
+    r"^python -m studies fig1b\s*(#|$)": "hours of training",
 }
 
 SHIM = f"""#!/bin/sh

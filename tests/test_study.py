@@ -1,4 +1,4 @@
-"""study.py on a 2-run study of tiny models: runs finish, are skipped when done, a stopped run is resumed
+"""python -m studies on a 2-run study of tiny models: runs finish, are skipped when done, a stopped run is resumed
 to the losses of an uninterrupted one, and results.json holds the figures of the runs' own logs.
 Also: every run of every named study is a command train.py accepts, with one shape and budget."""
 import contextlib
@@ -11,10 +11,13 @@ import sys
 
 import pytest
 
-import study
-import util
+import studies.__main__ as entry
 import train
+import util
 from conftest import ROOT
+from studies import definitions as defs
+from studies import report, runner
+from studies.records import StudyError, write_json
 
 TINY = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=2, gradient_accumulation_steps=1,
             max_iters=6, lr_decay_iters=6, warmup_iters=2, eval_interval=3, eval_iters=2, log_interval=1,
@@ -30,7 +33,7 @@ def tiny_config(tiny_corpus, tmp_path_factory):
 
 
 def two_runs(config):
-    return dict(about="two tiny runs", arms=[study.arm(config, method="bf16"), study.arm(config, method="gaussws[all]")],
+    return dict(about="two tiny runs", arms=[defs.arm(config, method="bf16"), defs.arm(config, method="gaussws[all]")],
                 seeds=(1,), export=("auto", "mxfp6_e3m2"), export_bf16=False)
 
 
@@ -49,7 +52,7 @@ def finished(tiny_config, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("study"))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        failed = study.run_study("tiny", two_runs(tiny_config), root, echo=False)
+        failed = runner.run_study("tiny", two_runs(tiny_config), root, echo=False)
     return root, failed, out.getvalue()
 
 
@@ -91,7 +94,7 @@ def test_results_json_holds_the_figures_of_the_runs_own_logs(finished):
                 else:
                     assert run["export"][fmt] == "export unavailable"
     md = open(os.path.join(root, "tiny", "results.md")).read()
-    assert f"{results['arms'][0]['val_loss']['mean']:.4f}" in md and "python study.py tiny" in md
+    assert f"{results['arms'][0]['val_loss']['mean']:.4f}" in md and "python -m studies tiny" in md
 
 
 def cpu_model():
@@ -99,7 +102,8 @@ def cpu_model():
         return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="the CPU's name is read back from /proc/cpuinfo (Linux)")
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"),
+                    reason="the CPU's name is read back from /proc/cpuinfo (Linux)")
 def test_the_machine_is_the_one_each_run_recorded(finished):
     """train.py writes the CPU it ran on into config.json; the results name the runs' machine, not the
     report writer's."""
@@ -113,10 +117,10 @@ def test_the_machine_is_the_one_each_run_recorded(finished):
 
 def test_runs_on_other_machines_or_none_recorded_are_each_named_with_their_count():
     runs = [{"machine": "A"}, {"machine": "B"}, {"machine": "A"}]
-    assert study.machines(runs) == "A (2 runs); B (1 run)"
-    assert study.machines(runs[:1] * 2) == "A"
-    said = study.machines([{"machine": "A"}, {"machine": None}])
-    assert said == f"A (1 run); not recorded by 1 run (this report was written on {study.machine()})"
+    assert report.machines(runs) == "A (2 runs); B (1 run)"
+    assert report.machines(runs[:1] * 2) == "A"
+    said = report.machines([{"machine": "A"}, {"machine": None}])
+    assert said == f"A (1 run); not recorded by 1 run (this report was written on {util.machine()})"
 
 
 def test_each_pqt_arm_is_paired_by_seed_with_its_bf16_run(finished):
@@ -126,7 +130,8 @@ def test_each_pqt_arm_is_paired_by_seed_with_its_bf16_run(finished):
     bf16, pqt = results["arms"]
     assert "vs_bf16" not in bf16
     last = {n: records(os.path.join(root, "runs", n))[0] for n in ("tiny-bf16-s1", "tiny-gaussws_all-s1")}
-    want = last["tiny-gaussws_all-s1"][TINY["max_iters"]]["val/loss"] - last["tiny-bf16-s1"][TINY["max_iters"]]["val/loss"]
+    n = TINY["max_iters"]
+    want = last["tiny-gaussws_all-s1"][n]["val/loss"] - last["tiny-bf16-s1"][n]["val/loss"]
     assert pqt["vs_bf16"]["runs"] == ["tiny-bf16-s1"] and pqt["vs_bf16"]["val_loss"]["values"] == [want]
     assert pqt["vs_bf16"]["export"]["auto"]["n"] == 0  # the bf16 run is not exported in this study
     assert "Paired by seed" in open(os.path.join(root, "tiny", "results.md")).read()
@@ -136,20 +141,85 @@ def test_a_study_without_the_bf16_arm_pairs_with_the_run_another_study_made(fini
     """As the noise study pairs with fig1b's bf16 runs: the table and paired.png use the bf16 run
     found in the runs directory."""
     root, _, _ = finished
-    only = dict(about="gaussws only", arms=[study.arm(tiny_config, method="gaussws[all]")], seeds=(1,), export=(),
+    only = dict(about="gaussws only", arms=[defs.arm(tiny_config, method="gaussws[all]")], seeds=(1,), export=(),
                 export_bf16=False)
     with contextlib.redirect_stdout(io.StringIO()):
-        assert study.run_study("only", only, root, echo=False) == 0
+        assert runner.run_study("only", only, root, echo=False) == 0
     results = json.load(open(os.path.join(root, "only", "results.json")))
     assert list(results["runs"]) == ["tiny-gaussws_all-s1"] and results["arms"][0]["vs_bf16"]["val_loss"]["n"] == 1
     assert os.path.getsize(os.path.join(root, "only", "plots", "paired.png")) > 0
 
 
 def test_the_reference_of_an_arm_drops_the_keys_only_pqt_has():
-    a = study.arm("c.py", method="diffq[all]", learning_rate=0.01, b_target=2.0, bitwidth_weight_decay=10.0, b_init=5.0)
-    assert study.reference_arm(a) == study.arm("c.py", method="bf16", learning_rate=0.01)
-    assert study.reference_arm(study.arm("c.py", method="bf16")) is None
-    assert study.run_name(study.reference_arm(study.STUDIES["3bit"]["arms"][1]), 1) == "gpt2-bf16-s1"
+    a = defs.arm("c.py", method="diffq[all]", learning_rate=0.01, b_target=2.0, bitwidth_weight_decay=10.0, b_init=5.0)
+    assert defs.reference_arm(a) == defs.arm("c.py", method="bf16", learning_rate=0.01)
+    assert defs.reference_arm(defs.arm("c.py", method="bf16")) is None
+    assert defs.run_name(defs.reference_arm(defs.STUDIES["3bit"]["arms"][1]), 1) == "gpt2-bf16-s1"
+
+
+def test_the_reference_of_a_phase_arm_is_its_bf16_trunk_with_no_phase_setting():
+    """The keys a bf16 run ignores are checkpoint's (PQT_KEYS and the rest of FORK_FREE's method
+    settings, figures.PQT_ONLY): the reference of every arm of every study sets none of them but
+    method=bf16, and that of each deployment arm is the bf16 run of its length (its trunk)."""
+    import checkpoint
+    for name, s in defs.STUDIES.items():
+        for a in s["arms"]:
+            ref = defs.reference_arm(a)
+            if ref is None:
+                continue
+            assert ref["overrides"]["method"] == "bf16"
+            assert not set(ref["overrides"]) & (set(checkpoint.PQT_KEYS) - {"method"}), (name, ref)
+            if name == "deploy":
+                trunk = next(b for b in s["arms"] if b["kind"] == "bf16 + PTQ" and b["steps"] == a["steps"])
+                assert defs.run_name(ref, 1) == defs.run_name(trunk, 1), a["kind"]
+    phase = defs.arm("c.py", method="ste[all]", target_format="int3", pqt_start=170, max_iters=200)
+    assert defs.reference_arm(phase) == defs.arm("c.py", max_iters=200, method="bf16")
+
+
+def test_the_from_scratch_decay_is_computed_from_the_configs_schedule(tmp_path, monkeypatch):
+    """scratch_decay takes train.py's learning rate of every step (step.get_lr) on the config's own
+    schedule: b_i = exp(-decay * sum of the learning rates) ends at 0.1 within the rounding of the decay to
+    0.01, on train.py's resolved config of the arm (its dry run), and a config with another schedule gets
+    another decay. The committed deployment runs' names hold 10.54, 2.62 and 0.65."""
+    from step import get_lr
+    assert [defs.scratch_decay(n) for n in (200, 800, 3200)] == [10.54, 2.62, 0.65]
+    for a in (a for a in defs.STUDIES["deploy"]["arms"] if a["kind"] == "gaussws from scratch"):
+        c = resolved(a, 1)
+        lrs = sum(get_lr(it, c) for it in range(c["max_iters"]))
+        assert abs(math.exp(-c["bitwidth_weight_decay"] * lrs) - 0.1) <= 0.1 * math.expm1(0.005 * lrs), a["kind"]
+    other = tmp_path / "other.py"
+    other.write_text(f"base = {os.path.join(ROOT, defs.DEPLOY)!r}\nlearning_rate = 4e-3\nwarmup_iters = 50\n")
+    monkeypatch.setattr(defs, "DEPLOY", str(other))
+    c = {"decay_lr": True, "learning_rate": 4e-3, "min_lr": 2e-4, "warmup_iters": 50, "max_iters": 800,
+         "lr_decay_iters": 800}
+    assert defs.scratch_decay(800) == round(math.log(10) / sum(get_lr(it, c) for it in range(800)), 2) != 2.62
+
+
+def test_a_report_with_no_run_done_writes_nothing(tmp_path, capsys, monkeypatch):
+    """As over studies/results, which keeps fig1b's tables but not its runs: the report says so and
+    leaves the tables as they are."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(entry.signal, "signal", lambda *a: None)  # keep pytest's own handlers
+    (tmp_path / "fig1b").mkdir()
+    (tmp_path / "fig1b" / "results.md").write_text("the committed table")
+    assert entry.main(["fig1b", "--report", f"--root={tmp_path}"]) == 0
+    assert "no run of fig1b is done" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "fig1b")) == ["results.md"]
+    assert (tmp_path / "fig1b" / "results.md").read_text() == "the committed table"
+
+
+def test_a_run_cut_short_is_refused_by_the_report(finished, tiny_config, tmp_path):
+    """A finished run whose metrics.jsonl lost its last line (its evaluation at max_iters): one line
+    naming it, and its earlier evaluation is not taken for its last."""
+    import shutil
+    root, _, _ = finished
+    shutil.copytree(os.path.join(root, "runs"), tmp_path / "runs")
+    path = tmp_path / "runs" / "tiny-gaussws_all-s1" / "metrics.jsonl"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(StudyError) as e, contextlib.redirect_stdout(io.StringIO()):
+        runner.write_results("tiny", two_runs(tiny_config), str(tmp_path))
+    assert str(e.value).startswith(f"{path.parent}: done.json says finished, but ") and "cut short" in str(e.value)
+    assert not (tmp_path / "tiny").exists()
 
 
 def test_a_second_call_skips_finished_runs(finished, tiny_config):
@@ -158,7 +228,7 @@ def test_a_second_call_skips_finished_runs(finished, tiny_config):
     before = [os.path.getsize(p) for p in logs]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert study.run_study("tiny", two_runs(tiny_config), root, echo=False) == 0
+        assert runner.run_study("tiny", two_runs(tiny_config), root, echo=False) == 0
     assert out.getvalue().count("already finished, skipped") == 2
     assert [os.path.getsize(p) for p in logs] == before  # train.py did not run
 
@@ -166,20 +236,20 @@ def test_a_second_call_skips_finished_runs(finished, tiny_config):
 def test_a_stopped_run_is_resumed_to_the_losses_of_an_uninterrupted_one(finished, tiny_config, tmp_path):
     """Stopped after its checkpoint at step 3 with step 4 logged, as a kill during step 5 leaves it."""
     root, _, _ = finished
-    a = study.arm(tiny_config, method="gaussws[all]")
+    a = defs.arm(tiny_config, method="gaussws[all]")
     one = dict(about="one run", arms=[a], seeds=(1,), export=(), export_bf16=False)
-    name = study.run_name(a, 1)
+    name = defs.run_name(a, 1)
     run_dir = os.path.join(str(tmp_path), "runs", name)
-    args = study.train_args(a, 1, run_dir)
+    args = defs.train_args(a, 1, run_dir)
     # In a process of its own, as the runner starts it (not in this one, whose earlier tests may have
     # left torch in another state): the stopped run, the resumed one and the whole one then differ
     # only in where they stopped.
-    subprocess.run([*study.launcher(1), *args, "--max_iters=3"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([*runner.launcher(1), *args, "--max_iters=3"], cwd=ROOT, check=True, capture_output=True)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"iter": 4, "loss": 123.0, "lr": 1e-3, "ms_per_iter": 1.0, "tokens_per_s": 1.0}) + "\n")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert study.run_study("one", one, str(tmp_path), echo=False) == 0
+        assert runner.run_study("one", one, str(tmp_path), echo=False) == 0
     assert "(resumed)" in out.getvalue()
     resumed_evals, resumed_logs = records(run_dir)
     whole_evals, whole_logs = records(os.path.join(root, "runs", name))
@@ -191,19 +261,24 @@ def test_a_stopped_run_is_resumed_to_the_losses_of_an_uninterrupted_one(finished
 
 def test_a_run_directory_made_with_other_arguments_is_refused(finished, tiny_config):
     root, _, _ = finished
-    other = dict(two_runs(tiny_config), arms=[study.arm(tiny_config, method="bf16")])
+    other = dict(two_runs(tiny_config), arms=[defs.arm(tiny_config, method="bf16")])
     run_dir = os.path.join(root, "runs", "tiny-bf16-s1")
     record = json.load(open(os.path.join(run_dir, "run.json")))
     record["args"] = record["args"] + ["--learning_rate=1.0"]
-    study.write_json(os.path.join(run_dir, "run.json"), record)
+    write_json(os.path.join(run_dir, "run.json"), record)
     os.remove(os.path.join(run_dir, "done.json"))
-    with pytest.raises(study.StudyError, match="made with other arguments"):
-        study.run_study("tiny", other, root, echo=False)
+    with pytest.raises(StudyError, match="made with other arguments"):
+        runner.run_study("tiny", other, root, echo=False)
 
 
-@pytest.mark.parametrize("argv,message", [(["fig9"], "'fig9' is not a study"), (["fig1b", "--nproc=0"], "bad option")])
+@pytest.mark.parametrize("argv,message", [
+    (["fig9"], "'fig9' is not a study"), (["fig1b", "--nproc=0"], "nproc=0: expected an integer >= 1"),
+    (["fig1b", "--dry_rn"], "unknown config key 'dry_rn'; did you mean --dry_run?"),
+    (["fig1b", "--root"], "--root: overrides are written --key=value"),
+    (["fig1b", "--only=("], "--only='(' is not a regular expression")])
 def test_bad_input_is_one_line(argv, message):
-    r = subprocess.run([sys.executable, "study.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    """The configurator's dialect and its one-line errors, as every script's."""
+    r = subprocess.run([sys.executable, "-m", "studies", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
 
 
@@ -217,9 +292,9 @@ def resolved(a, seed):
     return json.loads(text[:text.index("\n}\n") + 2])
 
 
-@pytest.mark.parametrize("name", list(study.STUDIES))
+@pytest.mark.parametrize("name", list(defs.STUDIES))
 def test_every_run_of_a_study_is_a_train_command_with_one_shape_budget_and_seeds(name):
-    s = study.STUDIES[name]
+    s = defs.STUDIES[name]
     configs = [resolved(a, s["seeds"][0]) for a in s["arms"]]
     shared = ("arch", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
               "max_iters", "lr_decay_iters", "warmup_iters", "dataset", "eval_interval", "eval_iters")
@@ -230,7 +305,7 @@ def test_every_run_of_a_study_is_a_train_command_with_one_shape_budget_and_seeds
     assert len(lengths) == (3 if name == "deploy" else 1)
     assert configs[0]["dataset"] == "default"
     assert s["seeds"] == ((1,) if name in ("fig3a", "deploy") else (1, 2, 3))
-    names = [n for n, _, _ in study.runs_of(s)]
+    names = [n for n, _, _ in defs.runs_of(s)]
     assert len(set(names)) == len(names)
     for c, a in zip(configs, s["arms"]):
         for k, v in a["overrides"].items():
@@ -239,8 +314,8 @@ def test_every_run_of_a_study_is_a_train_command_with_one_shape_budget_and_seeds
 
 def test_a_run_name_is_one_setting_across_studies():
     seen = {}
-    for s in study.STUDIES.values():
-        for n, a, seed in study.runs_of(s):
+    for s in defs.STUDIES.values():
+        for n, a, seed in defs.runs_of(s):
             key = (a["config"], json.dumps(a["overrides"], sort_keys=True), seed)
             assert seen.setdefault(n, key) == key, f"{n} names two different runs"
 
@@ -252,7 +327,7 @@ def test_diffq_arm_at_equal_noise_matches_gaussws_noise_variance():
     # 4 x 128 x 128 draws (tensors this small run eagerly): E[R²] within 5 standard errors (0.0019)
     r2 = float(sum((gaussws.sample_r((128, 128), seed=s).double() ** 2).mean() for s in range(4)) / 4)
     assert abs(r2 - 0.292) < 0.01
-    arm = study.STUDIES["noise"]["arms"][2]["overrides"]
+    arm = defs.STUDIES["noise"]["arms"][2]["overrides"]
     assert arm["method"] == "diffq[all]" and arm["b_init"] - arm["b_target"] == pytest.approx(2.0)
     for b_gaussws, b_diffq in ((6.0, arm["b_init"]), (4.0, arm["b_target"])):
         var_gaussws = r2 * 4.0 ** (1 - b_gaussws)  # Eq. 3: noise R * 2^(1 - b_t) per unit of block max
@@ -260,45 +335,51 @@ def test_diffq_arm_at_equal_noise_matches_gaussws_noise_variance():
         assert math.isclose(var_gaussws, var_diffq, rel_tol=0.03)
 
 
+# Config files whose text stays as it is: run directories under way record the file's SHA-256 (run.json's
+# config_sha), which the runner checks before it resumes them; their first line still names study.py.
+KEPT = ("config/mini_gpt2_gguf.py",)
+
+
 def test_mini_configs_say_which_figure_they_mirror_and_a_study_uses_each():
     import glob
     import re
     paths = sorted(glob.glob(os.path.join(ROOT, "config", "mini_*.py")))
     assert paths
-    used = {a["config"] for s in study.STUDIES.values() for a in s["arms"]}
+    used = {a["config"] for s in defs.STUDIES.values() for a in s["arms"]}
     for p in paths:
         with open(p) as f:
             first = f.readline()  # a paper figure at laptop scale, or a study beyond the paper by its command
-            assert re.match(r"# Fig\. \d+[ab]?\b", first) or re.search(r"`python study\.py \w+`", first), \
+        named = re.findall(r"`python -m studies ([\w|]+)`", first)
+        if os.path.relpath(p, ROOT) not in KEPT:
+            assert re.match(r"# Fig\. \d+[ab]?\b", first) or named, \
                 f"{p}: the first line must name the figure it mirrors or the study it is the base of"
+            assert all(set(n.split("|")) <= set(defs.STUDIES) for n in named), f"{p}: {named} names no study"
         assert os.path.relpath(p, ROOT) in used, f"{p} is in no study"
 
 
 def test_3bit_arms_decay_alone_brings_b_t_below_3():
-    """AdamW's decoupled decay of b_i (b_i *= 1 - lr * decay each step, lr on the warmup + cosine
-    schedule, recomputed here) leaves b_t = b_target + b_i (b_init - b_target) under 3 by the end."""
-    for a in study.STUDIES["3bit"]["arms"][1:]:
+    """AdamW's decoupled decay of b_i (b_i *= 1 - lr * decay each step, lr train.py's warmup + cosine
+    schedule of the run's resolved config) leaves b_t = b_target + b_i (b_init - b_target) under 3 by
+    the end."""
+    from step import get_lr
+    for a in defs.STUDIES["3bit"]["arms"][1:]:
         s = resolved(a, 1)
         b_i = 1.0
         for it in range(s["max_iters"]):
-            if it < s["warmup_iters"]:
-                lr = s["learning_rate"] * (it + 1) / (s["warmup_iters"] + 1)
-            else:
-                ratio = (it - s["warmup_iters"]) / (s["lr_decay_iters"] - s["warmup_iters"])
-                lr = s["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (s["learning_rate"] - s["min_lr"])
-            b_i *= 1 - lr * s["bitwidth_weight_decay"]
+            b_i *= 1 - get_lr(it, s) * s["bitwidth_weight_decay"]
         assert s["b_target"] + b_i * (s["b_init"] - s["b_target"]) < 3.0 - 0.3, a
 
 
 def test_dry_run_lists_every_run_with_its_command_and_nproc_uses_torchrun(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # main() works in the repository; the test's directory is restored after
-    assert study.main(["fig3a", "--dry_run", f"--root={tmp_path}"]) == 0
+    assert entry.main(["fig3a", "--dry_run", f"--root={tmp_path}"]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if "[to run]" in l]
     assert len(lines) == 6 and all("python train.py config/mini_gpt2.py" in l for l in lines)
-    assert study.main(["fig4", "--dry_run", "--nproc=2", f"--root={tmp_path}"]) == 0
+    assert entry.main(["fig4", "--dry_run", "--nproc=2", f"--root={tmp_path}"]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if "[to run]" in l]
     assert len(lines) == 9
-    assert all("-m torch.distributed.run --standalone --nproc_per_node=2 train.py config/mini_llama2.py" in l for l in lines)
+    torchrun = "-m torch.distributed.run --standalone --nproc_per_node=2 train.py config/mini_llama2.py"
+    assert all(torchrun in l for l in lines)
 
 
 # --- two runners, divergences, hand-edited records ---------------------------------------------
@@ -308,17 +389,17 @@ def test_a_run_whose_lock_is_held_is_not_touched(tiny_config, tmp_path):
     lock of the directory is held, metrics.jsonl holds that run's first records. Nothing is deleted,
     train.py is not started, the run is put off (BUSY)."""
     import checkpoint
-    a = study.arm(tiny_config, method="bf16")
-    run_dir = tmp_path / "runs" / study.run_name(a, 1)
+    a = defs.arm(tiny_config, method="bf16")
+    run_dir = tmp_path / "runs" / defs.run_name(a, 1)
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text(json.dumps({"iter": 0, "train/loss": 5.5, "val/loss": 5.5}) + "\n")
     before = sorted(os.listdir(run_dir)), (run_dir / "metrics.jsonl").read_bytes()
     for name in (".lock", ".study.lock"):  # a train.py's lock, then another runner's
         with checkpoint.lock(str(run_dir), name=name):
-            result = study.train_one(study.run_name(a, 1), a, 1, str(tmp_path), 1, False)
+            result = runner.train_one(defs.run_name(a, 1), a, 1, str(tmp_path), 1, False)
         assert (sorted(f for f in os.listdir(run_dir) if not f.endswith("lock")),
                 (run_dir / "metrics.jsonl").read_bytes()) == before
-        assert result == study.BUSY
+        assert result == runner.BUSY
 
 
 def test_a_runner_does_the_free_runs_first_then_waits_for_the_held_one(tiny_config, tmp_path, monkeypatch):
@@ -326,19 +407,19 @@ def test_a_runner_does_the_free_runs_first_then_waits_for_the_held_one(tiny_conf
     go when the runner starts to wait) and trains it: both runs whole, one record each."""
     import checkpoint
     config = two_runs(tiny_config)
-    names = [n for n, _, _ in study.runs_of(config)]
+    names = [n for n, _, _ in defs.runs_of(config)]
     held = checkpoint.lock(os.path.join(str(tmp_path), "runs", names[0]))
-    real_claim, order = study.claim, []
+    real_claim, order = runner.claim, []
 
     def claim(run_dir, wait):
         order.append((os.path.basename(run_dir), wait))
         if wait:
             held.release()  # the other process ends
         return real_claim(run_dir, wait)
-    monkeypatch.setattr(study, "claim", claim)
+    monkeypatch.setattr(runner, "claim", claim)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert study.run_study("tiny", config, str(tmp_path), echo=False) == 0
+        assert runner.run_study("tiny", config, str(tmp_path), echo=False) == 0
     assert order == [(names[0], False), (names[1], False), (names[0], True)]
     assert f"{names[0]} is in use by another process; back to it after the others" in out.getvalue()
     for n in names:
@@ -350,12 +431,12 @@ def test_a_runner_does_the_free_runs_first_then_waits_for_the_held_one(tiny_conf
 def test_any_divergence_train_py_records_is_a_result_not_a_failure(tiny_config, tmp_path):
     """lr 1e30 makes the model after step 0 NaN: train.py stops at the eval of step 1 ("eval loss is
     {...}", not "loss is nan"). The run is recorded as diverged there, and not run again."""
-    a = study.arm(tiny_config, method="bf16", learning_rate=1e30, grad_clip=0.0, warmup_iters=0, decay_lr=False,
+    a = defs.arm(tiny_config, method="bf16", learning_rate=1e30, grad_clip=0.0, warmup_iters=0, decay_lr=False,
                   dtype="float32", eval_interval=1)
     one = dict(about="one diverging run", arms=[a], seeds=(1,), export=(), export_bf16=False)
-    run_dir = tmp_path / "runs" / study.run_name(a, 1)
+    run_dir = tmp_path / "runs" / defs.run_name(a, 1)
     with contextlib.redirect_stdout(io.StringIO()):
-        assert study.run_study("one", one, str(tmp_path), echo=False) == 0
+        assert runner.run_study("one", one, str(tmp_path), echo=False) == 0
     done = json.load(open(run_dir / "done.json"))
     assert (done["status"], done["step"], done["what"]) == ("diverged", 1, "eval_loss")
     results = json.load(open(tmp_path / "one" / "results.json"))
@@ -363,7 +444,7 @@ def test_any_divergence_train_py_records_is_a_result_not_a_failure(tiny_config, 
     log = (run_dir / "train.log").read_bytes()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert study.run_study("one", one, str(tmp_path), echo=False) == 0
+        assert runner.run_study("one", one, str(tmp_path), echo=False) == 0
     assert "already diverged, skipped" in out.getvalue() and (run_dir / "train.log").read_bytes() == log
 
 
@@ -380,10 +461,10 @@ def test_a_hand_edited_record_is_one_line_and_changes_nothing(finished, tiny_con
     path = copy / "runs" / "tiny-gaussws_all-s1" / record
     path.write_bytes(text.encode("latin-1"))
     files = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
-    config = dict(about="gaussws only", arms=[study.arm(tiny_config, method="gaussws[all]")], seeds=(1,),
+    config = dict(about="gaussws only", arms=[defs.arm(tiny_config, method="gaussws[all]")], seeds=(1,),
                   export=("auto",), export_bf16=False)
-    with pytest.raises(study.StudyError) as e, contextlib.redirect_stdout(io.StringIO()):
-        study.run_study("tiny", config, str(copy), echo=False)
+    with pytest.raises(StudyError) as e, contextlib.redirect_stdout(io.StringIO()):
+        runner.run_study("tiny", config, str(copy), echo=False)
     message = str(e.value)
     assert str(path) in message and "\n" not in message and "move it away" in message
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.parent != copy / "tiny"} == files
@@ -392,16 +473,16 @@ def test_a_hand_edited_record_is_one_line_and_changes_nothing(finished, tiny_con
 def test_a_bad_root_is_one_line(tmp_path, monkeypatch, capsys):
     """From the shell once (no traceback, exit 1), then each case through the same cli() in-process."""
     (tmp_path / "file").write_text("x")
-    r = subprocess.run([sys.executable, "study.py", "fig3a", f"--root={tmp_path / 'file'}"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "studies", "fig3a", f"--root={tmp_path / 'file'}"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("error: --root=") and "is a file" in line
-    monkeypatch.setattr(study.signal, "signal", lambda *a: None)  # keep pytest's own handlers
+    monkeypatch.setattr(entry.signal, "signal", lambda *a: None)  # keep pytest's own handlers
     for root, message in ((tmp_path / "file", "is a file"), (tmp_path / "file" / "below", "is a file"),
                           ("/proc/no_such_dir/study", "cannot make")):
         for dry in ([], ["--dry_run"]):
-            status = util.cli(study.main, ["fig3a", f"--root={root}", *dry])
+            status = util.cli(entry.main, ["fig3a", f"--root={root}", *dry])
             err = capsys.readouterr().err
             if dry and root == "/proc/no_such_dir/study":  # a dry run makes nothing, so cannot fail to
                 assert status == 0, err
@@ -424,7 +505,7 @@ def config_max_iters(path):
 def estimate(capsys, argv):
     """(seconds, runs, steps, seconds per step) of the dry run's last line, and that line."""
     import re
-    assert study.main(argv) == 0
+    assert entry.main(argv) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     m = re.fullmatch(r"time left: about [\d.]+ (?:h|min) \(([\d,]+) s: (\d+) run\(s\), ([\d,]+) steps at ([\d.]+) s a "
                      r"step, .*\)", line)
@@ -437,7 +518,7 @@ def test_a_dry_run_gives_the_time_left_at_the_finished_runs_seconds_per_step(tmp
     stopped with its last evaluation (and checkpoint) at step 100, fifteen not begun."""
     monkeypatch.chdir(ROOT)
     steps = config_max_iters("config/mini_gpt2.py")
-    names = [n for n, _, _ in study.runs_of(study.STUDIES["fig1b"])]
+    names = [n for n, _, _ in defs.runs_of(defs.STUDIES["fig1b"])]
     for name, wall in ((names[0], 100.0), (names[5], 300.0)):
         os.makedirs(tmp_path / "runs" / name)
         (tmp_path / "runs" / name / "done.json").write_text(json.dumps({"status": "finished", "wall_s": wall}))
@@ -461,7 +542,7 @@ def test_a_dry_run_before_any_run_finished_says_its_default_and_counts_a_fork_fr
     name --pqt_start) trains from its switch step only; the others all 200 steps."""
     import re
     monkeypatch.chdir(ROOT)
-    assert study.main(["deploy", "--dry_run", f"--root={tmp_path}", "--only=-n200-"]) == 0
+    assert entry.main(["deploy", "--dry_run", f"--root={tmp_path}", "--only=-n200-"]) == 0
     commands = [l for l in capsys.readouterr().out.splitlines() if "[to run]" in l]
     want = 0
     for c in commands:
@@ -470,16 +551,22 @@ def test_a_dry_run_before_any_run_finished_says_its_default_and_counts_a_fork_fr
         want += n - (int(start[1]) if start else 0)
     seconds, runs, steps, rate, line = estimate(capsys, ["deploy", "--dry_run", f"--root={tmp_path}", "--only=-n200-"])
     assert runs == len(commands) > 5 and steps == want < 200 * runs
-    assert rate == study.DEFAULT_STEP_S and "no run has finished here yet" in line
-    assert seconds == pytest.approx(want * study.DEFAULT_STEP_S, abs=1)
+    assert rate == runner.DEFAULT_STEP_S and "no run has finished here yet" in line
+    assert seconds == pytest.approx(want * runner.DEFAULT_STEP_S, abs=1)
 
 
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_help_prints_the_usage_with_each_option_and_study_and_exits_0(flag):
-    r = subprocess.run([sys.executable, "study.py", flag], cwd=ROOT, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], []])
+def test_help_prints_the_usage_with_each_option_and_study_and_exits_0(argv):
+    """--help (and no study named) prints the usage, each study with its count of runs, and each key
+    with its default and the comment of its defaults' line (the configurator's help)."""
+    r = subprocess.run([sys.executable, "-m", "studies", *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0 and r.stderr == ""
     lines = [l.strip() for l in r.stdout.splitlines()]
-    assert lines[0].startswith("usage: python study.py")
-    for option in ("STUDY", "--dry_run", "--report", "--nproc=N", "--root=DIR", "--only=REGEX", "-h, --help",
-                   *study.STUDIES):
-        assert sum(l.startswith(option + " ") for l in lines) == 1, option
+    assert lines[0] == "usage: python -m studies NAME [--dry_run] [--report] [--nproc=N] [--root=DIR] [--only=REGEX]"
+    for name, s in defs.STUDIES.items():
+        assert sum(l.startswith(f"{name} ") for l in lines) == 1, name
+        assert f"{name} {len(defs.runs_of(s)):3d} runs  {s['about']}".split() in [l.split() for l in lines]
+    for key, value in entry.DEFAULTS.items():
+        (line,) = [l for l in lines if l.startswith(f"{key} = ")]
+        assert line.startswith(f"{key} = {value!r}") and len(line.split("  # ")[1]) > 20, line

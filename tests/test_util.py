@@ -105,11 +105,12 @@ def test_cli_reports_a_user_error_in_one_line_and_other_errors_as_they_are(capsy
 
 @pytest.mark.parametrize("argv", [
     ["train.py", "--n_layr=3"], ["sample.py", "--temprature=1"], ["export.py", "--format=fp5"],
-    ["hf.py", "--ckpt=/nonexistent/ckpt.pt", "--out=/nonexistent/out"], ["study.py", "nostudy"],
+    ["hf.py", "--ckpt=/nonexistent/ckpt.pt", "--out=/nonexistent/out"], ["-m", "studies", "nostudy"],
     ["plot.py", "--bad"], ["bench.py", "bench"], ["export_gguf.py", "--ggfu=x.gguf"]])
 def test_every_script_says_error_in_one_line_with_exit_status_1(argv, tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path)
+    script = argv[:2] if argv[0] == "-m" else [os.path.join(ROOT, argv[0])]  # a package runs as `python -m`
+    r = subprocess.run([sys.executable, *script, *argv[len(script):]], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 1, r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("error: ") and "Traceback" not in r.stderr

@@ -1,0 +1,251 @@
+"""The studies: each a list of arms (a config file and train.py --key=value overrides of it) times seeds,
+and the name and train.py arguments of each of its runs.
+
+A run's NAME is made from its config and overrides (run_name), so an arm that two studies share (the
+bf16 run of Fig. 1b and of the 3-bit study) is one run directory, trained once.
+"""
+import math
+import os
+import re
+
+import configurator
+from figures import PQT_ONLY
+from gaussws import R_SECOND_MOMENT
+from studies.records import StudyError
+from step import get_lr
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT2, LLAMA2 = "config/mini_gpt2.py", "config/mini_llama2.py"
+HIGH_LR = 1e-2  # 5x the configs' 2e-3; our choice, to strain bf16 as the paper's unstable arm does
+# At equal b_t, gaussws' R injects E[R²]/E[U²] times the noise variance of DiffQ's U(-1/2, 1/2)
+# (gaussws.R_SECOND_MOMENT, from Eq. 10: 3.506x). The noise of Eq. 3 scales as 2^-b_t, its variance
+# as 4^-b_t: DiffQ at b_t - log2(sqrt(3.506)) = b_t - 0.905 injects the variance of gaussws at b_t.
+NOISE_BITS = round(0.5 * math.log2(R_SECOND_MOMENT["gaussws"] / R_SECOND_MOMENT["diffq"]), 3)  # 0.905
+
+
+def arm(config, **overrides):
+    """One setting of a study: a config file and --key=value overrides of it (not the seed)."""
+    return {"config": config, "overrides": overrides}
+
+
+BF16, BF16_HIGH = arm(GPT2, method="bf16"), arm(GPT2, method="bf16", learning_rate=HIGH_LR)
+GAUSSWS = arm(GPT2, method="gaussws[all]")
+GAUSSWS_HIGH = arm(GPT2, method="gaussws[all]", learning_rate=HIGH_LR)
+DIFFQ, DIFFQ_HIGH = arm(GPT2, method="diffq[all]"), arm(GPT2, method="diffq[all]", learning_rate=HIGH_LR)
+# The 3-bit regime: b_t = 2 + 4 b_i pulled toward b_target 2 by a b_i decay of 10: AdamW's decay
+# alone (b_i *= 1 - lr * 10 a step, learning rates summing to about 0.22 over mini_gpt2.py's 200
+# steps) leaves b_i near e^-2.2 = 0.11, b_t near 2.45 (measured: 2.47 [2.3, 2.7] over blocks, the
+# loss's own gradient barely pushes back), where auto-int stores every block as int3 (ceil(b_t)).
+# (config/cpu/gaussws_3bit.py: the same pull over 400 steps with a decay of 5.) Our choice.
+LOW_BITS = dict(b_target=2.0, bitwidth_weight_decay=10.0)
+
+STUDIES = {
+    "fig1b": dict(
+        about="Fig. 1b at laptop scale: bf16, gaussws[all] and diffq[all] at a comfortable lr (2e-3) and "
+              "a high one (1e-2), from the same start (same seed) and the same batches",
+        arms=[BF16, GAUSSWS, DIFFQ, BF16_HIGH, GAUSSWS_HIGH, DIFFQ_HIGH],
+        seeds=(1, 2, 3), export=("auto", "mxfp6_e3m2"), export_bf16=False),
+    "fig3a": dict(
+        about="Fig. 3a at laptop scale: gaussws on one kind of layer at a time, b_target 0, at the high lr "
+              "(where the paper looked for the source of bf16's instability)",
+        arms=[BF16_HIGH] + [arm(GPT2, method=f"gaussws[{p}]", b_target=0.0, learning_rate=HIGH_LR)
+                            for p in ("qkv", "out", "up", "down", "od")],
+        seeds=(1,), export=("auto", "mxfp6_e3m2"), export_bf16=False),
+    "fig3b": dict(
+        about="Fig. 3b at laptop scale: Fig. 1b's high-lr arm with Adam-mini in place of AdamW",
+        arms=[arm(GPT2, method=m, learning_rate=HIGH_LR, optimizer="adam_mini")
+              for m in ("bf16", "gaussws[all]", "diffq[all]")],
+        seeds=(1, 2, 3), export=("auto", "mxfp6_e3m2"), export_bf16=False),
+    "fig4": dict(
+        about="Fig. 4 at laptop scale: a small Llama2 with bf16, diffq[all] and gaussws[all]",
+        arms=[arm(LLAMA2, method=m) for m in ("bf16", "diffq[all]", "gaussws[all]")],
+        seeds=(1, 2, 3), export=("auto", "mxfp6_e3m2"), export_bf16=False),
+    "3bit": dict(
+        about="The 3-bit regime (beyond the paper): gaussws[all] and diffq[all] trained toward b_t <= 3, "
+              "against the bf16 run quantized after training (PTQ), each exported at auto-int, int3 and mxfp4",
+        arms=[BF16, arm(GPT2, method="gaussws[all]", **LOW_BITS), arm(GPT2, method="diffq[all]", **LOW_BITS)],
+        seeds=(1, 2, 3), export=("auto-int", "int3", "mxfp4"), export_bf16=True),
+    "noise": dict(
+        about=f"DiffQ at an equal noise budget: diffq[all] with b_init and b_target lowered by "
+              f"log2(sqrt(E[R²] * 12)) = {NOISE_BITS} bit, beside gaussws[all] and diffq[all] at equal b_t",
+        arms=[GAUSSWS, DIFFQ, arm(GPT2, method="diffq[all]", b_init=round(6.0 - NOISE_BITS, 3),
+                                  b_target=round(4.0 - NOISE_BITS, 3))],
+        seeds=(1, 2, 3), export=("auto", "mxfp6_e3m2"), export_bf16=False),
+}
+
+# --- the deployment study (beyond the paper): where PQT pays against PTQ and STE-QAT -------------
+# A bf16 run per training length is the trunk; every phase arm forks from its checkpoint at the
+# arm's switch step (train.py --fork_from): until the switch a phase run *is* the bf16 run (the
+# same weights, optimizer state, batches and seed; tests/test_phase.py), so it spends exactly the
+# bf16 run's tokens and only its phase is trained again. Our choices: the lengths (1, 4 and 16
+# tokens per parameter of mini_gpt2_deploy.py's 0.8M parameters), a phase of the last 15 % (ParetoQ:
+# about 10 %), 3 seeds at the longest and 1 elsewhere, the 3.5-bit budget of the mixed arms.
+DEPLOY = "config/mini_gpt2_deploy.py"
+DEPLOY_STEPS = (200, 800, 3200)
+DEPLOY_SEEDS = {200: (1,), 800: (1,), 3200: (1, 2, 3)}
+DEPLOY_FORMATS = {200: ("int3", "int4"), 800: ("int3", "int4"), 3200: ("int3", "int2", "int4", "mxfp4")}
+# Element bits per weight of the mixed-precision arms (int2/int3/int4 per block, export.py's budget):
+# half-way between int3 and int4, so that the ranking decides which blocks get the fourth bit. At a
+# whole 3.0 every ranking gives uniform int3 here: a block gets int4 before another gets int3 only
+# where their b_t (or errors, in bits) differ by more than a bit, and a phase moves b_t by about the
+# sum of its learning rates, a few hundredths of a bit.
+BUDGET = 3.5
+PHASE = 0.85  # where the phases start, as a fraction of the run: the last 15 %
+MIX_PHASE = 0.7  # where the learned mix's gaussws phase starts (it learns the b_t that allocate, then STE from PHASE)
+SWEEP_B_T = (3.0, 4.0)  # the gaussws int3 phase's b_t swept at 800 steps, beside the matched level 3.49
+# The sweep's lowest exported int3 loss (one seed; studies/results/deploy/results.md): the longest
+# length runs the gaussws int3 phase at it too, beside the matched level. None: the matched level alone.
+BEST_B_T = 4.0
+
+
+def config_settings(config):
+    """The settings a config file gives (its bases' first, then its own), as train.py reads them."""
+    settings = {}
+    for _, own in configurator.file_settings(os.path.join(REPO, config)):
+        settings.update(own)
+    return settings
+
+
+def scratch_decay(steps):
+    """bitwidth_weight_decay that brings b_i from 1 to 0.1 over a run of DEPLOY from scratch of `steps`
+    steps: AdamW multiplies b_i by (1 - lr * decay) a step, so b_i ends near exp(-decay * the sum of the
+    learning rates), each step's learning rate train.py's (step.get_lr) on the config's schedule."""
+    schedule = ("learning_rate", "min_lr", "warmup_iters")
+    c = config_settings(DEPLOY)
+    if any(k not in c for k in schedule):
+        raise StudyError(f"{DEPLOY} must set {', '.join(schedule)}: the from-scratch arms' b_i decay is "
+                         f"computed from its schedule")
+    c = {"decay_lr": True, **c, "max_iters": steps, "lr_decay_iters": steps}  # decay_lr: train.py's default
+    return round(math.log(10) / sum(get_lr(i, c) for i in range(steps)), 2)
+
+
+def deploy_arm(kind, fmt, steps, export, trunk=None, **overrides):
+    a = arm(DEPLOY, **overrides, max_iters=steps, lr_decay_iters=steps, eval_interval=steps // 4)
+    return {**a, "kind": kind, "format": fmt, "steps": steps, "seeds": DEPLOY_SEEDS[steps], "export": export,
+            "trunk": trunk}
+
+
+def deploy_forks(n, trunk, bits):
+    """The arms of length n that fork from its trunk, and those from scratch (the costliest, last)."""
+    phase = round(PHASE * n)
+    forks, scratch = [], []
+    for f in DEPLOY_FORMATS[n]:
+        forks.append(deploy_arm("STE phase", f, n, [f], trunk, method="ste[all]", target_format=f, pqt_start=phase))
+        # b_t at the level matched to the format's rounding error (gaussws.matched_b_t)
+        forks.append(deploy_arm("gaussws phase", f, n, [f], trunk, method="gaussws[all]", target_format=f,
+                                pqt_start=phase))
+        if n == DEPLOY_STEPS[-1] and f == "int3" and BEST_B_T is not None:  # the 800-step sweep's pick
+            forks.append(deploy_arm(f"gaussws phase b_t {BEST_B_T:g}", f, n, [f], trunk, method="gaussws[all]",
+                                    pqt_start=phase, b_init=BEST_B_T, b_target=BEST_B_T))
+        forks.append(deploy_arm("diffq phase", f, n, [f], trunk, method="diffq[all]", target_format=f,
+                                pqt_start=phase))
+        scratch.append(deploy_arm("gaussws from scratch", f, n, [f], method="gaussws[all]", target_format=f,
+                                  bitwidth_weight_decay=scratch_decay(n)))
+    forks.append(deploy_arm(f"learned mix {bits} bits", "int3", n, [f"auto-int@{bits}"], trunk,
+                            method="gaussws[all]", target_format="auto-int", bits_per_weight=BUDGET,
+                            pqt_start=round(MIX_PHASE * n), ste_start=phase))
+    forks.append(deploy_arm(f"error mix {bits} bits", "int3", n, [f"error-int@{bits}"], trunk, method="ste[all]",
+                            target_format="error-int", bits_per_weight=BUDGET, pqt_start=phase))
+    if n == DEPLOY_STEPS[-1]:  # the learned mix's phases exactly, only the ranking by error: the allocator alone
+        forks.append(deploy_arm(f"gaussws phase + error mix {bits} bits", "int3", n, [f"error-int@{bits}"], trunk,
+                                method="gaussws[all]", target_format="error-int", bits_per_weight=BUDGET,
+                                pqt_start=round(MIX_PHASE * n), ste_start=phase))
+    if n == 800:
+        forks += [deploy_arm(f"gaussws phase b_t {b:g}", "int3", n, ["int3"], trunk, method="gaussws[all]",
+                             pqt_start=phase, b_init=b, b_target=b) for b in SWEEP_B_T]
+        forks += [deploy_arm(f"{kind} 50 %", "int3", n, ["int3"], trunk, method=method, target_format="int3",
+                             pqt_start=n // 2) for kind, method in (("STE phase", "ste[all]"),
+                                                                    ("gaussws phase", "gaussws[all]"))]
+    return forks, scratch
+
+
+def deploy_arms():
+    """Every arm of the deployment study: per length its bf16 trunk, the arms that fork from it, then
+    the arms from scratch (the costliest, last)."""
+    arms, bits = [], f"{BUDGET:g}"
+    for n in DEPLOY_STEPS:
+        trunk = deploy_arm("bf16 + PTQ", "", n, [*DEPLOY_FORMATS[n], f"error-int@{bits}"], method="bf16")
+        forks, scratch = deploy_forks(n, trunk, bits)
+        trunk["keep"] = sorted({a["overrides"]["pqt_start"] for a in forks})
+        arms += [trunk, *forks, *scratch]
+    return arms
+
+
+STUDIES["deploy"] = dict(
+    about="Where PQT pays (beyond the paper): bf16 + PTQ against a PQT (gaussws, diffq) or STE-QAT (torchao) "
+          "phase over the last 15 %, gaussws from scratch, and learned mixed precision, over 1-16 tokens per "
+          "parameter",
+    arms=deploy_arms(), seeds=(1,), export=(), export_bf16=True, report="deploy")
+
+# --- the llama.cpp study (beyond the paper): trained GGUF files against llama-quantize -------------
+# A model llama.cpp can K-quantize (config/mini_gpt2_gguf.py: every Linear input width a multiple of
+# 256), one bf16 trunk per seed trained to 8 tokens per parameter; its phases fork from the trunk's
+# checkpoints at 70 % (the learned mix's gaussws phase) and 85 % (the STE phases), as the deployment
+# study's do, and llama.cpp's own quantizer starts from its last one.
+GGUF_CONFIG = "config/mini_gpt2_gguf.py"
+GGUF_STEPS = 6400
+GGUF_SEEDS = (1, 2, 3)
+
+
+def gguf_arms():
+    """The llama.cpp study's arms: per seed, the bf16 trunk, kept at the phases' fork steps."""
+    trunk = arm(GGUF_CONFIG, method="bf16", max_iters=GGUF_STEPS, lr_decay_iters=GGUF_STEPS,
+                eval_interval=GGUF_STEPS // 4)
+    trunk.update(kind="bf16", seeds=GGUF_SEEDS,
+                 keep=sorted({round(MIX_PHASE * GGUF_STEPS), round(PHASE * GGUF_STEPS)}))
+    return [trunk]
+
+
+STUDIES["gguf"] = dict(
+    about="Trained GGUF files against llama.cpp's quantizer (beyond the paper): STE phases on llama.cpp's grids "
+          "and learned per-tensor types, against llama-quantize with an importance matrix, judged by llama.cpp",
+    arms=gguf_arms(), seeds=GGUF_SEEDS, export=(), export_bf16=False)
+
+# --- the runs of an arm ---------------------------------------------------------------------------
+SHORT = {"method": "", "learning_rate": "lr", "optimizer": "", "b_init": "binit", "b_target": "btarget",
+         "bitwidth_weight_decay": "bwd", "target_format": "", "pqt_start": "from", "ste_start": "ste",
+         "bits_per_weight": "bpw", "max_iters": "n", "lr_decay_iters": "decay", "eval_interval": "eval"}
+
+
+def run_name(a, seed):
+    """A directory name for one run, readable and unique for (config, overrides, seed)."""
+    stem = os.path.basename(a["config"])[:-3].removeprefix("mini_")
+    keys = sorted(a["overrides"], key=lambda k: (k != "method", k))
+    value = {k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in a["overrides"].items()}
+    parts = [stem] + [SHORT.get(k, k) + value[k] for k in keys] + [f"s{seed}"]
+    return re.sub(r"[^A-Za-z0-9.=+-]+", "_", "-".join(parts)).strip("_").replace("_-", "-")
+
+
+def runs_of(study):
+    """[(name, arm, seed)] of a study: every arm with every seed, arms first."""
+    return [(run_name(a, s), a, s) for a in study["arms"] for s in a.get("seeds", study["seeds"])]
+
+
+def train_args(a, seed, out_dir):
+    """train.py's arguments for one run (without --init_from)."""
+    return [a["config"], *(f"--{k}={v}" for k, v in a["overrides"].items()), f"--seed={seed}", f"--out_dir={out_dir}"]
+
+
+def arm_label(a):
+    return " ".join([os.path.basename(a["config"])] + [f"{k}={v}" for k, v in a["overrides"].items()])
+
+
+def arm_steps(a):
+    """(first, last) step a run of arm a trains: from 0, or from its fork step (an arm with a trunk
+    starts from the trunk's checkpoint at pqt_start), to max_iters (its override, else its config's)."""
+    last = a["overrides"].get("max_iters")
+    last = config_settings(a["config"]).get("max_iters") if last is None else last
+    if last is None:
+        raise StudyError(f"{a['config']} sets no max_iters, nor does the arm {arm_label(a)}; a study's run must say "
+                         f"how long it trains")
+    return (a["overrides"]["pqt_start"] if a.get("trunk") else 0), last
+
+
+def reference_arm(a):
+    """The bf16 arm an arm is paired with: the same config and overrides, less what only PQT reads
+    (figures.PQT_ONLY: the method's settings, its phases), method bf16; None for a bf16 arm. With the
+    same seed the two start from the same weights and see the same batches, so their difference per
+    seed is free of the seed-to-seed spread."""
+    if a["overrides"].get("method", "bf16") == "bf16":
+        return None
+    return arm(a["config"], **{**{k: v for k, v in a["overrides"].items() if k not in PQT_ONLY}, "method": "bf16"})
