@@ -13,6 +13,7 @@ import torch
 import checkpoint
 import export as E
 import gaussws
+import ste
 import train
 import util
 from configurator import ConfigError
@@ -96,7 +97,7 @@ def test_phase_run_is_the_bf16_run_bit_for_bit_until_the_switch(runs, phase):
 
 def test_phase_b_t_starts_at_the_level_matched_to_the_target_format_and_stays(runs):
     phase_dir, run = runs["gaussws"]
-    level = gaussws.matched_b_t("gaussws", "int3")
+    level = train.matched_b_t("gaussws", "int3")
     with open(os.path.join(phase_dir, "config.json")) as f:
         config = json.load(f)
     assert config["pqt_start"] == START and config["b_init"] == config["b_target"] == level == 3.49
@@ -118,7 +119,7 @@ def first_step_loss(model, data_dir, step):
 def test_the_first_noisy_step_is_eq3_of_a_freshly_converted_model_on_the_bf16_weights(runs, data_dir):
     (_, bf16), (phase_dir, _) = runs["bf16"], runs["gaussws"]
     config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
-    level = gaussws.matched_b_t("gaussws", "int3")
+    level = train.matched_b_t("gaussws", "int3")
     model = gaussws.convert(GPT(config), "gaussws[all]", ROLES["gpt2"], b_init=level, b_target=level, seed=7)
     gaussws.load_weights(model, bf16[START][0])  # b_i as the converter makes them: 1
     assert first_step_loss(model, data_dir, START) == curve(phase_dir)[START + 1]
@@ -177,14 +178,14 @@ def test_a_bad_phase_is_one_line_before_anything_is_written(data_dir, tmp_path, 
 
 def test_phase_settings_resolve_the_start_and_b_t():
     c = dict(pqt_start=0.85, max_iters=200, target_format="int3", b_init=6.0, b_target=4.0)
-    assert gaussws.phase_settings("gaussws", c) == dict(pqt_start=170.0, ste_start=0.0, b_init=3.49, b_target=3.49)
-    assert gaussws.phase_settings("gaussws", c, explicit={"b_init"}) == \
+    assert train.phase_settings("gaussws", c) == dict(pqt_start=170.0, ste_start=0.0, b_init=3.49, b_target=3.49)
+    assert train.phase_settings("gaussws", c, explicit={"b_init"}) == \
         dict(pqt_start=170.0, ste_start=0.0, b_init=6.0, b_target=3.49)
     scratch = dict(c, pqt_start=0.0)  # the paper's way: b_t from b_init pulled to the level
-    assert gaussws.phase_settings("diffq", scratch) == dict(pqt_start=0.0, ste_start=0.0, b_init=6.0, b_target=2.58)
-    assert gaussws.phase_settings("gaussws", dict(c, pqt_start=170, target_format="")) == \
+    assert train.phase_settings("diffq", scratch) == dict(pqt_start=0.0, ste_start=0.0, b_init=6.0, b_target=2.58)
+    assert train.phase_settings("gaussws", dict(c, pqt_start=170, target_format="")) == \
         dict(pqt_start=170.0, ste_start=0.0, b_init=6.0, b_target=4.0)
-    assert gaussws.phase_settings("ste", dict(c, pqt_start=0.5)) == \
+    assert train.phase_settings("ste", dict(c, pqt_start=0.5)) == \
         dict(pqt_start=100.0, ste_start=0.0, b_init=6.0, b_target=4.0)
 
 
@@ -198,7 +199,7 @@ def test_matched_b_t_gives_pqn_the_variance_of_the_int_grids_rounding_error():
         for bits in (3, 4, 8):
             levels = 2 ** (bits - 1) - 1
             closed = math.log2(levels) + 0.5 * math.log2(48 * second_moment)
-            assert gaussws.matched_b_t(method, f"int{bits}") == pytest.approx(closed, abs=0.02)
+            assert train.matched_b_t(method, f"int{bits}") == pytest.approx(closed, abs=0.02)
     assert gaussws.R_SECOND_MOMENT["gaussws"] == 2 * (0.75 * 2 ** -9 * 4 + 9 / 64 * (1 - 0.75 * 2 ** -8))
 
 
@@ -213,8 +214,8 @@ def test_an_ste_run_exports_as_it_was_trained(runs, data_dir, capsys):
     trained = gaussws.convert(GPT(config), "ste[all]", ROLES["gpt2"], fmt="int3")
     trained.load_state_dict(master)
     for name, layer in trained.named_modules():
-        if isinstance(layer, gaussws.STELinear):
-            assert torch.equal(exported.get_submodule(name).weight, gaussws.fake_quantize(layer.weight, "int3"))
+        if isinstance(layer, ste.STELinear):
+            assert torch.equal(exported.get_submodule(name).weight, ste.fake_quantize(layer.weight, "int3"))
     x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), gaussws.TrainStep(trained.train(), STEPS):
         logits = trained(x, x)[0]  # with targets: the logits of every position
