@@ -40,7 +40,7 @@ import torch
 import checkpoint as ckpt_io
 import configurator
 import gaussws
-import hf
+import pretrained
 import progress
 import ste
 from configurator import ConfigError, configure
@@ -399,14 +399,15 @@ def resolve_init(init_from, out_dir, requested):
     """(model_args, state_dict) of the weights a run starts from: a checkpoint of train.py (ckpt.pt,
     ckpt.dcp, or an out_dir holding one), a Hugging Face model directory, or a GPT-2 of the hub
     (nanoGPT's init_from names). requested: the shape keys the user set (a pretrained GPT-2's
-    block_size may shrink, hf.fit_pretrained)."""
+    block_size may shrink, pretrained.fit_pretrained)."""
     path = ckpt_io.find(init_from)
     if os.path.isfile(os.path.join(init_from, "config.json")) and not path or (
-            not os.path.exists(init_from) and init_from in hf.GPT2_HUB):
-        return hf.fit_pretrained(*hf.load_pretrained(init_from), requested, source=f"init_from={init_from}")
+            not os.path.exists(init_from) and init_from in pretrained.GPT2_HUB):
+        source = f"init_from={init_from}"
+        return pretrained.fit_pretrained(*pretrained.load_pretrained(init_from), requested, source=source)
     if not path or not os.path.exists(path):
         fail(f"init_from={init_from!r}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, a "
-             f"Hugging Face model directory, or one of {', '.join(hf.GPT2_HUB)}")
+             f"Hugging Face model directory, or one of {', '.join(pretrained.GPT2_HUB)}")
     if os.path.realpath(path) in map(os.path.realpath, ckpt_io.paths(out_dir)):
         fail(f"init_from={init_from!r} is this run's own checkpoint: continue it with --init_from=resume, "
              f"or write the new run to another --out_dir")

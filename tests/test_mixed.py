@@ -275,11 +275,11 @@ def test_a_new_run_from_another_runs_weights_chooses_its_own_formats(runs, data_
 @pytest.mark.parametrize("name", ["auto", "ste"])
 def test_sample_and_hf_read_a_mixed_runs_checkpoint(runs, name, tmp_path):
     """sample.py rebuilds the run's model (its layers hold format_ids); hf.py writes its weights alone."""
-    import hf
+    import pretrained
     model, ckpt = sample.load_checkpoint(str(runs[name][0]), "cpu")
     assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())
     assert format_ids(model.state_dict()).keys() == format_ids(ckpt["model"]).keys() != set()
-    files, _ = hf.save_pretrained(ckpt["model_args"], ckpt["model"], str(tmp_path / "hf"))
+    files, _ = pretrained.save_pretrained(ckpt["model_args"], ckpt["model"], str(tmp_path / "hf"))
     assert "model.safetensors" in files
 
 
