@@ -70,7 +70,7 @@ import torch
 
 import gaussws
 import model as model_lib
-from configurator import configure
+from configurator import check_device, configure
 from kernels import BL
 from step import sync, train_step
 from util import UserError, cli, git_commit, keep_freed_cpu_memory, write_atomic
@@ -279,10 +279,11 @@ def held_bytes(model, x, y, device):
     return sum(storages.values())
 
 
-# train.py's default optimizer and method settings, which the measured step uses (its cost does not
-# depend on their values; tests/test_bench.py checks that they are train.py's)
+# train.py's default optimizer settings and clipping, which the measured step uses (its cost does not
+# depend on their values; tests/test_bench.py checks that they are train.py's). The method's own
+# settings are gaussws.convert's defaults, train.py's too, and Eq. 12 is off, as train_step's default.
 STEP_SETTINGS = dict(optimizer="adamw", learning_rate=2e-3, beta1=0.9, beta2=0.99, weight_decay=0.1,
-                     bitwidth_weight_decay=0.1, grad_clip=1.0, bitwidth_lambda=0.0, b_init=6.0, b_target=4.0)
+                     bitwidth_weight_decay=0.1, grad_clip=1.0)
 
 
 class Runner:
@@ -292,9 +293,8 @@ class Runner:
         self.method, self.device = method, args.device
         config = build_config(args)
         torch.manual_seed(args.seed)  # the same initial weights for every method: convert draws nothing
-        self.model = gaussws.convert(model_lib.GPT(config), method, model_lib.ROLES[config.arch],
-                                     b_init=STEP_SETTINGS["b_init"], b_target=STEP_SETTINGS["b_target"],
-                                     seed=args.seed, recompute=args.recompute_w_hat)
+        self.model = gaussws.convert(model_lib.GPT(config), method, model_lib.ROLES[config.arch], seed=args.seed,
+                                     recompute=args.recompute_w_hat)
         self.model.to(args.device).train()
         self.step_mode = not args.recompute_w_hat  # as gaussws.TrainStep chooses for unsharded weights
         self.forward = torch.compile(self.model) if args.compile else self.model
@@ -312,8 +312,7 @@ class Runner:
         per micro-step it is inside the forwards and backwards instead."""
         timer = {}
         train_step(self.model, self.optimizers, self.step_count, batches[0], lambda _, m: batches[m % len(batches)],
-                   len(batches), forward=self.forward, grad_clip=STEP_SETTINGS["grad_clip"],
-                   bitwidth_lambda=STEP_SETTINGS["bitwidth_lambda"], timer=timer,
+                   len(batches), forward=self.forward, grad_clip=STEP_SETTINGS["grad_clip"], timer=timer,
                    autocast=torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16))
         self.pqt_seconds = timer["pqt_s"]
         self.step_count += 1
@@ -708,14 +707,7 @@ def parse_args(argv):
         args.grad_accum = parse_ints("grad_accum", args.grad_accum)
         if args.model not in model_lib.PRESETS:
             raise BenchError(f"--model={args.model}: unknown; expected one of {', '.join(model_lib.PRESETS)}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise BenchError(f"--device={args.device}: expected cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):
-        raise BenchError(f"--device={args.device}: expected cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BenchError(f"--device={args.device}: no CUDA device here; use --device=cpu")
+    check_device(config)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise BenchError(f"--json={args.json}: its folder does not exist")
     return command, args

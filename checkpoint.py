@@ -337,6 +337,13 @@ def load_model(path, map_location="cpu"):
 PQT_DEFAULTS = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, "pqt_start": 0.0, "target_format": "",
                 "ste_start": 0.0, "bits_per_weight": 0.0}
 PQT_KEYS = tuple(PQT_DEFAULTS)
+# the settings only a method reads, which a bf16 run ignores: PQT_KEYS, b_i's decay, Eq. 12's lambda,
+# how w_hat is kept
+METHOD_ONLY = PQT_KEYS + ("bitwidth_weight_decay", "bitwidth_lambda", "recompute_w_hat")
+# the settings that are not training: the run's length, evaluation, logging, files, where it starts
+NOT_TRAINING = ("max_iters", "eval_interval", "log_interval", "eval_iters", "always_save_checkpoint",
+                "save_checkpoints", "out_dir", "init_from", "fork_from", "overwrite", "dry_run", "eval_only",
+                "wandb_log", "wandb_project", "wandb_run_name", "wandb_mode")
 
 
 def check_out_dir(out_dir):
@@ -496,18 +503,15 @@ def check_new(out_dir, overwrite):
 # What a phase run may set otherwise than the bf16 run it forks from: the method and its settings,
 # which change nothing before the switch (the layers are plain Linears, b_i get no gradient), and
 # what is not training (the run's length beyond the fork step, evaluation, logging, files).
-FORK_FREE = {"method", "b_init", "b_target", "pqt_start", "target_format", "ste_start", "bits_per_weight",
-             "bitwidth_weight_decay", "bitwidth_lambda", "recompute_w_hat", "max_iters", "eval_interval",
-             "log_interval", "eval_iters", "always_save_checkpoint", "save_checkpoints", "out_dir", "init_from",
-             "fork_from", "overwrite", "dry_run", "eval_only", "wandb_log", "wandb_project", "wandb_run_name",
-             "wandb_mode"}
+FORK_FREE = frozenset(METHOD_ONLY + NOT_TRAINING)
 
 
 def read_fork(path, config):
     """The checkpoint a phase run forks from (train.py --fork_from): a bf16 run's ckpt.pt at a step
-    from 1 to this run's pqt_start, whose config equals this run's `config` but for FORK_FREE's keys. Until its switch a phase run is that run bit for bit, so continuing it gives the losses
-    the whole phase run would have had, without training the shared steps again (study.py's deploy
-    study). load_state then loads it."""
+    from 1 to this run's pqt_start, whose config equals this run's `config` but for FORK_FREE's keys.
+    Until its switch a phase run is that run bit for bit, so continuing it gives the losses the whole
+    phase run would have had, without training the shared steps again (study.py's deploy study).
+    load_state then loads it."""
     if not os.path.isfile(path):
         raise CheckpointError(f"fork_from={path!r}: expected the ckpt.pt file of a bf16 run (not a directory or a "
                               f"sharded checkpoint)")
@@ -539,11 +543,13 @@ def _load_fork(model, optimizers, checkpoint):
         raise CheckpointError(f"{checkpoint['forked']} has {len(checkpoint['optimizer'])} optimizers, this run "
                               f"{len(optimizers)}")
     for o, state in zip(optimizers, checkpoint["optimizer"]):
-        own = o.state_dict()["param_groups"]
+        groups = state["param_groups"]
+        own = o.state_dict()["param_groups"][len(groups):]
         try:
-            o.load_state_dict({"state": state["state"], "param_groups": state["param_groups"] + own[len(state["param_groups"]):]})
+            o.load_state_dict({"state": state["state"], "param_groups": groups + own})
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"the optimizer state of {checkpoint['forked']} does not fit this run's: {e}") from None
+            raise CheckpointError(f"the optimizer state of {checkpoint['forked']} does not fit this run's: "
+                                  f"{e}") from None
 
 
 def open_metrics(path, resumed_step, source=None):

@@ -15,6 +15,7 @@ import study
 import util
 import train
 from conftest import ROOT
+from step import get_lr
 
 TINY = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=2, gradient_accumulation_steps=1,
             max_iters=6, lr_decay_iters=6, warmup_iters=2, eval_interval=3, eval_iters=2, log_interval=1,
@@ -276,17 +277,12 @@ def test_mini_configs_say_which_figure_they_mirror_and_a_study_uses_each():
 
 def test_3bit_arms_decay_alone_brings_b_t_below_3():
     """AdamW's decoupled decay of b_i (b_i *= 1 - lr * decay each step, lr on the warmup + cosine
-    schedule, recomputed here) leaves b_t = b_target + b_i (b_init - b_target) under 3 by the end."""
+    schedule, step.get_lr) leaves b_t = b_target + b_i (b_init - b_target) under 3 by the end."""
     for a in study.STUDIES["3bit"]["arms"][1:]:
         s = resolved(a, 1)
         b_i = 1.0
         for it in range(s["max_iters"]):
-            if it < s["warmup_iters"]:
-                lr = s["learning_rate"] * (it + 1) / (s["warmup_iters"] + 1)
-            else:
-                ratio = (it - s["warmup_iters"]) / (s["lr_decay_iters"] - s["warmup_iters"])
-                lr = s["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (s["learning_rate"] - s["min_lr"])
-            b_i *= 1 - lr * s["bitwidth_weight_decay"]
+            b_i *= 1 - get_lr(it, s) * s["bitwidth_weight_decay"]
         assert s["b_target"] + b_i * (s["b_init"] - s["b_target"]) < 3.0 - 0.3, a
 
 
