@@ -282,6 +282,27 @@ def phase_settings(kind, config, explicit=()):
     return {"pqt_start": float(start), "ste_start": float(ste_start), "b_init": b_init, "b_target": b_target}
 
 
+def check_switches(c, given):
+    """Refuse a switch (pqt_start, ste_start: resolved steps in c; `given`, as the user wrote them) at
+    or past the end of the run, which would then never train what it switches to and still record it
+    as its method. The end is max_iters, or lr_decay_iters where the schedule is set to end later:
+    such a run stops early as the first part of a longer one, and resumed (init_from=resume) with a
+    larger max_iters it reaches its switch. Returns the notes that say so (one per switch not reached)."""
+    end, notes = max(c["max_iters"], c["lr_decay_iters"]), []
+    for key, before in (("pqt_start", "bf16"), ("ste_start", "PQT")):
+        step = int(c[key])
+        said = f"{key}={given[key]:g}" + (f" (step {step})" if given[key] != step else "")
+        if step and step >= end:
+            fail(f"{said} is at or past max_iters={c['max_iters']}: the run would end before its switch and train "
+                 f"{before} throughout; set {key} below max_iters, or raise max_iters (a run stopped before its "
+                 f"switch, to be resumed past it, sets lr_decay_iters, the end of its schedule, beyond the switch)")
+        if step and step >= c["max_iters"]:
+            notes.append(f"note: {said} is at or past max_iters={c['max_iters']}: this run stops before its switch, "
+                         f"{before} throughout; resume it (--init_from=resume) with max_iters up to "
+                         f"lr_decay_iters={c['lr_decay_iters']} to train past it")
+    return notes
+
+
 def read_config(argv):
     """(config, the keys set, model_args, notes to say at the start) of the command line, checked
     before anything is built or written (validate, share_out), lr_decay_iters resolved. Under
@@ -294,18 +315,20 @@ def read_config(argv):
         share_out(c["gradient_accumulation_steps"], c["batch_size"], int(os.environ.get("WORLD_SIZE", 1)), 0)
         model_args = shape_args(c, explicit)
         roles = ROLES.get(model_args.get("arch", "gpt2"), {})
+        given = {k: c[k] for k in ("pqt_start", "ste_start")}
         try:  # a bad method or shape fails now, before data or checkpoints are touched
             kind, _ = gaussws.parse_method(c["method"], roles.values())
             c.update(phase_settings(kind, c, explicit))  # pqt_start as a step; b_t's level for target_format
             ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
         except (ValueError, TypeError) as e:
             fail(str(e))
+        c["lr_decay_iters"] = c["lr_decay_iters"] or c["max_iters"]
+        notes = check_switches(c, given)
     except ConfigError:
         if int(os.environ.get("RANK", 0)):
             raise SystemExit(0) from None
         raise
-    c["lr_decay_iters"] = c["lr_decay_iters"] or c["max_iters"]
-    return c, explicit, model_args, schedule_notes(c)
+    return c, explicit, model_args, schedule_notes(c) + notes
 
 
 def method_args(c):

@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -39,6 +40,15 @@ def tiny(data_dir, out_dir, **kw):
                 lr_decay_iters=STEPS, learning_rate=3e-3, device="cpu", dtype="float32", seed=7)
     args.update(kw)
     return [f"--{k}={v}" for k, v in args.items()]
+
+
+def one_line(argv, capsys):
+    """train.py's command line as a user meets it (util.cli): exit status 1 and one line on stderr."""
+    capsys.readouterr()
+    assert util.cli(train.main, argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    return err.strip()
 
 
 def records(out_dir):
@@ -174,6 +184,40 @@ def test_a_bad_phase_is_one_line_before_anything_is_written(data_dir, tmp_path, 
     with pytest.raises(ConfigError, match=message):
         train.main(tiny(data_dir, out, **args))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(pqt_start=25), r"pqt_start=25 is at or past max_iters=20: the run would end before its switch and "
+                         r"train bf16 throughout"),
+    (dict(pqt_start=20), r"pqt_start=20 is at or past max_iters=20"),
+    (dict(pqt_start=0.99), r"pqt_start=0\.99 \(step 20\) is at or past max_iters=20"),
+    (dict(method="ste[all]", pqt_start=20), r"pqt_start=20 is at or past max_iters=20"),
+    (dict(pqt_start=5, ste_start=30, target_format="auto-int", bits_per_weight=3.0),
+     r"ste_start=30 is at or past max_iters=20: the run would end before its switch and train PQT throughout"),
+])
+def test_a_switch_the_run_never_reaches_is_refused_in_one_line(data_dir, tmp_path, args, message, capsys):
+    """A run whose switch is at or past its end (max_iters, lr_decay_iters here too) would train
+    what it switches from throughout, yet record the method it names: refused, nothing written."""
+    out = tmp_path / "out"
+    line = one_line(tiny(data_dir, out, **{**PHASES["gaussws"], **args}), capsys)
+    assert re.search(message, line) and "lr_decay_iters" in line, line
+    assert not out.exists()
+
+
+def test_a_run_stopped_before_its_switch_says_so_and_resumed_it_trains_the_method(runs, data_dir, tmp_path, capsys):
+    """max_iters before the switch, but the schedule set for the whole run (lr_decay_iters past the
+    switch): the first part of a longer run. It says that it stops before its switch, trains bf16, and
+    resumed to the whole run's max_iters it is the uninterrupted phase run, loss for loss."""
+    kw = dict(PHASES["gaussws"], pqt_start=START)
+    train.main(tiny(data_dir, tmp_path, max_iters=START - 5, **kw))  # stopped at an evaluation
+    out = capsys.readouterr().out
+    assert (f"note: pqt_start={START} is at or past max_iters={START - 5}: this run stops before its switch, bf16 "
+            f"throughout; resume it (--init_from=resume) with max_iters up to lr_decay_iters={STEPS}") in out
+    bf16 = curve(runs["bf16"][0])
+    assert curve(tmp_path) == {i: bf16[i] for i in range(1, START - 4)}
+    train.main(tiny(data_dir, tmp_path, init_from="resume", **kw))
+    whole = runs["gaussws"][0]
+    assert curve(tmp_path) == curve(whole) and curve(tmp_path, "val/loss") == curve(whole, "val/loss")
 
 
 def test_phase_settings_resolve_the_start_and_b_t():
