@@ -239,6 +239,32 @@ def test_two_processes_match_one_with_the_same_global_batch(tiny_corpus, tmp_pat
     for x, y in zip(m1, m2):
         # a wrong gradient scale (2x) is off by the tensor's own size; summation order, by far less
         torch.testing.assert_close(y, x, rtol=1e-3, atol=5e-3 * x.abs().max().item())
+    if parallel == "ddp":
+        # Each process takes one micro-step, as one process computes it; DDP adds the two gradients, which
+        # gives the same bits in either order, and halves them, exactly: one process's run, bit for bit.
+        assert a == b and all(torch.equal(c2["model"][k], v) for k, v in c1["model"].items())
+        assert all(torch.equal(x, y) for x, y in zip(m1, m2))
+
+
+def test_processes_adding_the_micro_steps_in_another_order_agree_within_its_rounding(tiny_corpus, tmp_path):
+    """gradient_accumulation_steps=4 on 2 processes, 2 micro-steps each: a step adds the 4 micro-step
+    losses l_m / 4 (and gradients) of one process in another order, (l0 + l1) + (l2 + l3) instead of
+    ((l0 + l1) + l2) + l3 (each halving exact). The first step starts from the same weights on the same
+    micro-batches, so the l_m are the same bits, and each order's sum is within gamma_3 of the exact
+    one (gamma_k = k u / (1 - k u), u = 2^-24: FP32): the two losses at most 2 gamma_3 L apart. Later
+    steps carry the gradient's rounding on (README, "Multi-GPU"). A process that took another's
+    micro-step would be a whole micro-batch's loss away."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = dict(max_iters=3, eval_interval=3, gradient_accumulation_steps=4, dtype="float32", lr_decay_iters=3)
+    r1 = run_cli(tiny(tiny_corpus, one, **args))
+    assert r1.returncode == 0, r1.stderr
+    r2 = torchrun(tiny(tiny_corpus, two, **args))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "2 process(es) on cpu, each taking 2 micro-step(s) of 8 sequences a step" in r2.stdout
+    a, b = losses(one), losses(two)
+    gamma = 3 * 2.0**-24 / (1 - 3 * 2.0**-24)
+    assert abs(a[1] - b[1]) <= 2 * gamma * a[1] / (1 - gamma)
+    np.testing.assert_allclose([b[k] for k in a], [a[k] for k in a], rtol=1e-5)
 
 
 def test_two_processes_split_each_micro_batch_where_there_is_one_micro_step(tiny_corpus, tmp_path):
