@@ -25,8 +25,9 @@ step and zero_grad. --recompute_w_hat=True converts as train.py does with it (w_
 in every micro-step's forward and again in its backward). All methods run interleaved in one
 process: after `warmup` steps each, `rounds` rounds of one step per method. Reported: median
 tokens/s; overhead_pct = median over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16
-in the same round), pairing the rounds so that drift in the machine's load cancels; pqt_share_pct (step mode) = median over rounds of
-100 * (seconds in TrainStep's begin and end / the bf16 step of the round): the method's own work,
+in the same round), pairing the rounds so that drift in the machine's load cancels; pqt_share_pct
+(step mode) = median over rounds of 100 * (seconds in TrainStep's begin and end / the bf16 step of
+the round): the method's own work,
 timed apart from the matmuls and so far steadier than the overhead on a noisy machine.
 Memory, extra_bytes_per_param = (memory of the method - memory of bf16) / (number of weight elements
 in the method's PQT layers):
@@ -435,14 +436,15 @@ def time_rounds(runners, batches, args, tokens):
 def print_train_table(records, args):
     say("")
     say(f"{args.model}, {args.batch_size} x {args.block_size} tokens per micro-step, {args.device}, "
-        f"recompute_w_hat={args.recompute_w_hat}, median of {args.rounds} rounds; extra memory per weight element of the PQT layers vs bf16 "
-        f"({records[0]['memory_measure']})")
+        f"recompute_w_hat={args.recompute_w_hat}, median of {args.rounds} rounds; extra memory per weight "
+        f"element of the PQT layers vs bf16 ({records[0]['memory_measure']})")
     cpu = records[0]["overhead_cpu_time_pct"] is not None
     share = lambda r: "-" if r["pqt_share_pct"] is None else f"{r['pqt_share_pct']:.2f} %"
     say(markdown_table(["method", "grad_accum", "tokens/s", "overhead vs bf16"] + ["overhead (CPU time)"] * cpu
                        + ["begin+end_step / bf16 step", "extra bytes/param"],
                        [(r["method"], r["grad_accum"], f"{r['tokens_per_s']:.1f}", f"{r['overhead_pct']:+.2f} %")
-                        + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu + (share(r), f"{r['extra_bytes_per_param']:.3f}")
+                        + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu
+                        + (share(r), f"{r['extra_bytes_per_param']:.3f}")
                         for r in records]))
 
 
@@ -462,7 +464,8 @@ GPU_CHECK_CONFIG = dict(
     train=True,  # False: skip the training benchmark (the longest part)
     json="",  # also write all records to this path as JSON
 )
-PARITY_SHAPES = [(1, 1), (33, 65), (4096, 11), (70, 40), (256, 512), (2048, 768)]  # as tests/test_kernels.py, and 2048x768
+# as tests/test_kernels.py, and 2048x768
+PARITY_SHAPES = [(1, 1), (33, 65), (4096, 11), (70, 40), (256, 512), (2048, 768)]
 PARITY_SEEDS = [0, 1, 2**40 + 3, 2**63 - 1]
 
 # Bytes each kernel must move per element of w (FP32 w, BF16 w_hat): w 4 B, R 1/2 B (gaussws, one
@@ -503,8 +506,10 @@ def gpu_parity(device, shapes=PARITY_SHAPES, seeds=PARITY_SEEDS, bm_shape=(256, 
                     if not torch.equal(_bits(got), _bits(torch_noise.apply(w, r_cpu, scale, method))):
                         bad["apply"].append((m, n, seed, str(dtype)))
                 g_int = torch.randint(-8, 9, (m, n), generator=gen).float()  # gaussws: every partial sum exact
-                if method == "gaussws" and not torch.equal(triton_noise.block_sums(g_int.to(device), r_dev, method).cpu(),
-                                                           torch_noise.block_sums(g_int, r_cpu, method)):
+                exact = method != "gaussws" or torch.equal(
+                    triton_noise.block_sums(g_int.to(device), r_dev, method).cpu(),
+                    torch_noise.block_sums(g_int, r_cpu, method))
+                if not exact:
                     bad["block_sums"].append((m, n, seed, "integer g"))
                 g = torch.randn(m, n, generator=gen)
                 a = triton_noise.block_sums(g.to(device), r_dev, method).cpu().double()
@@ -519,8 +524,9 @@ def gpu_parity(device, shapes=PARITY_SHAPES, seeds=PARITY_SEEDS, bm_shape=(256, 
                     bad["block_sums"].append((m, n, seed, "bound"))
         cases = len(shapes) * len(seeds)
         for kernel, failures in bad.items():
+            integers = ", integer g bit for bit" if method == "gaussws" else ""
             what = {"gen": "R bits", "apply": "w_hat bits, FP32 and BF16 w",
-                    "block_sums": f"bound (worst {worst:.3f} of it)" + (", integer g bit for bit" if method == "gaussws" else "")}
+                    "block_sums": f"bound (worst {worst:.3f} of it){integers}"}
             rows.append((kernel, method, f"{cases} x {what[kernel]}",
                          "identical" if not failures and kernel != "block_sums" else
                          "within" if not failures else f"FAILED {len(failures)}: {failures[:3]}"))

@@ -151,7 +151,8 @@ def validate(c, explicit):
         fail(f"fork_from starts a new run from {c['fork_from']}: it goes with --init_from=scratch, not "
              f"{c['init_from']!r}")
     if c["model"] and c["model"] not in PRESETS:
-        fail(f"model={c['model']!r} is not a preset; expected one of {', '.join(PRESETS)} or '' (set the shape by hand)")
+        fail(f"model={c['model']!r} is not a preset; expected one of {', '.join(PRESETS)} or '' (set the shape by "
+             f"hand)")
     at_least = dict(batch_size=1, gradient_accumulation_steps=1, eval_iters=1, eval_interval=1, log_interval=1,
                     max_iters=0, warmup_iters=0, lr_decay_iters=0, n_kv_head=0, ffn_hidden=0, vocab_size=0)
     if not c["model"] or any(k in explicit for k in ("n_layer", "n_head", "n_embd")):
@@ -159,7 +160,8 @@ def validate(c, explicit):
     configurator.check_at_least(c, at_least)
     if c["block_size"] < 0 or c["block_size"] == 0 and not c["model"]:
         fail(f"block_size={c['block_size']}: expected an integer >= 1 (0 takes the --model preset's, and none is set)")
-    configurator.check_numbers(c, ("learning_rate", "min_lr", "weight_decay", "bitwidth_weight_decay", "bitwidth_lambda"))
+    configurator.check_numbers(c, ("learning_rate", "min_lr", "weight_decay", "bitwidth_weight_decay",
+                                   "bitwidth_lambda"))
     if not c["grad_clip"] >= 0:
         fail(f"grad_clip={c['grad_clip']}: expected a number >= 0 (the largest gradient norm; 0 disables clipping)")
     configurator.check_numbers(c, ("beta1", "beta2", "dropout"), below=1)
@@ -384,8 +386,8 @@ def show_dry_run(c, model_args, notes):
     for line in notes:
         print(line)
     if not prepared:
-        print(f"dataset {c['dataset']!r} is not prepared yet ({data_dir} has no meta.json): {loader.prepare_hint(data_dir)}"
-              + ("; a run prepares it itself" if c["dataset"] == "default" else "")
+        print(f"dataset {c['dataset']!r} is not prepared yet ({data_dir} has no meta.json): "
+              f"{loader.prepare_hint(data_dir)}" + ("; a run prepares it itself" if c["dataset"] == "default" else "")
               + (f"; vocab_size={built['vocab_size']} assumed until then" if guessed else ""))
 
 
@@ -554,8 +556,9 @@ def _main(argv, resources):
                                progress.device_peak(proc.dev, c["dtype"], proc.world_size))
 
     # logging
+    cuda = proc.device_type == "cuda"
     versions = {"torch": torch.__version__, "python": sys.version.split()[0], "commit": git_commit(),
-                "machine": machine() + (f", {torch.cuda.get_device_name(proc.dev)}" if proc.device_type == "cuda" else "")}
+                "machine": machine() + (f", {torch.cuda.get_device_name(proc.dev)}" if cuda else "")}
     run_info = {**c, "model_args": asdict(mconf), "world_size": proc.world_size, "versions": versions}
     if proc.master and not c["eval_only"]:  # an evaluation leaves the run's record as it is
         run.start(run_info, new=c["init_from"] != "resume", forked=forked)
@@ -584,7 +587,8 @@ def _main(argv, resources):
         for group in (g for o in optimizers for g in o.param_groups):
             group["lr"] = lr
         evaluate_now = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
-        if c["eval_only"] or evaluate_now and iter_num != run.saved_step:  # the resumed step was evaluated and saved before
+        # (the step a run resumes from was evaluated and saved before)
+        if c["eval_only"] or evaluate_now and iter_num != run.saved_step:
             losses = evaluate(c, proc, raw_model, splits, iter_num, metrics, autocast=autocast, **batch_args)
             report.val[iter_num] = losses["val"]
             if c["eval_only"]:
@@ -593,9 +597,10 @@ def _main(argv, resources):
                 check_sane(raw_model, losses, iter_num, min(c["b_init"], c["b_target"]), proc.ddp, kept=run)
             except Diverging as e:
                 raise Diverged(run.diverged(iter_num, e.what, e.value, str(e), e.limit))
-            if c["save_checkpoints"] and iter_num > 0 and (losses["val"] < best_val_loss or c["always_save_checkpoint"]):
+            better = losses["val"] < best_val_loss
+            if c["save_checkpoints"] and iter_num > 0 and (better or c["always_save_checkpoint"]):
                 best_val_loss = min(best_val_loss, losses["val"])
-                run.save(raw_model, optimizers, c, iter_num, best_val_loss, proc.dev if proc.device_type == "cuda" else None)
+                run.save(raw_model, optimizers, c, iter_num, best_val_loss, proc.dev if cuda else None)
                 proc.say(f"saved checkpoint to {run.path}")
             t0, timed_steps = time.time(), 0  # evaluation is not training time
         if iter_num >= c["max_iters"]:
@@ -608,8 +613,8 @@ def _main(argv, resources):
                                              forward=train_model, autocast=autocast, grad_clip=c["grad_clip"],
                                              bitwidth_lambda=c["bitwidth_lambda"])
         except NonFinite as e:
-            raise Diverged(run.diverged(iter_num, e.what, e.value, f"{e} at step {iter_num}; stopping before the update "
-                                                                   f"({run}). Try a lower --learning_rate or --grad_clip"))
+            raise Diverged(run.diverged(iter_num, e.what, e.value, f"{e} at step {iter_num}; stopping before the "
+                                        f"update ({run}). Try a lower --learning_rate or --grad_clip"))
         iter_num += 1
         timed_steps += 1
         report.stepped(iter_num)

@@ -165,8 +165,8 @@ def export_files(out_dir, name, capsys):
     """export.py of a run at its own target_format and budget: {layer weight: the file's tensors}."""
     from safetensors.torch import load_file
     fmt, budget = RUNS[name]["target_format"], RUNS[name]["bits_per_weight"]
-    assert util.cli(E.main, [f"--out_dir={out_dir}", f"--format={fmt}", f"--bits_per_weight={budget}", "--other_dtype=float32",
-                  "--evaluate=False", "--plot=False", "--overwrite=True"]) == 0
+    assert util.cli(E.main, [f"--out_dir={out_dir}", f"--format={fmt}", f"--bits_per_weight={budget}",
+                             "--other_dtype=float32", "--evaluate=False", "--plot=False", "--overwrite=True"]) == 0
     printed = capsys.readouterr().out
     return load_file(str(out_dir / f"model-{fmt}.safetensors")), printed
 
@@ -192,7 +192,8 @@ def test_the_allocation_at_the_switch_is_exports_budget_of_that_steps_checkpoint
     train.main(argv(data_dir, tmp_path, name, init_from="resume"))
     whole_dir, whole = runs[name]
     assert curve(tmp_path) == curve(whole_dir) and curve(tmp_path, "val/loss") == curve(whole_dir, "val/loss")
-    trained, uninterrupted = format_ids(checkpoint.load_model(str(tmp_path / "ckpt.pt"))["model"]), format_ids(whole[STEPS][0])
+    trained = format_ids(checkpoint.load_model(str(tmp_path / "ckpt.pt"))["model"])
+    uninterrupted = format_ids(whole[STEPS][0])
     assert trained.keys() == uninterrupted.keys() and len(trained) == 8  # every block Linear of both layers
     for layer, ids in trained.items():
         assert torch.equal(ids, files[layer + ".weight.format"]) and torch.equal(ids, uninterrupted[layer])
@@ -293,10 +294,14 @@ def test_sample_and_hf_read_a_mixed_runs_checkpoint(runs, name, tmp_path):
     (dict(bits_per_weight=4.5), r"bits_per_weight=4\.5: expected a mean of 2 to 4 element bits per weight"),
     (dict(bits_per_weight=1.5), r"bits_per_weight=1\.5: expected a mean of 2 to 4"),
     (dict(bits_per_weight=0.0), r"bits_per_weight=0: expected a mean of 2 to 4 .* for target_format='auto-int'"),
-    (dict(target_format="int3"), r"bits_per_weight=3 is for target_format auto-int or error-int .* not target_format='int3'"),
-    (dict(method="ste[all]", target_format="error-int", ste_start=15), r"an ste\[\.\.\.\] run is STE from pqt_start on"),
-    (dict(method="ste[all]", target_format="auto-int", ste_start=0), r"auto-int' ranks blocks by their learned b_t, and method ste"),
-    (dict(method="bf16", target_format="", ste_start=15, pqt_start=0, bits_per_weight=0.0), r"ste_start=15 is for a method"),
+    (dict(target_format="int3"),
+     r"bits_per_weight=3 is for target_format auto-int or error-int .* not target_format='int3'"),
+    (dict(method="ste[all]", target_format="error-int", ste_start=15),
+     r"an ste\[\.\.\.\] run is STE from pqt_start on"),
+    (dict(method="ste[all]", target_format="auto-int", ste_start=0),
+     r"auto-int' ranks blocks by their learned b_t, and method ste"),
+    (dict(method="bf16", target_format="", ste_start=15, pqt_start=0, bits_per_weight=0.0),
+     r"ste_start=15 is for a method"),
     (dict(ste_start=1.5), r"ste_start=1\.5: expected 0 \(no STE phase\), a fraction"),
 ])
 def test_a_bad_mixed_run_is_one_line_before_anything_is_written(data_dir, tmp_path, args, message):

@@ -103,7 +103,8 @@ def test_compiled_run_trains_as_eager_and_saves_the_same_model(tiny_corpus, tmp_
 
 def _originals():
     import gaussws
-    return {"build_optimizers": gaussws.build_optimizers, "get_batch": loader.get_batch, "load_state": checkpoint.load_state}
+    return {"build_optimizers": gaussws.build_optimizers, "get_batch": loader.get_batch,
+            "load_state": checkpoint.load_state}
 
 
 ORIGINAL = _originals()  # before any test patches them
@@ -185,7 +186,8 @@ def test_init_from_refuses_another_shape_in_one_line(tiny_corpus, trained, tmp_p
 
 def torchrun(args):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
 
 
 @pytest.mark.parametrize("parallel,optimizer", [("ddp", "adamw"), ("ddp", "adam_mini"), ("fsdp", "adamw")])
@@ -223,7 +225,8 @@ def test_two_processes_match_one_with_the_same_global_batch(tiny_corpus, tmp_pat
     import torch
     c1 = torch.load(one / "ckpt.pt", weights_only=True)
     if parallel == "fsdp":  # the model as 2 processes saved it; the optimizer as 1 process resumed it
-        c2 = {**checkpoint.load_model(two / "ckpt.dcp"), "optimizer": torch.load(three / "ckpt.pt", weights_only=True)["optimizer"]}
+        c2 = {**checkpoint.load_model(two / "ckpt.dcp"),
+              "optimizer": torch.load(three / "ckpt.pt", weights_only=True)["optimizer"]}
     else:
         c2 = torch.load(two / "ckpt.pt", weights_only=True)
     assert c1["model"].keys() == c2["model"].keys() and any(k.endswith("b_i") for k in c1["model"])
@@ -344,7 +347,8 @@ def test_the_cosine_follows_max_iters_unless_lr_decay_iters_is_set(tiny_corpus, 
     config = json.load(open(tmp_path / "a" / "config.json"))
     assert config["lr_decay_iters"] == 12
     # the run names the commit its numbers came from (git's own answer, not ours)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
     assert config["versions"]["commit"].partition("+")[0] == head
     # an explicit lr_decay_iters before max_iters is said once, and the run goes on
     train.main([f"--dataset={tiny_corpus}", f"--out_dir={tmp_path / 'b'}", "--lr_decay_iters=8"]
@@ -602,8 +606,8 @@ def test_an_inf_gradient_with_a_finite_loss_is_not_applied(tiny_corpus, trained,
         return build(model, *args, **kw)
     monkeypatch.setattr(gaussws, "build_optimizers", poisoned)
     weights = {}
-    monkeypatch.setattr(checkpoint, "load_state", lambda model, o, ckpt, fsdp: (ORIGINAL["load_state"](model, o, ckpt, fsdp),
-                                                                            weights.update(ckpt["model"])))
+    monkeypatch.setattr(checkpoint, "load_state", lambda model, o, ckpt, fsdp: (
+        ORIGINAL["load_state"](model, o, ckpt, fsdp), weights.update(ckpt["model"])))
     for grad_clip in (1.0, 0.0):  # clipped or not, the norm is checked
         with pytest.raises(ConfigError, match=r"gradient norm is (inf|nan) \(loss \d"):
             train.main(tiny(tiny_corpus, out, max_iters=20, init_from="resume", grad_clip=grad_clip))
