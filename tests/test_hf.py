@@ -590,6 +590,14 @@ def test_convert_puts_pqt_on_a_transformers_gpt2_in_its_own_layout():
     assert all(l.b_i.grad is not None and l.b_i.grad.abs().sum() > 0 for l in gaussws.pqt_layers(theirs))
 
 
+@pytest.mark.parametrize("args, words", [([], "--out is required"), (["--ot=x"], "did you mean --out"),
+                                         (["--out"], "overrides are written --key=value")])
+def test_a_missing_or_unknown_option_is_one_line(tmp_path, args, words):
+    """hf.py reads its command line as every script does (configurator): one 'error: ' line, exit 1."""
+    assert words in error_line(run(tmp_path, "hf.py", *args))
+    assert not os.listdir(tmp_path)  # nothing written
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_prints_the_options_and_exits_0(tmp_path, flag):
     r = run(tmp_path, "hf.py", flag)
