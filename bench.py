@@ -25,8 +25,9 @@ step and zero_grad. --recompute_w_hat=True converts as train.py does with it (w_
 in every micro-step's forward and again in its backward). All methods run interleaved in one
 process: after `warmup` steps each, `rounds` rounds of one step per method. Reported: median
 tokens/s; overhead_pct = median over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16
-in the same round), pairing the rounds so that drift in the machine's load cancels; pqt_share_pct (step mode) = median over rounds of
-100 * (seconds in TrainStep's begin and end / the bf16 step of the round): the method's own work,
+in the same round), pairing the rounds so that drift in the machine's load cancels; pqt_share_pct
+(step mode) = median over rounds of 100 * (seconds in TrainStep's begin and end / the bf16 step of
+the round): the method's own work,
 timed apart from the matmuls and so far steadier than the overhead on a noisy machine.
 Memory, extra_bytes_per_param = (memory of the method - memory of bf16) / (number of weight elements
 in the method's PQT layers):
@@ -70,7 +71,7 @@ import torch
 
 import gaussws
 import model as model_lib
-from configurator import configure
+from configurator import check_device, configure
 from kernels import BL
 from step import sync, train_step
 from util import UserError, cli, git_commit, keep_freed_cpu_memory, write_atomic
@@ -279,10 +280,11 @@ def held_bytes(model, x, y, device):
     return sum(storages.values())
 
 
-# train.py's default optimizer and method settings, which the measured step uses (its cost does not
-# depend on their values; tests/test_bench.py checks that they are train.py's)
+# train.py's default optimizer settings and clipping, which the measured step uses (its cost does not
+# depend on their values; tests/test_bench.py checks that they are train.py's). The method's own
+# settings are gaussws.convert's defaults, train.py's too, and Eq. 12 is off, as train_step's default.
 STEP_SETTINGS = dict(optimizer="adamw", learning_rate=2e-3, beta1=0.9, beta2=0.99, weight_decay=0.1,
-                     bitwidth_weight_decay=0.1, grad_clip=1.0, bitwidth_lambda=0.0, b_init=6.0, b_target=4.0)
+                     bitwidth_weight_decay=0.1, grad_clip=1.0)
 
 
 class Runner:
@@ -292,9 +294,8 @@ class Runner:
         self.method, self.device = method, args.device
         config = build_config(args)
         torch.manual_seed(args.seed)  # the same initial weights for every method: convert draws nothing
-        self.model = gaussws.convert(model_lib.GPT(config), method, model_lib.ROLES[config.arch],
-                                     b_init=STEP_SETTINGS["b_init"], b_target=STEP_SETTINGS["b_target"],
-                                     seed=args.seed, recompute=args.recompute_w_hat)
+        self.model = gaussws.convert(model_lib.GPT(config), method, model_lib.ROLES[config.arch], seed=args.seed,
+                                     recompute=args.recompute_w_hat)
         self.model.to(args.device).train()
         self.step_mode = not args.recompute_w_hat  # as gaussws.TrainStep chooses for unsharded weights
         self.forward = torch.compile(self.model) if args.compile else self.model
@@ -312,8 +313,7 @@ class Runner:
         per micro-step it is inside the forwards and backwards instead."""
         timer = {}
         train_step(self.model, self.optimizers, self.step_count, batches[0], lambda _, m: batches[m % len(batches)],
-                   len(batches), forward=self.forward, grad_clip=STEP_SETTINGS["grad_clip"],
-                   bitwidth_lambda=STEP_SETTINGS["bitwidth_lambda"], timer=timer,
+                   len(batches), forward=self.forward, grad_clip=STEP_SETTINGS["grad_clip"], timer=timer,
                    autocast=torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16))
         self.pqt_seconds = timer["pqt_s"]
         self.step_count += 1
@@ -436,14 +436,15 @@ def time_rounds(runners, batches, args, tokens):
 def print_train_table(records, args):
     say("")
     say(f"{args.model}, {args.batch_size} x {args.block_size} tokens per micro-step, {args.device}, "
-        f"recompute_w_hat={args.recompute_w_hat}, median of {args.rounds} rounds; extra memory per weight element of the PQT layers vs bf16 "
-        f"({records[0]['memory_measure']})")
+        f"recompute_w_hat={args.recompute_w_hat}, median of {args.rounds} rounds; extra memory per weight "
+        f"element of the PQT layers vs bf16 ({records[0]['memory_measure']})")
     cpu = records[0]["overhead_cpu_time_pct"] is not None
     share = lambda r: "-" if r["pqt_share_pct"] is None else f"{r['pqt_share_pct']:.2f} %"
     say(markdown_table(["method", "grad_accum", "tokens/s", "overhead vs bf16"] + ["overhead (CPU time)"] * cpu
                        + ["begin+end_step / bf16 step", "extra bytes/param"],
                        [(r["method"], r["grad_accum"], f"{r['tokens_per_s']:.1f}", f"{r['overhead_pct']:+.2f} %")
-                        + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu + (share(r), f"{r['extra_bytes_per_param']:.3f}")
+                        + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu
+                        + (share(r), f"{r['extra_bytes_per_param']:.3f}")
                         for r in records]))
 
 
@@ -463,7 +464,8 @@ GPU_CHECK_CONFIG = dict(
     train=True,  # False: skip the training benchmark (the longest part)
     json="",  # also write all records to this path as JSON
 )
-PARITY_SHAPES = [(1, 1), (33, 65), (4096, 11), (70, 40), (256, 512), (2048, 768)]  # as tests/test_kernels.py, and 2048x768
+# as tests/test_kernels.py, and 2048x768
+PARITY_SHAPES = [(1, 1), (33, 65), (4096, 11), (70, 40), (256, 512), (2048, 768)]
 PARITY_SEEDS = [0, 1, 2**40 + 3, 2**63 - 1]
 
 # Bytes each kernel must move per element of w (FP32 w, BF16 w_hat): w 4 B, R 1/2 B (gaussws, one
@@ -504,8 +506,10 @@ def gpu_parity(device, shapes=PARITY_SHAPES, seeds=PARITY_SEEDS, bm_shape=(256, 
                     if not torch.equal(_bits(got), _bits(torch_noise.apply(w, r_cpu, scale, method))):
                         bad["apply"].append((m, n, seed, str(dtype)))
                 g_int = torch.randint(-8, 9, (m, n), generator=gen).float()  # gaussws: every partial sum exact
-                if method == "gaussws" and not torch.equal(triton_noise.block_sums(g_int.to(device), r_dev, method).cpu(),
-                                                           torch_noise.block_sums(g_int, r_cpu, method)):
+                exact = method != "gaussws" or torch.equal(
+                    triton_noise.block_sums(g_int.to(device), r_dev, method).cpu(),
+                    torch_noise.block_sums(g_int, r_cpu, method))
+                if not exact:
                     bad["block_sums"].append((m, n, seed, "integer g"))
                 g = torch.randn(m, n, generator=gen)
                 a = triton_noise.block_sums(g.to(device), r_dev, method).cpu().double()
@@ -520,8 +524,9 @@ def gpu_parity(device, shapes=PARITY_SHAPES, seeds=PARITY_SEEDS, bm_shape=(256, 
                     bad["block_sums"].append((m, n, seed, "bound"))
         cases = len(shapes) * len(seeds)
         for kernel, failures in bad.items():
+            integers = ", integer g bit for bit" if method == "gaussws" else ""
             what = {"gen": "R bits", "apply": "w_hat bits, FP32 and BF16 w",
-                    "block_sums": f"bound (worst {worst:.3f} of it)" + (", integer g bit for bit" if method == "gaussws" else "")}
+                    "block_sums": f"bound (worst {worst:.3f} of it){integers}"}
             rows.append((kernel, method, f"{cases} x {what[kernel]}",
                          "identical" if not failures and kernel != "block_sums" else
                          "within" if not failures else f"FAILED {len(failures)}: {failures[:3]}"))
@@ -708,14 +713,7 @@ def parse_args(argv):
         args.grad_accum = parse_ints("grad_accum", args.grad_accum)
         if args.model not in model_lib.PRESETS:
             raise BenchError(f"--model={args.model}: unknown; expected one of {', '.join(model_lib.PRESETS)}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise BenchError(f"--device={args.device}: expected cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):
-        raise BenchError(f"--device={args.device}: expected cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BenchError(f"--device={args.device}: no CUDA device here; use --device=cpu")
+    check_device(config)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise BenchError(f"--json={args.json}: its folder does not exist")
     return command, args

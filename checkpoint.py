@@ -4,12 +4,8 @@ Single file (one process, or DDP where rank 0 holds everything):
     save(state, path)            atomic: unique temporary file, fsync, rename, fsync of the directory
     load(path, map_location)     verifies every zip CRC32 first, then torch.load(weights_only=True)
 
-Sharded (FSDP: each rank writes its own part, loadable at any other world size):
-    save_sharded(path, model, optimizers, header)   collective; path is a directory name
-    load_sharded(path, model, optimizers)           collective; returns the header
-A sharded checkpoint is a directory written by torch.distributed.checkpoint (DCP) plus
-header.pt (everything but the tensors of model and optimizers) and crc32.json (a CRC32 of every
-file). `path` itself is a symlink to the directory, swapped atomically, as the file above is renamed.
+Sharded (FSDP: each rank writes its own part, loadable at any other world size): sharded.py's
+save_sharded and load_sharded, a directory of torch.distributed.checkpoint's files behind a symlink.
 
 The run directory (out_dir) holds one checkpoint, ckpt.pt or ckpt.dcp: find(out_dir) says which,
 read(out_dir) gives every reader (train.py's resume and init_from, sample.py, export.py, hf.py) its
@@ -36,9 +32,7 @@ Failures: a missing file, flipped bytes anywhere in the tensors, a truncated cop
 a checkpoint, a full disk or an unwritable directory are one line each (CheckpointError), and a
 failed save leaves the previous checkpoint whole; what a kill -9 mid-write leaves, the next run
 removes (clean_stale). Out of memory and other failures are raised as they are, never reported as
-a bad file. DCP's .metadata is a pickle: it is
-read with an allow-list of the classes DCP puts there, and its non-tensor values (the optimizers'
-param_groups) with weights_only=True.
+a bad file. CheckpointError is sharded.py's, the one error of both layouts.
 
 The run directory besides its checkpoint:
     lock(out_dir)                one writer per out_dir (an flock the kernel drops when its holder dies)
@@ -68,9 +62,7 @@ import math
 import os
 import pickle
 import re
-import secrets
 import shutil
-import warnings
 import zipfile
 import zlib
 
@@ -78,14 +70,9 @@ import torch
 
 import gaussws
 from model import ModelConfig
-from util import UserError, atomic_open, first_line, fsync_dir, load_error, temp_path, write_atomic
-
-HEADER = "header.pt"  # sharded: everything but the model's and optimizers' tensors
-CRCS = "crc32.json"  # sharded: {file name: CRC32} of every other file in the directory
-
-
-class CheckpointError(UserError):
-    """A checkpoint that is missing, corrupt, not one, or cannot be written; one line, says what to do."""
+from sharded import CRCS, HEADER, CheckpointError, load_sharded, save_sharded
+from sharded import load_model as load_sharded_model
+from util import atomic_open, first_line, fsync_dir, load_error, write_atomic
 
 
 class Busy(CheckpointError):
@@ -261,12 +248,12 @@ def clean_stale(out_dir):
         return removed
     for name in names:
         path = os.path.join(out_dir, name)
-        temp, sharded = _TEMP.fullmatch(name), _SHARDED.fullmatch(name)
+        temp, dcp_dir = _TEMP.fullmatch(name), _SHARDED.fullmatch(name)
         try:
             if temp and not os.path.isdir(path) and not _alive(int(temp.group(1))):
                 os.unlink(path)
-            elif (sharded and os.path.isdir(path) and not os.path.islink(path)
-                  and os.path.realpath(os.path.join(out_dir, sharded.group(1))) != os.path.realpath(path)
+            elif (dcp_dir and os.path.isdir(path) and not os.path.islink(path)
+                  and os.path.realpath(os.path.join(out_dir, dcp_dir.group(1))) != os.path.realpath(path)
                   and any(f in (".metadata", HEADER, CRCS) or f.endswith(".distcp") for f in os.listdir(path))):
                 shutil.rmtree(path)
             else:
@@ -307,211 +294,6 @@ def read_divergence(out_dir):
     return record
 
 
-# ---------------------------------------------------------------------------------------------
-# sharded checkpoints (torch.distributed.checkpoint)
-
-def _crc32(path):
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle; this allows only the classes DCP puts there, so a crafted
-    file cannot run code (what weights_only does for torch.load)."""
-
-    def find_class(self, module, name):
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        obj = None
-        if module.split(".")[0] == "torch":  # importing torch's own modules is safe
-            try:
-                obj = super().find_class(module, name)
-            except (ImportError, AttributeError):
-                pass
-        if (module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-                and isinstance(obj, type)) or (
-                module == "torch" and isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))):
-            return obj
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-
-    # torch.Size of shapes, _get_layout("torch.strided"), the checkpoint's path as DCP recorded it
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-               ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
-
-
-def _reader(directory):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with open(os.path.join(self.path, ".metadata"), "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(directory)
-
-
-def _planner(empty):
-    """DCP's load planner, but non-tensor values (optimizer param_groups) with weights_only=True;
-    empty: build the state dict from the checkpoint (its "model" part only) instead of filling one."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-
-    class Planner(_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):
-            from torch.distributed.checkpoint._traverse import set_element
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return Planner(keys={"model"}) if empty else Planner()
-
-
-def _target(path, part=(0, 1)):
-    """The directory a sharded checkpoint's symlink points to, checked file by file against
-    crc32.json; part=(i, n): check only every n-th file from the i-th (rank i of n checks its share)."""
-    if not os.path.lexists(path):
-        raise CheckpointError(f"no checkpoint at {path}")
-    directory = os.path.realpath(path)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{path} is not a sharded checkpoint (not a directory)")
-    try:
-        with open(os.path.join(directory, CRCS)) as f:
-            crcs = json.load(f)
-        if not isinstance(crcs, dict):
-            raise ValueError("not a dict")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a sharded checkpoint of this code (no {CRCS})") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is corrupt: {CRCS} is not valid JSON ({first_line(e)})") from None
-    for name, crc in sorted(crcs.items())[part[0]::part[1]]:
-        file = os.path.join(directory, name)
-        try:
-            if _crc32(file) != crc:
-                raise CheckpointError(f"{path} is corrupt: {name} fails its CRC32 check; use an earlier copy "
-                                      f"or start a new run")
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} is incomplete: {name} is missing") from None
-        except OSError as e:
-            raise CheckpointError(f"cannot read {file}: {first_line(e)}") from None
-    return directory
-
-
-def _is_sharded(path):
-    return os.path.isdir(path)
-
-
-def save_sharded(path, model, optimizers, header):
-    """Collective (every rank calls it): each rank writes its own shards of the model and the
-    optimizers with DCP into a fresh directory beside path; rank 0 adds header.pt (header: a dict
-    of everything else, e.g. model_args, iter_num, rng_state) and crc32.json, then points the
-    symlink path at the new directory (an atomic rename) and deletes the previous one.
-    A crash at any point leaves path pointing at the previous complete checkpoint."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    path = os.path.abspath(path)
-    parent, name = os.path.split(path)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    token = [secrets.token_hex(4) if rank == 0 else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(token, src=0)  # one directory name for all ranks
-    directory = os.path.join(parent, f"{name}.{token[0]}")
-    state = {"model": get_model_state_dict(model),
-             "optimizer": {str(i): get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)}}
-    try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, sync_files=True))
-        if rank == 0:
-            save(header, os.path.join(directory, HEADER))
-            crcs = {f: _crc32(os.path.join(directory, f)) for f in sorted(os.listdir(directory))}
-            write_atomic(os.path.join(directory, CRCS), json.dumps(crcs, indent=1))  # and fsyncs the directory
-            old = os.path.realpath(path) if os.path.islink(path) else None
-            link = temp_path(path)
-            os.symlink(os.path.basename(directory), link)  # relative: out_dir can be moved
-            os.replace(link, path)
-            fsync_dir(parent)
-            if old and old != directory and os.path.isdir(old):
-                shutil.rmtree(old, ignore_errors=True)
-    except (OSError, CheckpointException) as e:  # DCP gathers every rank's failure into the latter
-        if rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
-        causes = _causes(e) or [e]
-        raise CheckpointError(f"cannot save {path}: {first_line(causes[0])}; the previous checkpoint there, "
-                              f"if any, is unchanged") from None
-    finally:
-        if dist.is_initialized():
-            dist.barrier()  # no rank goes on (or reads path) before the swap
-
-
-def _causes(e):
-    """The exceptions of the ranks that failed, out of DCP's CheckpointException ((exc, stack) pairs)."""
-    failures = getattr(e, "failures", None) or {}
-    return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-
-
-def _dcp_load(path, state, directory, empty):
-    """dcp.load, its failures (which it wraps per rank) as one line; out of memory raised as is."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    try:
-        import torch.distributed as dist
-        if empty:  # dcp.load fills only the keys given; torch's own dcp_to_torch_save does this
-            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-            _load_state_dict(state, storage_reader=_reader(directory), planner=_planner(empty), no_dist=True)
-        else:
-            with warnings.catch_warnings():  # DCP warns that one process loads alone: that is the point
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-                dcp.load(state, storage_reader=_reader(directory), planner=_planner(empty),
-                         no_dist=not dist.is_initialized())
-    except CheckpointException as e:
-        causes = _causes(e)
-        for cause in causes:
-            if isinstance(cause, (MemoryError, torch.OutOfMemoryError)):
-                raise cause from e
-        raise CheckpointError(f"cannot load {path}: {first_line(causes[0]) if causes else first_line(e)}") from None
-    except (pickle.UnpicklingError, AssertionError, RuntimeError, KeyError, ValueError) as e:
-        if isinstance(e, torch.OutOfMemoryError):
-            raise
-        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {first_line(e)}") from None
-
-
-def load_sharded(path, model, optimizers):
-    """Collective: verify the checkpoint at path, load each rank's part of the model and the
-    optimizers in place (resharded for this world size) and return the header dict."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-    if dist.is_initialized():  # each rank checks its share of the files; all fail together
-        try:
-            directory, error = _target(path, (dist.get_rank(), dist.get_world_size())), None
-        except CheckpointError as e:
-            directory, error = None, str(e)
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        if any(errors):
-            raise CheckpointError(next(e for e in errors if e))
-    else:
-        directory = _target(path)
-    header = load(os.path.join(directory, HEADER))
-    state = {"model": get_model_state_dict(model),
-             "optimizer": {str(i): get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)}}
-    _dcp_load(path, state, directory, empty=False)
-    set_model_state_dict(model, state["model"])
-    for i, o in enumerate(optimizers):
-        set_optimizer_state_dict(model, o, state["optimizer"][str(i)])
-    return header
-
-
 def load_header(path):
     """Of a sharded checkpoint: the header (everything but the model's and optimizers' tensors),
     verified; load_sharded verifies the rest when it loads them."""
@@ -539,16 +321,12 @@ def load_model(path, map_location="cpu"):
     """{"model": full state dict, **the rest} from a single-file checkpoint or a sharded one, in one
     process, without the optimizer state of a sharded one (what read() gives the readers)."""
     path = os.fspath(path)
-    if not _is_sharded(path):
-        ckpt = load(path, map_location)
-        if not isinstance(ckpt, dict) or "model" not in ckpt:
-            raise CheckpointError(f"{path} is not a checkpoint of train.py: it has no 'model'")
-        return ckpt
-    directory = _target(path)
-    header = load(os.path.join(directory, HEADER), map_location)
-    state = {}
-    _dcp_load(path, state, directory, empty=True)
-    return {**header, "model": {k: v.to(map_location) for k, v in state["model"].items()}}
+    if os.path.isdir(path):
+        return load_sharded_model(path, map_location)
+    ckpt = load(path, map_location)
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise CheckpointError(f"{path} is not a checkpoint of train.py: it has no 'model'")
+    return ckpt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,6 +337,13 @@ def load_model(path, map_location="cpu"):
 PQT_DEFAULTS = {"method": "bf16", "b_init": 6.0, "b_target": 4.0, "pqt_start": 0.0, "target_format": "",
                 "ste_start": 0.0, "bits_per_weight": 0.0}
 PQT_KEYS = tuple(PQT_DEFAULTS)
+# the settings only a method reads, which a bf16 run ignores: PQT_KEYS, b_i's decay, Eq. 12's lambda,
+# how w_hat is kept
+METHOD_ONLY = PQT_KEYS + ("bitwidth_weight_decay", "bitwidth_lambda", "recompute_w_hat")
+# the settings that are not training: the run's length, evaluation, logging, files, where it starts
+NOT_TRAINING = ("max_iters", "eval_interval", "log_interval", "eval_iters", "always_save_checkpoint",
+                "save_checkpoints", "out_dir", "init_from", "fork_from", "overwrite", "dry_run", "eval_only",
+                "wandb_log", "wandb_project", "wandb_run_name", "wandb_mode")
 
 
 def check_out_dir(out_dir):
@@ -575,7 +360,7 @@ def check_out_dir(out_dir):
 
 def paths(out_dir):
     """A run's checkpoint: ckpt.pt (one file, written by rank 0) or, under FSDP, ckpt.dcp (sharded:
-    each process writes its own part, checkpoint.save_sharded)."""
+    each process writes its own part, sharded.save_sharded)."""
     return os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "ckpt.dcp")
 
 
@@ -718,18 +503,15 @@ def check_new(out_dir, overwrite):
 # What a phase run may set otherwise than the bf16 run it forks from: the method and its settings,
 # which change nothing before the switch (the layers are plain Linears, b_i get no gradient), and
 # what is not training (the run's length beyond the fork step, evaluation, logging, files).
-FORK_FREE = {"method", "b_init", "b_target", "pqt_start", "target_format", "ste_start", "bits_per_weight",
-             "bitwidth_weight_decay", "bitwidth_lambda", "recompute_w_hat", "max_iters", "eval_interval",
-             "log_interval", "eval_iters", "always_save_checkpoint", "save_checkpoints", "out_dir", "init_from",
-             "fork_from", "overwrite", "dry_run", "eval_only", "wandb_log", "wandb_project", "wandb_run_name",
-             "wandb_mode"}
+FORK_FREE = frozenset(METHOD_ONLY + NOT_TRAINING)
 
 
 def read_fork(path, config):
     """The checkpoint a phase run forks from (train.py --fork_from): a bf16 run's ckpt.pt at a step
-    from 1 to this run's pqt_start, whose config equals this run's `config` but for FORK_FREE's keys. Until its switch a phase run is that run bit for bit, so continuing it gives the losses
-    the whole phase run would have had, without training the shared steps again (study.py's deploy
-    study). load_state then loads it."""
+    from 1 to this run's pqt_start, whose config equals this run's `config` but for FORK_FREE's keys.
+    Until its switch a phase run is that run bit for bit, so continuing it gives the losses the whole
+    phase run would have had, without training the shared steps again (study.py's deploy study).
+    load_state then loads it."""
     if not os.path.isfile(path):
         raise CheckpointError(f"fork_from={path!r}: expected the ckpt.pt file of a bf16 run (not a directory or a "
                               f"sharded checkpoint)")
@@ -761,11 +543,13 @@ def _load_fork(model, optimizers, checkpoint):
         raise CheckpointError(f"{checkpoint['forked']} has {len(checkpoint['optimizer'])} optimizers, this run "
                               f"{len(optimizers)}")
     for o, state in zip(optimizers, checkpoint["optimizer"]):
-        own = o.state_dict()["param_groups"]
+        groups = state["param_groups"]
+        own = o.state_dict()["param_groups"][len(groups):]
         try:
-            o.load_state_dict({"state": state["state"], "param_groups": state["param_groups"] + own[len(state["param_groups"]):]})
+            o.load_state_dict({"state": state["state"], "param_groups": groups + own})
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"the optimizer state of {checkpoint['forked']} does not fit this run's: {e}") from None
+            raise CheckpointError(f"the optimizer state of {checkpoint['forked']} does not fit this run's: "
+                                  f"{e}") from None
 
 
 def open_metrics(path, resumed_step, source=None):

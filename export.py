@@ -54,6 +54,7 @@ import torch
 
 import checkpoint
 import gaussws
+import ste
 from configurator import check_device, configure
 from data import loader
 from data.common import DataError, unusable_dir
@@ -319,7 +320,7 @@ def trained_formats(state_dict, pqt, quantized, fmt_name, budget):
     ids = {k[:-len(".format_ids")]: v for k, v in state_dict.items() if k.endswith(".format_ids")}
     if (fmt_name, budget) != (pqt.get("target_format"), pqt.get("bits_per_weight")) or set(ids) != set(quantized):
         return None
-    if any((v == gaussws.UNCHOSEN).any() for v in ids.values()):
+    if any((v == ste.UNCHOSEN).any() for v in ids.values()):
         return None  # saved before the switch: the run has not chosen them yet
     return {k: ids[k].to(torch.uint8) for k in quantized}
 

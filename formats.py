@@ -1,8 +1,8 @@
 """The element formats a 32x32 block is stored in: their grids, codes and shared scales, and which
 of int2/int3/int4 each block takes at a bit budget.
 
-export.py writes weights in them; gaussws.py's STE trains on the same grids, with the same scales
-(gaussws.fake_quantize), so a model trained with it exports as it was trained, and a run that trains
+export.py writes weights in them; ste.py's STE trains on the same grids, with the same scales
+(ste.fake_quantize), so a model trained with it exports as it was trained, and a run that trains
 on a budget's per-block formats chooses them with the function export.py uses (budget_format_ids).
 Both import this file and neither imports the other. The grids and codes are exact in float64.
 """
@@ -146,7 +146,7 @@ def quantize_blocks(blocks, fmt):
     if fmt.kind == "int":
         scales = int_scales(amax, fmt)
         s = scales.float()
-        # w / s as torchao's fake quantization (the STE's, gaussws.fake_quantize) computes it: w times
+        # w / s as torchao's fake quantization (the STE's, ste.fake_quantize) computes it: w times
         # the FP32 reciprocal of s, rounded half to even. The exact quotient rounds the other way where
         # w / s is within an FP32 rounding of a half-integer, and an STE-trained model would not export as trained.
         q = torch.round(blocks.float() * (1.0 / torch.where(s > 0, s, 1.0))[:, None]).clamp(-fmt.levels, fmt.levels)

@@ -16,28 +16,25 @@ kernels/; this file holds the math around them, the layer, the seeds, and how a 
             ... forwards and backwards of the micro-steps ...
         clip, optimizer.step(), zero_grad
 
-The other baseline, straight-through fake quantization (STE-QAT, "ste[...]"), trains the same Linears
-on the grid of one export format (STELinear). Either method can start late (convert's `start`): the
-layers are plain nn.Linear until that step, so a run is the bf16 run up to there, then a PQT or STE
-phase with the same optimizer state. At a bit budget (target "auto-int" / "error-int" with
-bits_per_weight) the STE trains each 32x32 block on its own int2/int3/int4 grid, the formats chosen once
-by export.py's allocation (formats.budget_format_ids) at the step the STE starts; a PQT layer can end
-that way too (convert's `ste_start`): its learned b_t rank the blocks, then STE finishes them.
+The other baseline, straight-through fake quantization (STE-QAT, "ste[...]"), is ste.py's converter;
+convert hands it the Linears that `ste[...]` names, so one method string chooses every method, and
+TrainStep runs its hook. Either method can start late (convert's `start`): the layers are plain
+nn.Linear until that step, so a run is the bf16 run up to there, then a PQT or STE phase with the same
+optimizer state. A PQT layer can end on a bit budget's per-block formats (convert's `ste_start`,
+ste.BlockFormats): its learned b_t rank the blocks, then STE finishes them.
 
 See README.md.
 """
-import functools
 import hashlib
-import math
 import re
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from formats import BY_NAME, FORMATS, budget_format_ids, e8m0_exponents, int_scales, pow2
+import ste
 from kernels import BL
-from kernels.torch_noise import Compiled
+from kernels.torch_noise import block_absmax
 from util import load_error
 
 METHODS = ("bf16", "gaussws", "diffq", "ste")
@@ -71,21 +68,6 @@ def parse_method(spec, roles):
         else:
             raise ValueError(f"bad method {spec!r}: no layer {part!r} in this model; {hint}")
     return method, frozenset(layers)
-
-
-def _block_absmax(w):
-    m, n = w.shape
-    nbm, nbn = -(-m // BL), -(-n // BL)
-    a = F.pad(w.abs(), (0, nbn * BL - n, 0, nbm * BL - m))  # partial edge blocks: zeros never win a max of |w|
-    return a.view(nbm, BL, nbn, BL).amax(dim=(1, 3)).float()
-
-
-_block_absmax_compiled = Compiled(_block_absmax)  # one fused pass over w for large weights
-
-
-def block_absmax(w):
-    """max_bl(|w|): FP32 max of |w| over each 32x32 block, shape (ceil(m/32), ceil(n/32))."""
-    return _block_absmax_compiled(w.detach())
 
 
 def scale_bl(max_bl, b_t):
@@ -187,22 +169,6 @@ def pseudo_quantize(w, b_t, seed, method="gaussws", *, backend="auto"):
     return _w_hat_op(w, scale_bl(block_absmax(w), b_t), seed, method, backend)
 
 
-class _ToWeight(torch.autograd.Function):
-    """w_hat made outside autograd, with the gradient path dL/dw = dL/dw_hat (Eq. 4) and none to b_t.
-
-    It saves no tensors, so every micro-step of an optimizer step can backpropagate through it.
-    """
-
-    @staticmethod
-    def forward(ctx, w, w_hat):
-        ctx.w_dtype = w.dtype
-        return w_hat
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.to(ctx.w_dtype), None
-
-
 class _RecomputedLinear(torch.autograd.Function):
     """F.linear(x, w_hat) that keeps neither w_hat nor R for the backward: both are made again there
     from (w, seed). Saves w_hat's 2 bytes per parameter for one more Eq. 3 per micro-step."""
@@ -231,56 +197,7 @@ class _RecomputedLinear(torch.autograd.Function):
         return grad_x, grad_w_hat.to(w.dtype), grad_scale, grad_bias, None, None, None
 
 
-UNCHOSEN = 255  # format_ids before the budget chose them (no format has this id)
-
-
-class BlockFormats:
-    """The per-block formats a bit budget chose, for a layer that trains on them (STE): the uint8 buffer
-    format_ids, one id of formats.FORMATS per 32x32 block as export.py's "format" tensor, UNCHOSEN until
-    TrainStep chooses them at step `formats_from` (then saved with the model, so that a resumed run
-    trains on the formats chosen at the switch, never on a new choice)."""
-
-    formats_from = None  # the first step on the chosen formats; None: the layer has no budget
-    _fake_quantize = _fake_quantize_blocks = None  # made by _eager_fake_quantizers
-
-    @classmethod
-    def _eager_fake_quantizers(cls):
-        """fake_quantize and fake_quantize_blocks as torch.compile leaves them, eager inside a compiled
-        model: fused, inductor keeps the BF16 scale in FP32 without rounding it (its
-        emulate_precision_casts is off), and the grid would not be export's. Made by the first layer
-        that fake-quantizes, not at import: importing torch._dynamo costs every process over a second."""
-        if BlockFormats._fake_quantize is None:
-            BlockFormats._fake_quantize = staticmethod(torch.compiler.disable(fake_quantize))
-            BlockFormats._fake_quantize_blocks = staticmethod(torch.compiler.disable(fake_quantize_blocks))
-
-    def _init_formats(self, fmt, bits_per_weight, formats_from, device):
-        self._eager_fake_quantizers()
-        self.fmt, self.bits_per_weight, self.formats_from = fmt, float(bits_per_weight), int(formats_from)
-        shape = (-(-self.weight.shape[0] // BL), -(-self.weight.shape[1] // BL))
-        self.register_buffer("format_ids", torch.full(shape, UNCHOSEN, dtype=torch.uint8, device=device))
-        self._formats = None  # the ids format_ids holds; read from it when None (after a load)
-
-    def formats_used(self):
-        """The format ids the layer's blocks hold (one read of the buffer after each load)."""
-        if self._formats is None:
-            self._formats = sorted(self.format_ids.unique().tolist())
-        return self._formats
-
-    def set_formats(self, ids):
-        self.format_ids.copy_(ids)
-        self._formats = sorted(ids.unique().tolist())
-
-    def weight_on_formats(self):
-        """w_q: the weight on its blocks' grids, with the straight-through gradient dL/dw = dL/dw_q."""
-        w_q = self._fake_quantize_blocks(self.weight, self.format_ids, self.formats_used())
-        return _ToWeight.apply(self.weight, w_q)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
-        self._formats = None
-
-
-class PQTLinear(BlockFormats, nn.Linear):
+class PQTLinear(ste.BlockFormats, nn.Linear):
     """nn.Linear whose weight is pseudo-quantized (Eq. 3) in training mode.
 
     b_i is the internal bitwidth of each 32x32 block (Eq. 11), initialised to 1 so that
@@ -293,7 +210,7 @@ class PQTLinear(BlockFormats, nn.Linear):
     gets no gradient, so AdamW leaves it as it is (it skips parameters without one).
     From optimizer step `ste_start` (0: never) the layer trains by STE on per-block formats that the
     bit budget (fmt "auto-int" ranks blocks by b_t, "error-int" by their own error; bits_per_weight)
-    chooses at that step (BlockFormats); b_i gets no gradient from then on, so b_t stays as learned.
+    chooses at that step (ste.BlockFormats); b_i gets no gradient from then on, so b_t stays as learned.
     Build one with convert(model, ...), or directly and then set_noise_seed(model, seed).
     """
 
@@ -306,7 +223,7 @@ class PQTLinear(BlockFormats, nn.Linear):
         if ste_start:
             if not int(ste_start) > int(start):
                 raise ValueError(f"ste_start={ste_start} must come after the PQT phase's start {start}")
-            check_budget(fmt, bits_per_weight, method)
+            ste.check_budget(fmt, bits_per_weight, method)
             self._init_formats(fmt, bits_per_weight, ste_start, device)
         self.method, self.b_init, self.b_target, self.backend = method, float(b_init), float(b_target), backend
         self.recompute = bool(recompute)  # keep no w_hat for the backward: make it again there
@@ -328,10 +245,8 @@ class PQTLinear(BlockFormats, nn.Linear):
         b_i = 1 on the weight's device. Draws nothing from torch's RNG (built on the meta device)."""
         with torch.device("meta"):
             layer = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
-        layer.weight, layer.bias = linear.weight, linear.bias
+        layer._take_weight(linear.weight, linear.bias)
         layer.b_i = nn.Parameter(torch.ones(layer.b_i.shape, device=linear.weight.device))
-        if layer.formats_from is not None:
-            layer.format_ids = torch.full_like(layer.format_ids, UNCHOSEN, device=linear.weight.device)
         return layer.train(linear.training)
 
     def reset_parameters(self):
@@ -397,7 +312,7 @@ class PQTLinear(BlockFormats, nn.Linear):
         w_hat = k.apply(self.weight.detach(), r_store, scale_bl(max_bl, self.b_t), self.method)
         self._eq4 = (max_bl, r_store, self.weight._version)
         with torch.enable_grad():
-            self.w_hat = _ToWeight.apply(self.weight, w_hat)
+            self.w_hat = ste.StraightThrough.apply(self.weight, w_hat)
 
     @torch.no_grad()
     def _end(self, apply_eq4=True):
@@ -429,12 +344,10 @@ class PQTConv1D(PQTLinear):
         if kwargs.get("recompute"):
             raise ValueError("recompute=True is for nn.Linear layers; a Conv1D makes w_hat once per step")
         n_in, n_out = conv.weight.shape
-        with torch.device("meta"):  # weight (n_in, n_out) as stored: "out_features" n_in for nn.Linear's bookkeeping
+        with torch.device("meta"):  # the weight (n_in, n_out) as stored: nn.Linear's "out_features" is n_in
             layer = cls(n_out, n_in, conv.bias is not None, **kwargs)
-        layer.weight, layer.bias = conv.weight, conv.bias
+        layer._take_weight(conv.weight, conv.bias)
         layer.b_i = nn.Parameter(torch.ones(layer.b_i.shape, device=conv.weight.device))
-        if layer.formats_from is not None:
-            layer.format_ids = torch.full_like(layer.format_ids, UNCHOSEN, device=conv.weight.device)
         return layer.train(conv.training)
 
     def _matmul(self, x, w):
@@ -444,144 +357,6 @@ class PQTConv1D(PQTLinear):
 def _is_conv1d(module):
     """transformers' Conv1D (GPT-2), recognised without importing transformers."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.dim() == 2
-
-
-# --- STE-QAT: straight-through fake quantization onto an export format's grid ------------------
-
-STE_FORMATS = tuple(f"int{b}" for b in range(2, 9)) + ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")
-
-
-BUDGET_TARGETS = ("auto-int", "error-int")  # int2/int3/int4 per block at bits_per_weight: ranked by b_t, by error
-
-
-def check_format(name):
-    """The name of a format the STE trains on (and a PQT phase is matched to), or a ValueError."""
-    if name not in STE_FORMATS:
-        raise ValueError(f"target format {name!r}: expected one of {', '.join(STE_FORMATS)} (export.py's formats "
-                         f"with a per-block scale, up to 8 bits), or {' / '.join(BUDGET_TARGETS)} with a bit budget")
-    return name
-
-
-def check_budget(fmt, bits_per_weight, method):
-    """A bit budget to train toward: fmt one of BUDGET_TARGETS, bits_per_weight in [2, 4], and for
-    auto-int a method that learns b_t. Raises ValueError (one line) otherwise."""
-    if fmt not in BUDGET_TARGETS:
-        raise ValueError(f"target format {fmt!r} is not a bit budget: expected {' or '.join(BUDGET_TARGETS)}, which "
-                         f"mix int2/int3/int4 per block at --bits_per_weight")
-    if not 2 <= bits_per_weight <= 4:
-        raise ValueError(f"bits_per_weight={bits_per_weight:g}: expected a mean of 2 to 4 element bits per weight "
-                         f"(int2 to int4) for target_format={fmt!r}")
-    if fmt == "auto-int" and method not in R_SECOND_MOMENT:
-        raise ValueError(f"target_format='auto-int' ranks blocks by their learned b_t, and method {method} learns "
-                         f"none: use error-int, which ranks them by their own quantization error")
-
-
-def _mx_elements(v, fmt):
-    """v (FP32, already divided by the block scale) rounded to fmt's elements, half to even, saturated at
-    +-fmt.max: torchao's MX element casts for fp4 and fp6, torch's own for fp8 (clamped first, as torchao
-    does: e5m2's cast overflows to inf; clamping to a value on the grid commutes with rounding)."""
-    if fmt.name in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2"):
-        from torchao.prototype.mx_formats import kernels as mx
-        to_codes, to_values = {"mxfp4": (mx.f32_to_f4_unpacked, mx.f4_unpacked_to_f32),
-                               "mxfp6_e2m3": (mx.f32_to_f6_e2m3_unpacked, mx.f6_e2m3_unpacked_to_f32),
-                               "mxfp6_e3m2": (mx.f32_to_f6_e3m2_unpacked, mx.f6_e3m2_unpacked_to_f32)}[fmt.name]
-        return to_values(to_codes(v))
-    dtype = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2}[fmt.name]
-    return v.clamp(-fmt.max, fmt.max).to(dtype).float()
-
-
-@torch.no_grad()
-def fake_quantize(w, name):
-    """w (m, n) on the grid export.py stores for format `name` (FP32 values, no gradient): every 32x32
-    block, partial at the edges, with the scale export gives it from max_bl(|w|), a BF16 one rounded up
-    for int-b (formats.int_scales) or an E8M0 power of two for the MX formats (formats.e8m0_exponents).
-    The values come from torchao: its affine fake quantization with a (32, 32) block for int-b, which
-    computes round(w * (1 / s)) in FP32 (export.py rounds the same way), and its MX element casts.
-    """
-    fmt = FORMATS[BY_NAME[check_format(name)]]
-    m, n = w.shape
-    nbm, nbn = -(-m // BL), -(-n // BL)
-    amax = block_absmax(w)
-    w = F.pad(w.detach().float(), (0, nbn * BL - n, 0, nbm * BL - m))  # zeros: on every grid, and no block's max
-    if fmt.kind == "int":
-        from torchao.quantization.quant_primitives import ZeroPointDomain, _fake_quantize_affine
-        s = int_scales(amax, fmt).float()
-        s = torch.where(s > 0, s, 1.0)  # an all-zero block: any scale gives its zeros (export stores 0)
-        q = _fake_quantize_affine(w, (BL, BL), s, None, torch.int32, -fmt.levels, fmt.levels, ZeroPointDomain.NONE)
-        q = q + 0.0  # -0.0 -> +0.0: export's integer codes have no negative zero
-    else:
-        x = pow2(e8m0_exponents(amax, fmt)).float().repeat_interleave(BL, 0).repeat_interleave(BL, 1)
-        q = _mx_elements(w / x, fmt) * x  # both exact: x is a power of two
-    return q[:m, :n]
-
-
-@torch.no_grad()
-def fake_quantize_blocks(w, format_ids, used=None):
-    """w (m, n) with each 32x32 block on the grid export.py stores for that block's own format:
-    format_ids holds one id of formats.FORMATS per block (export's "format" tensor), `used` the ids it
-    holds (read from it when None). Each block is fake_quantize's for its format, whose scales are per
-    block, so the whole is export.py's quantize_weight with these ids."""
-    m, n = w.shape
-    used = sorted(format_ids.unique().tolist()) if used is None else used
-    ids = format_ids.repeat_interleave(BL, 0).repeat_interleave(BL, 1)[:m, :n]
-    w_q = fake_quantize(w, FORMATS[used[0]].name)
-    for fid in used[1:]:
-        w_q = torch.where(ids == fid, fake_quantize(w, FORMATS[fid].name), w_q)
-    return w_q
-
-
-class STELinear(BlockFormats, nn.Linear):
-    """nn.Linear trained by straight-through fake quantization (STE-QAT), the baseline PQT competes with
-    at a fixed format: a training-mode forward multiplies by fake_quantize(w, fmt), the weight export.py
-    writes for that format, and the backward passes dL/dw = dL/dw_q unchanged (the straight-through
-    estimator, also where fp4 saturates; the int scale never clips a weight). The master weight w stays
-    FP32. In eval mode, and in the steps before `start` (an STE phase), the layer is exactly nn.Linear.
-    With fmt "error-int" and bits_per_weight, each block trains on its own format of int2/int3/int4,
-    chosen by the budget at step `start` from the weights of that step (BlockFormats).
-    It has no learnable bitwidth; its training-mode forwards run inside a TrainStep, as PQTLinear's.
-    """
-
-    def __init__(self, in_features, out_features, bias=True, *, fmt, start=0, bits_per_weight=0.0, device=None,
-                 dtype=None):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.fmt, self.start = fmt, int(start)
-        self._eager_fake_quantizers()
-        if fmt in BUDGET_TARGETS:
-            check_budget(fmt, bits_per_weight, "ste")
-            self._init_formats(fmt, bits_per_weight, start, device)
-        else:
-            check_format(fmt)
-        self.in_step, self.active = False, self.start == 0  # the step state, set by TrainStep only
-
-    @classmethod
-    def from_linear(cls, linear, **kwargs):
-        """An STELinear holding `linear`'s own weight and bias Parameters; draws nothing from torch's RNG."""
-        with torch.device("meta"):
-            layer = cls(linear.in_features, linear.out_features, linear.bias is not None, **kwargs)
-        layer.weight, layer.bias = linear.weight, linear.bias
-        if layer.formats_from is not None:
-            layer.format_ids = torch.full_like(layer.format_ids, UNCHOSEN, device=linear.weight.device)
-        return layer.train(linear.training)
-
-    def forward(self, x):
-        if self.training and not self.in_step:
-            raise RuntimeError("STELinear: a training-mode forward outside a step; run the step's forwards inside "
-                               "`with gaussws.TrainStep(model, step):`, or call model.eval() for the master weights")
-        if not self.training or not self.active:
-            return F.linear(x, self.weight, self.bias)
-        if self.formats_from is not None:
-            return F.linear(x, self.weight_on_formats(), self.bias)
-        return F.linear(x, _ToWeight.apply(self.weight, self._fake_quantize(self.weight, self.fmt)), self.bias)
-
-    def _begin(self, step):
-        self.in_step, self.active = True, step >= self.start
-
-    def _end(self, apply_eq4=True):
-        self.in_step = False
-
-    def extra_repr(self):
-        return (f"{super().extra_repr()}, fmt={self.fmt}" + (f", start={self.start}" if self.start else "")
-                + (f", bits_per_weight={self.bits_per_weight:g}" if self.formats_from is not None else ""))
 
 
 class TrainStep:
@@ -601,30 +376,29 @@ class TrainStep:
         micro-steps' dL/dw_hat.
       - per micro-step, for layers converted with recompute=True (no w_hat kept for the backward) and
         for sharded (FSDP) weights: every forward makes w_hat, every backward applies Eq. 4.
-    Layers whose phase starts after `step` are plain nn.Linear in it; STE layers take part only so.
-    The first step on a bit budget's per-block formats (a layer's formats_from: ste_start, or an STE
-    layer's start) chooses them for all the model's budget layers together (choose_formats), unless
-    the layers hold them already (a run resumed after that step): the switch is made here and nowhere else.
+    Layers whose phase starts after `step` are plain nn.Linear in it; STE layers (ste.py) take part
+    only so, and begin() runs the STE's hook, ste.before_step: the first step on a bit budget's
+    per-block formats (a layer's formats_from: ste_start, or an STE layer's start) chooses them for
+    all the model's budget layers together, unless they hold them already (a run resumed after it).
     Leaving the block by an exception releases the step without touching any gradient. Opening a
     step while one is open, or a training-mode forward outside a step, raises.
     """
 
     def __init__(self, model, step):
         self.layers, self.step = method_layers(model), int(step)
-        self.budget = [(name, m) for name, m in model.named_modules() if getattr(m, "formats_from", None) is not None]
+        self.budget = ste.budget_layers(model)
 
     def begin(self):
         if any(layer.in_step for layer in self.layers):
             raise RuntimeError("gaussws.TrainStep: a step is already open on this model; end it first")
-        due = [layer for _, layer in self.budget if self.step >= layer.formats_from]
-        if any(UNCHOSEN in layer.formats_used() for layer in due):
-            choose_formats(self.budget, self.step)
+        ste.before_step(self.budget, self.step)
         for layer in self.layers:
             layer._begin(self.step)
         return self
 
     def end(self, apply_eq4=True):
-        """Release the step; with apply_eq4, first add Eq. 4's b_t gradient to the b_i.grad of step-mode layers."""
+        """Release the step; with apply_eq4, first add Eq. 4's b_t gradient to the b_i.grad of step-mode
+        layers."""
         for layer in self.layers:
             layer._end(apply_eq4)
 
@@ -635,56 +409,16 @@ class TrainStep:
         self.end(apply_eq4=exc_type is None)
 
 
-@torch.no_grad()
-def choose_formats(layers, step):
-    """The switch to a bit budget's per-block formats: the format_ids of every layer of `layers`
-    ([(module path, layer)]: all the budget layers of a model, in its order), chosen together by
-    formats.budget_format_ids, the function export.py's --bits_per_weight uses, from the weights they
-    hold at optimizer step `step` (before it) and, for auto-int, their b_t (Eq. 11 in float64, as
-    export.py reads them). Raises if some layer is not due at `step` or holds formats already."""
-    if any(step < layer.formats_from or UNCHOSEN not in layer.formats_used() for _, layer in layers):
-        raise RuntimeError(f"gaussws.choose_formats: at step {step} every budget layer must be due and unchosen "
-                           f"(one budget, one switch per model)")
-    (fmt, budget), = {(layer.fmt, layer.bits_per_weight) for _, layer in layers}
-    weights = {name: layer.weight.full_tensor() if hasattr(layer.weight, "full_tensor") else layer.weight
-               for name, layer in layers}
-    b_t = {name: layer.b_t_float64() for name, layer in layers if isinstance(layer, PQTLinear)}
-    chosen = budget_format_ids(fmt, weights, b_t, budget)
-    for name, layer in layers:
-        layer.set_formats(chosen[name].to(layer.format_ids.device))
-
-
-def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="auto", recompute=False, start=0,
-            fmt="", ste_start=0, bits_per_weight=0.0):
-    """Swap the nn.Linear modules of `model` that `method` chooses for PQTLinear (a Hugging Face GPT-2's
-    Conv1D for PQTConv1D), or STELinear for ste[...], in place; return model.
-
-    method: "bf16" (nothing changes), or "gaussws[...]" / "diffq[...]" / "ste[...]" naming roles (parse_method).
-    start: the first optimizer step with the method; the layers are plain nn.Linear before it.
-    fmt: the format STELinear trains on (STE_FORMATS), or for ste "error-int" with bits_per_weight: per
-    block int2/int3/int4 chosen at `start`. PQT layers take their b_t from b_init, b_target.
-    ste_start (PQT only; 0: never): the first step of STE on per-block formats chosen then by the
-    budget (fmt "auto-int" or "error-int", bits_per_weight), after a PQT phase from `start`.
-    roles: {module-path suffix: role}, e.g. model.ROLES["gpt2"] = {"attn.c_attn": "qkv", ...}; a
-    module plays the role of the longest suffix its path ends with (".attn.c_attn" or the whole path).
-    Call it after the model is built and initialised and before it is wrapped (DDP, FSDP, compile).
-    The weights and biases are the same Parameters, so values, dtype and device are kept exactly,
-    also on the meta device; b_i starts at 1 (b_t = b_init); nothing is drawn from torch's RNG, so
-    the same seed gives the same initial weights and data order with any method. Each layer's
-    noise seed is a function of (seed, module path).
-    """
+def method_linears(model, method, roles):
+    """{module path: module} of the modules of `model` that `method` (parse_method) converts: those
+    playing a role it names. roles: {module-path suffix: role}, e.g. model.ROLES["gpt2"] =
+    {"attn.c_attn": "qkv", ...}; a module plays the role of the longest suffix its path ends with
+    (".attn.c_attn" or the whole path). The one role filter of both converters (convert, ste.convert).
+    ValueError for a chosen module that is not an nn.Linear (nor, but for ste, a transformers Conv1D),
+    or for a chosen role no module plays."""
     kind, chosen = parse_method(method, roles.values())
-    if kind == "bf16":
-        return model
-    if method_layers(model):
-        raise ValueError("the model has PQT layers already (PQTLinear or STELinear); convert one of plain nn.Linear")
-    if kind == "ste" and ste_start:
-        raise ValueError("ste_start is the switch of a gaussws/diffq run to STE; an ste[...] run trains by STE from "
-                         "its start on")
-    if kind == "ste" and fmt not in BUDGET_TARGETS:
-        check_format(fmt)
-    found = set()
-    for name, module in list(model.named_modules()):
+    taken, found = {}, set()
+    for name, module in model.named_modules():
         keys = [k for k in roles if name == k or name.endswith("." + k)]
         role = roles[max(keys, key=len)] if keys else None
         if role not in chosen:
@@ -692,125 +426,57 @@ def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="
         if type(module) is not nn.Linear and (kind == "ste" or not _is_conv1d(module)):
             raise ValueError(f"{name} plays role {role!r} but is a {type(module).__name__}, not an nn.Linear"
                              + ("" if kind == "ste" else " (or a transformers Conv1D)"))
-        if kind == "ste":
-            layer = STELinear.from_linear(module, fmt=fmt, start=start, bits_per_weight=bits_per_weight)
-        else:
-            make = PQTConv1D.from_conv1d if _is_conv1d(module) else PQTLinear.from_linear
-            layer = make(module, method=kind, b_init=b_init, b_target=b_target, backend=backend, recompute=recompute,
-                         start=start, ste_start=ste_start, fmt=fmt, bits_per_weight=bits_per_weight)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        taken[name] = module
         found.add(role)
     if chosen - found:
-        raise ValueError(f"method {method!r}: no nn.Linear of the model plays role(s) {', '.join(sorted(chosen - found))} "
-                         f"(roles: {dict(roles)})")
+        raise ValueError(f"method {method!r}: no nn.Linear of the model plays role(s) "
+                         f"{', '.join(sorted(chosen - found))} (roles: {dict(roles)})")
+    return taken
+
+
+def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="auto", recompute=False, start=0,
+            fmt="", ste_start=0, bits_per_weight=0.0):
+    """Swap the nn.Linear modules of `model` that `method` chooses (method_linears, by their roles) for
+    PQTLinear (a Hugging Face GPT-2's Conv1D for PQTConv1D), in place; return model. For ste[...],
+    ste.convert swaps them for STELinear.
+
+    method: "bf16" (nothing changes), or "gaussws[...]" / "diffq[...]" / "ste[...]" naming roles
+    (parse_method). start: the first optimizer step with the method; the layers are plain nn.Linear
+    before it. fmt: the format STELinear trains on (ste.STE_FORMATS), or for ste "error-int" with
+    bits_per_weight: per block int2/int3/int4 chosen at `start`. PQT layers take their b_t from
+    b_init, b_target. ste_start (PQT only; 0: never): the first step of STE on per-block formats
+    chosen then by the budget (fmt "auto-int" or "error-int", bits_per_weight), after a PQT phase.
+    Call it after the model is built and initialised and before it is wrapped (DDP, FSDP, compile).
+    The weights and biases are the same Parameters, so values, dtype and device are kept exactly,
+    also on the meta device; b_i starts at 1 (b_t = b_init); nothing is drawn from torch's RNG, so
+    the same seed gives the same initial weights and data order with any method. Each layer's
+    noise seed is a function of (seed, module path).
+    """
+    kind, _ = parse_method(method, roles.values())
+    if kind == "bf16":
+        return model
+    if method_layers(model):
+        raise ValueError("the model has PQT layers already (PQTLinear or STELinear); convert one of plain nn.Linear")
+    if kind == "ste" and ste_start:
+        raise ValueError("ste_start is the switch of a gaussws/diffq run to STE; an ste[...] run trains by STE from "
+                         "its start on")
+    taken = method_linears(model, method, roles)
+    if kind == "ste":
+        return ste.convert(model, fmt, start=start, bits_per_weight=bits_per_weight,
+                           takes=lambda name, _: name in taken)
+    for name, module in taken.items():
+        make = PQTConv1D.from_conv1d if _is_conv1d(module) else PQTLinear.from_linear
+        model.set_submodule(name, make(module, method=kind, b_init=b_init, b_target=b_target, backend=backend,
+                                       recompute=recompute, start=start, ste_start=ste_start, fmt=fmt,
+                                       bits_per_weight=bits_per_weight))
     return set_noise_seed(model, seed)
 
 
-# --- a phase at the end of training, and the b_t that matches a format ----------------------
-
-# E[R^2] of the noise: gaussws from Eq. 10's probabilities, Pr(+-2) and Pr(+-1) per sign; diffq's U(-1/2, 1/2).
+# E[R^2] of the noise: gaussws from Eq. 10's probabilities, Pr(+-2) and Pr(+-1) per sign; diffq's U(-1/2, 1/2)
+# (the level b_t matched to a format's rounding error, train.matched_b_t, divides by it).
 _P2 = 0.75 * 2.0 ** -9
 _P1 = 0.75 ** 2 * 2.0 ** -2 * (1 - 2 * _P2)
 R_SECOND_MOMENT = {"gaussws": 2 * (_P1 + 4 * _P2), "diffq": 1 / 12}
-
-
-@functools.lru_cache(maxsize=None)
-def matched_b_t(method, name):
-    """The b_t at which Eq. 3's PQN has the variance of format `name`'s rounding error, both relative to
-    max_bl(|w|)^2:  E[R^2] * 4^(1 - b_t) = r,  so  b_t = 1 + log2(E[R^2] / r) / 2.
-
-    r is measured, with the STE's own grid (fake_quantize), on a block holding the quantiles of N(0, 1)
-    (weights as initialised; no draw, so the level is a constant, rounded to 0.01). For int-b the
-    rounding error is close to uniform on one step max_bl / L (L = 2^(b-1) - 1) whatever the weights,
-    r = 1 / (12 L^2), which gives b_t = log2(L) + log2(48 E[R^2]) / 2: for gaussws int3 3.49, int4
-    4.71 (diffq 2.58, 3.81); int2, whose step is the whole block max, is where the two part most. For
-    the MX formats r depends on how the weights fill each binade, hence the measurement.
-    """
-    if method not in R_SECOND_MOMENT:
-        raise ValueError(f"matched_b_t: method {method!r} has no noise; expected gaussws or diffq")
-    i = torch.arange(BL * BL, dtype=torch.float64)
-    w = torch.special.ndtri((i + 0.5) / (BL * BL)).float().view(BL, BL)
-    r = (fake_quantize(w, name).double() - w.double()).square().mean() / w.abs().max().double() ** 2
-    return round(1 + 0.5 * math.log2(R_SECOND_MOMENT[method] / r.item()), 2)
-
-
-def budget_level(method, bits):
-    """The b_t level of a bit budget of `bits` element bits per weight (int2 to int4 mixed): matched_b_t
-    of int<bits>, and between the two ints around a fractional budget linearly (our choice)."""
-    low = min(math.floor(bits), 3)
-    a, b = matched_b_t(method, f"int{low}"), matched_b_t(method, f"int{low + 1}")
-    return round(a + (bits - low) * (b - a), 2)
-
-
-def _start_step(key, value, max_iters, zero):
-    """A start given as 0 (`zero`), a fraction in (0, 1) of max_iters (rounded) or a whole step: the step."""
-    if not (value == 0 or 0 < value < 1 or math.isfinite(value) and value >= 1 and value == int(value)):
-        raise ValueError(f"{key}={value:g}: expected 0 ({zero}), a fraction in (0, 1) of max_iters, or a whole step >= 1")
-    return round(value * max_iters) if value < 1 else int(value)
-
-
-def phase_settings(kind, config, explicit=()):
-    """train.py's keys of the method, resolved and checked: {"pqt_start", "ste_start", "b_init", "b_target"}.
-
-    kind: the method without its layers (parse_method). config holds pqt_start, max_iters,
-    target_format, b_init, b_target, and ste_start and bits_per_weight (0 where missing); explicit,
-    the keys the user set. Raises ValueError (one line).
-    pqt_start: 0 trains with the method from the first step; a fraction in (0, 1) of max_iters
-    (rounded) or a whole step >= 1 is the step at which the Linears switch from plain, the bf16 run
-    until then, to the method (convert's `start`). Returned as that step.
-    target_format: the format the run trains toward. ste needs one: its grid. For gaussws and diffq
-    it sets b_target to matched_b_t(kind, format), the level whose noise is the format's rounding
-    error, and in a phase b_init too (unless b_init is set), so that b_t is at that level from the
-    first noisy step to the last: a phase is too short for decay or Eq. 12 to bring b_t down from
-    b_init. Decay shrinks b_i by a factor 1 - lr * bitwidth_weight_decay per step (2e-4 of it at the
-    defaults); Eq. 12 through AdamW moves b_i by about lr per step, 0.06 over 30 steps at lr 2e-3.
-    A bit budget, target_format auto-int or error-int with bits_per_weight in [2, 4], mixes
-    int2/int3/int4 per block (ste: error-int only, chosen at pqt_start). For gaussws and diffq b_t is
-    then free per block: b_target is the budget's level (budget_level; int3's for 3.0), the pull of
-    b_i's decay toward the average, and in a phase b_init is one bit above it (unless set), since
-    b_init = b_target would fix b_t (Eq. 11 then ignores b_i). AdamW moves b_i by about lr a step, so
-    a phase spreads b_t by at most the sum of its lr times (b_init - b_target), and auto-int, which
-    ranks an upgrade by b_t - bits, mixes formats at a whole budget (3.0) only where b_t spread > 1 bit.
-    ste_start (gaussws, diffq with a budget; same forms as pqt_start, 0: none): from that step, after
-    pqt_start, STE on the per-block formats the budget chooses then (convert's `ste_start`).
-    """
-    value, fmt, max_iters = config["pqt_start"], config["target_format"], config["max_iters"]
-    ste_value, budget = config.get("ste_start", 0.0), config.get("bits_per_weight", 0.0)
-    start = _start_step("pqt_start", value, max_iters, "the method from the first step")
-    ste_start = _start_step("ste_start", ste_value, max_iters, "no STE phase")
-    if kind == "bf16" and (value or fmt or ste_value or budget):
-        key = next(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v:g}" for k, v in
-                   (("pqt_start", value), ("target_format", fmt), ("ste_start", ste_value), ("bits_per_weight", budget)) if v)
-        raise ValueError(f"{key} is for a method that trains toward a format, but method is bf16: choose "
-                         f"gaussws[...], diffq[...] or ste[...]")
-    if kind == "ste" and not fmt:
-        raise ValueError(f"method ste[...] needs --target_format, the grid it trains on: one of {', '.join(STE_FORMATS)}")
-    if kind == "ste" and ste_value:
-        raise ValueError(f"ste_start={ste_value:g} switches a gaussws[...] or diffq[...] run from PQT to STE; an "
-                         f"ste[...] run is STE from pqt_start on: drop ste_start")
-    if budget and fmt not in BUDGET_TARGETS:
-        raise ValueError(f"bits_per_weight={budget:g} is for target_format auto-int or error-int (int2/int3/int4 per "
-                         f"block at that mean), not target_format={fmt!r}")
-    if fmt in BUDGET_TARGETS:
-        check_budget(fmt, budget, kind)
-    elif fmt:
-        check_format(fmt)
-    if ste_value and fmt not in BUDGET_TARGETS:
-        raise ValueError(f"ste_start={ste_value:g} trains on per-block formats a bit budget chooses at that step: set "
-                         f"target_format=auto-int or error-int and bits_per_weight (e.g. 3.0), not target_format={fmt!r}")
-    if ste_value and ste_start <= start:
-        raise ValueError(f"ste_start={ste_value:g} (step {ste_start}) must come after pqt_start={value:g} (step {start}): "
-                         f"PQT from pqt_start, STE from ste_start")
-    b_init, b_target = float(config["b_init"]), float(config["b_target"])
-    if kind in R_SECOND_MOMENT and fmt:
-        if "b_target" in explicit:
-            raise ValueError(f"b_target={b_target:g} and target_format={fmt!r} both set the level b_t is pulled to; "
-                             f"drop one")
-        b_target = budget_level(kind, budget) if budget else matched_b_t(kind, fmt)
-        if start > 0 and "b_init" not in explicit:
-            b_init = b_target + 1.0 if budget else b_target
-    return {"pqt_start": float(start), "ste_start": float(ste_start), "b_init": b_init, "b_target": b_target}
 
 
 # --- optimizers ------------------------------------------------------------------------------
@@ -913,7 +579,7 @@ def pqt_layers(model):
 
 def method_layers(model):
     """The layers convert made: PQTLinear and STELinear."""
-    return [m for m in model.modules() if isinstance(m, (PQTLinear, STELinear))]
+    return [m for m in model.modules() if isinstance(m, (PQTLinear, ste.STELinear))]
 
 
 def set_noise_seed(model, seed):
@@ -929,7 +595,7 @@ def set_noise_seed(model, seed):
 
 def eq11_float64(b_i, b_init, b_target):
     """Eq. 11, b_t = b_target + b_i (b_init - b_target), in float64 on the CPU: the b_t a bit budget
-    ranks, in training (choose_formats) and in export.py (from a checkpoint's b_i), alike to the bit."""
+    ranks, in training (ste.choose_formats) and in export.py (from a checkpoint's b_i), alike to the bit."""
     return b_target + b_i.detach().double().cpu() * (b_init - b_target)
 
 

@@ -2,7 +2,7 @@
 computes in, one line per logged step, and a summary at its end; and where its records go
 (metrics.jsonl, wandb).
 
-    step 280/400 (70.0%) | loss 2.4100 | lr 1.90e-03 | 812 ms | 5,040 tok/s | MFU 38.1% | b_t 5.93 [5.81, 6.05] | eta 1m38s
+ step 280/400 (70.0%) | loss 2.4100 | lr 1.90e-03 | 812 ms | 5,040 tok/s | MFU 38.1% | b_t 5.93 [5.81, 6.05] | eta 1m38s
 
 A step's record in metrics.jsonl holds the same: iter, loss, lr, ms_per_iter, tokens_per_s, mfu_pct,
 b_t/mean, b_t/min, b_t/max, eta_s. MFU (model FLOPs utilisation) is nanoGPT's estimate of the
@@ -113,7 +113,8 @@ class Progress:
     def record(self, iter_num, loss, lr, dt, b_t):
         """metrics.jsonl's record of step iter_num: loss, lr, dt (mean seconds per step since the last
         log), b_t (gaussws.bitwidth_stats, or None)."""
-        r = {"iter": iter_num, "loss": loss, "lr": lr, "ms_per_iter": 1000 * dt, "tokens_per_s": self.tokens_per_iter / dt}
+        r = {"iter": iter_num, "loss": loss, "lr": lr, "ms_per_iter": 1000 * dt,
+             "tokens_per_s": self.tokens_per_iter / dt}
         if self.peak:
             r["mfu_pct"] = 100 * self.flops_per_token * r["tokens_per_s"] / self.peak
         r.update({f"b_t/{k}": v for k, v in (b_t or {}).items()})
@@ -124,8 +125,9 @@ class Progress:
 
     def line(self, r):
         """The log line of a record."""
-        fields = [f"step {r['iter']}/{self.max_iters} ({100 * r['iter'] / self.max_iters:.1f}%)", f"loss {r['loss']:.4f}",
-                  f"lr {r['lr']:.2e}", f"{r['ms_per_iter']:.0f} ms", f"{r['tokens_per_s']:,.0f} tok/s"]
+        fields = [f"step {r['iter']}/{self.max_iters} ({100 * r['iter'] / self.max_iters:.1f}%)",
+                  f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"{r['ms_per_iter']:.0f} ms",
+                  f"{r['tokens_per_s']:,.0f} tok/s"]
         if "mfu_pct" in r:
             fields.append(f"MFU {r['mfu_pct']:.1f}%")
         if "b_t/mean" in r:
@@ -144,7 +146,8 @@ class Progress:
             best = min(best_val_loss, *self.val.values())
             lines.append(f"val loss: {self.val[last]:.4f} at step {last}, best {best:.4f}")
         tokens = (iter_num - self.start) * self.tokens_per_iter
-        lines.append(f"trained: steps {self.start}-{iter_num}, {tokens:,} tokens in {duration(time.time() - self.began)}"
+        took = duration(time.time() - self.began)
+        lines.append(f"trained: steps {self.start}-{iter_num}, {tokens:,} tokens in {took}"
                      + (f" ({iter_num * self.tokens_per_iter:,} tokens since step 0)" if self.start else ""))
         peak, what = peak_memory(device)
         if peak is not None:

@@ -147,8 +147,9 @@ def schedule_notes(c):
     run, or a warmup as long as the run."""
     notes = []
     if c["decay_lr"] and c["lr_decay_iters"] < c["max_iters"]:
-        notes.append(f"note: the cosine ends at lr_decay_iters={c['lr_decay_iters']}, before max_iters={c['max_iters']}: "
-                     f"the last {c['max_iters'] - c['lr_decay_iters']} steps run at min_lr={c['min_lr']:g}")
+        notes.append(f"note: the cosine ends at lr_decay_iters={c['lr_decay_iters']}, before "
+                     f"max_iters={c['max_iters']}: the last {c['max_iters'] - c['lr_decay_iters']} steps run at "
+                     f"min_lr={c['min_lr']:g}")
     if c["decay_lr"] and 0 < c["max_iters"] <= c["warmup_iters"]:
         notes.append(f"note: warmup_iters={c['warmup_iters']} is not below max_iters={c['max_iters']}: the whole run "
                      f"warms up, to lr {get_lr(c['max_iters'] - 1, c):.2e} of learning_rate={c['learning_rate']:g}")
@@ -200,6 +201,7 @@ def check_sane(model, losses, step, b_floor, distributed, kept):
         what, value, limit = broken
         told = (f"eval loss is {losses}" if what == "eval_loss" else
                 f"val loss is {value:.4g}, above ln(vocab_size) + {VAL_LOSS_MARGIN:g} = {limit:.4f}"
-                if what == "val_loss" else f"b_t fell to {value:.4g}, below min(b_init, b_target) - {B_T_MARGIN:g} = {limit:g}")
+                if what == "val_loss" else
+                f"b_t fell to {value:.4g}, below min(b_init, b_target) - {B_T_MARGIN:g} = {limit:g}")
         raise Diverging(f"{told} at step {step}; stopping without saving ({kept}). Try a lower --learning_rate or "
                         f"--grad_clip", what, value, limit)

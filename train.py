@@ -25,7 +25,9 @@ is the loss.
 `python train.py --help` lists every key below with its default and comment. What the run prints,
 and what it records in metrics.jsonl, is progress.py's.
 """
+import functools
 import json
+import math
 import os
 import sys
 import time
@@ -38,10 +40,12 @@ import torch
 import checkpoint as ckpt_io
 import configurator
 import gaussws
-import hf
+import pretrained
 import progress
+import ste
 from configurator import ConfigError, configure
 from data import loader
+from kernels import BL
 from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
 from step import Diverging, NonFinite, check_sane, get_lr, schedule_notes, share_out, train_step
 from util import cli, git_commit, keep_freed_cpu_memory, machine
@@ -87,7 +91,7 @@ b_target = 4.0  # b_t that weight decay on b_i pulls toward (Eq. 11)
 recompute_w_hat = False  # keep no w_hat for the backward, make it again there: less memory, more time
 pqt_start = 0.0  # first step of the method (a fraction of max_iters if < 1); plain Linears before it; 0: every step
 fork_from = ""  # a bf16 run's ckpt.pt at a step <= pqt_start, same settings but the method: this phase run continues it
-target_format = ""  # format trained toward: ste's grid, or b_t's level for gaussws/diffq (gaussws.phase_settings)
+target_format = ""  # format trained toward: ste's grid, or b_t's level for gaussws/diffq (phase_settings)
 bits_per_weight = 0.0  # with target_format auto-int / error-int: int2/int3/int4 per block at this mean; 0: no budget
 ste_start = 0.0  # gaussws/diffq at a budget: first step of STE on the formats chosen then (as pqt_start); 0: none
 # optimizer
@@ -147,7 +151,8 @@ def validate(c, explicit):
         fail(f"fork_from starts a new run from {c['fork_from']}: it goes with --init_from=scratch, not "
              f"{c['init_from']!r}")
     if c["model"] and c["model"] not in PRESETS:
-        fail(f"model={c['model']!r} is not a preset; expected one of {', '.join(PRESETS)} or '' (set the shape by hand)")
+        fail(f"model={c['model']!r} is not a preset; expected one of {', '.join(PRESETS)} or '' (set the shape by "
+             f"hand)")
     at_least = dict(batch_size=1, gradient_accumulation_steps=1, eval_iters=1, eval_interval=1, log_interval=1,
                     max_iters=0, warmup_iters=0, lr_decay_iters=0, n_kv_head=0, ffn_hidden=0, vocab_size=0)
     if not c["model"] or any(k in explicit for k in ("n_layer", "n_head", "n_embd")):
@@ -155,7 +160,8 @@ def validate(c, explicit):
     configurator.check_at_least(c, at_least)
     if c["block_size"] < 0 or c["block_size"] == 0 and not c["model"]:
         fail(f"block_size={c['block_size']}: expected an integer >= 1 (0 takes the --model preset's, and none is set)")
-    configurator.check_numbers(c, ("learning_rate", "min_lr", "weight_decay", "bitwidth_weight_decay", "bitwidth_lambda"))
+    configurator.check_numbers(c, ("learning_rate", "min_lr", "weight_decay", "bitwidth_weight_decay",
+                                   "bitwidth_lambda"))
     if not c["grad_clip"] >= 0:
         fail(f"grad_clip={c['grad_clip']}: expected a number >= 0 (the largest gradient norm; 0 disables clipping)")
     configurator.check_numbers(c, ("beta1", "beta2", "dropout"), below=1)
@@ -164,6 +170,139 @@ def validate(c, explicit):
     configurator.check_device(c)
     if not c["dry_run"]:
         ckpt_io.check_out_dir(c["out_dir"])
+
+
+# --- config: the method's phases and the format it trains toward --------------------------------
+
+@functools.lru_cache(maxsize=None)
+def matched_b_t(method, name):
+    """The b_t at which Eq. 3's PQN has the variance of format `name`'s rounding error, both relative to
+    max_bl(|w|)^2:  E[R^2] * 4^(1 - b_t) = r,  so  b_t = 1 + log2(E[R^2] / r) / 2.
+
+    r is measured, with the STE's own grid (ste.fake_quantize), on a block holding the quantiles of
+    N(0, 1) (weights as initialised; no draw, so the level is a constant, rounded to 0.01). For int-b
+    the rounding error is close to uniform on one step max_bl / L (L = 2^(b-1) - 1) whatever the
+    weights, r = 1 / (12 L^2), which gives b_t = log2(L) + log2(48 E[R^2]) / 2: for gaussws int3
+    3.49, int4 4.71 (diffq 2.58, 3.81); int2, whose step is the whole block max, is where the two part
+    most. For the MX formats r depends on how the weights fill each binade, hence the measurement.
+    """
+    if method not in gaussws.R_SECOND_MOMENT:
+        raise ValueError(f"matched_b_t: method {method!r} has no noise; expected gaussws or diffq")
+    i = torch.arange(BL * BL, dtype=torch.float64)
+    w = torch.special.ndtri((i + 0.5) / (BL * BL)).float().view(BL, BL)
+    r = (ste.fake_quantize(w, name).double() - w.double()).square().mean() / w.abs().max().double() ** 2
+    return round(1 + 0.5 * math.log2(gaussws.R_SECOND_MOMENT[method] / r.item()), 2)
+
+
+def budget_level(method, bits):
+    """The b_t level of a bit budget of `bits` element bits per weight (int2 to int4 mixed): matched_b_t
+    of int<bits>, and between the two ints around a fractional budget linearly (our choice)."""
+    low = min(math.floor(bits), 3)
+    a, b = matched_b_t(method, f"int{low}"), matched_b_t(method, f"int{low + 1}")
+    return round(a + (bits - low) * (b - a), 2)
+
+
+def _start_step(key, value, max_iters, zero):
+    """A start given as 0 (`zero`), a fraction in (0, 1) of max_iters (rounded) or a whole step: the step."""
+    if not (value == 0 or 0 < value < 1 or math.isfinite(value) and value >= 1 and value == int(value)):
+        raise ValueError(f"{key}={value:g}: expected 0 ({zero}), a fraction in (0, 1) of max_iters, or a whole "
+                         f"step >= 1")
+    return round(value * max_iters) if value < 1 else int(value)
+
+
+def _check_targets(kind, config):
+    """The refusals of phase_settings that concern the format (target_format, bits_per_weight) and the
+    kinds of method that take each setting; ValueError (one line)."""
+    value, fmt = config["pqt_start"], config["target_format"]
+    ste_value, budget = config.get("ste_start", 0.0), config.get("bits_per_weight", 0.0)
+    if kind == "bf16" and (value or fmt or ste_value or budget):
+        key = next(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v:g}" for k, v in
+                   (("pqt_start", value), ("target_format", fmt), ("ste_start", ste_value),
+                    ("bits_per_weight", budget)) if v)
+        raise ValueError(f"{key} is for a method that trains toward a format, but method is bf16: choose "
+                         f"gaussws[...], diffq[...] or ste[...]")
+    if kind == "ste" and not fmt:
+        raise ValueError(f"method ste[...] needs --target_format, the grid it trains on: one of "
+                         f"{', '.join(ste.STE_FORMATS)}")
+    if kind == "ste" and ste_value:
+        raise ValueError(f"ste_start={ste_value:g} switches a gaussws[...] or diffq[...] run from PQT to STE; an "
+                         f"ste[...] run is STE from pqt_start on: drop ste_start")
+    if budget and fmt not in ste.BUDGET_TARGETS:
+        raise ValueError(f"bits_per_weight={budget:g} is for target_format auto-int or error-int (int2/int3/int4 "
+                         f"per block at that mean), not target_format={fmt!r}")
+    if fmt in ste.BUDGET_TARGETS:
+        ste.check_budget(fmt, budget, kind)
+    elif fmt:
+        ste.check_format(fmt)
+    if ste_value and fmt not in ste.BUDGET_TARGETS:
+        raise ValueError(f"ste_start={ste_value:g} trains on per-block formats a bit budget chooses at that step: "
+                         f"set target_format=auto-int or error-int and bits_per_weight (e.g. 3.0), not "
+                         f"target_format={fmt!r}")
+
+
+def phase_settings(kind, config, explicit=()):
+    """The keys of the method, resolved and checked: {"pqt_start", "ste_start", "b_init", "b_target"}.
+
+    kind: the method without its layers (gaussws.parse_method). config holds pqt_start, max_iters,
+    target_format, b_init, b_target, and ste_start and bits_per_weight (0 where missing); explicit,
+    the keys the user set. Raises ValueError (one line).
+    pqt_start: 0 trains with the method from the first step; a fraction in (0, 1) of max_iters
+    (rounded) or a whole step >= 1 is the step at which the Linears switch from plain, the bf16 run
+    until then, to the method (convert's `start`). Returned as that step.
+    target_format: the format the run trains toward. ste needs one: its grid. For gaussws and diffq
+    it sets b_target to matched_b_t(kind, format), the level whose noise is the format's rounding
+    error, and in a phase b_init too (unless b_init is set), so that b_t is at that level from the
+    first noisy step to the last: a phase is too short for decay or Eq. 12 to bring b_t down from
+    b_init. Decay shrinks b_i by a factor 1 - lr * bitwidth_weight_decay per step (2e-4 of it at the
+    defaults); Eq. 12 through AdamW moves b_i by about lr per step, 0.06 over 30 steps at lr 2e-3.
+    A bit budget, target_format auto-int or error-int with bits_per_weight in [2, 4], mixes
+    int2/int3/int4 per block (ste: error-int only, chosen at pqt_start). For gaussws and diffq b_t is
+    then free per block: b_target is the budget's level (budget_level; int3's for 3.0), the pull of
+    b_i's decay toward the average, and in a phase b_init is one bit above it (unless set), since
+    b_init = b_target would fix b_t (Eq. 11 then ignores b_i). AdamW moves b_i by about lr a step, so
+    a phase spreads b_t by at most the sum of its lr times (b_init - b_target), and auto-int, which
+    ranks an upgrade by b_t - bits, mixes formats at a whole budget (3.0) only where b_t spread > 1 bit.
+    ste_start (gaussws, diffq with a budget; same forms as pqt_start, 0: none): from that step, after
+    pqt_start, STE on the per-block formats the budget chooses then (convert's `ste_start`).
+    """
+    value, fmt, max_iters = config["pqt_start"], config["target_format"], config["max_iters"]
+    ste_value, budget = config.get("ste_start", 0.0), config.get("bits_per_weight", 0.0)
+    start = _start_step("pqt_start", value, max_iters, "the method from the first step")
+    ste_start = _start_step("ste_start", ste_value, max_iters, "no STE phase")
+    _check_targets(kind, config)
+    if ste_value and ste_start <= start:
+        raise ValueError(f"ste_start={ste_value:g} (step {ste_start}) must come after pqt_start={value:g} (step "
+                         f"{start}): PQT from pqt_start, STE from ste_start")
+    b_init, b_target = float(config["b_init"]), float(config["b_target"])
+    if kind in gaussws.R_SECOND_MOMENT and fmt:
+        if "b_target" in explicit:
+            raise ValueError(f"b_target={b_target:g} and target_format={fmt!r} both set the level b_t is pulled "
+                             f"to; drop one")
+        b_target = budget_level(kind, budget) if budget else matched_b_t(kind, fmt)
+        if start > 0 and "b_init" not in explicit:
+            b_init = b_target + 1.0 if budget else b_target
+    return {"pqt_start": float(start), "ste_start": float(ste_start), "b_init": b_init, "b_target": b_target}
+
+
+def check_switches(c, given):
+    """Refuse a switch (pqt_start, ste_start: resolved steps in c; `given`, as the user wrote them) at
+    or past the end of the run, which would then never train what it switches to and still record it
+    as its method. The end is max_iters, or lr_decay_iters where the schedule is set to end later:
+    such a run stops early as the first part of a longer one, and resumed (init_from=resume) with a
+    larger max_iters it reaches its switch. Returns the notes that say so (one per switch not reached)."""
+    end, notes = max(c["max_iters"], c["lr_decay_iters"]), []
+    for key, before in (("pqt_start", "bf16"), ("ste_start", "PQT")):
+        step = int(c[key])
+        said = f"{key}={given[key]:g}" + (f" (step {step})" if given[key] != step else "")
+        if step and step >= end:
+            fail(f"{said} is at or past max_iters={c['max_iters']}: the run would end before its switch and train "
+                 f"{before} throughout; set {key} below max_iters, or raise max_iters (a run stopped before its "
+                 f"switch, to be resumed past it, sets lr_decay_iters, the end of its schedule, beyond the switch)")
+        if step and step >= c["max_iters"]:
+            notes.append(f"note: {said} is at or past max_iters={c['max_iters']}: this run stops before its switch, "
+                         f"{before} throughout; resume it (--init_from=resume) with max_iters up to "
+                         f"lr_decay_iters={c['lr_decay_iters']} to train past it")
+    return notes
 
 
 def read_config(argv):
@@ -178,22 +317,24 @@ def read_config(argv):
         share_out(c["gradient_accumulation_steps"], c["batch_size"], int(os.environ.get("WORLD_SIZE", 1)), 0)
         model_args = shape_args(c, explicit)
         roles = ROLES.get(model_args.get("arch", "gpt2"), {})
+        given = {k: c[k] for k in ("pqt_start", "ste_start")}
         try:  # a bad method or shape fails now, before data or checkpoints are touched
             kind, _ = gaussws.parse_method(c["method"], roles.values())
-            c.update(gaussws.phase_settings(kind, c, explicit))  # pqt_start as a step; b_t's level for target_format
+            c.update(phase_settings(kind, c, explicit))  # pqt_start as a step; b_t's level for target_format
             ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
         except (ValueError, TypeError) as e:
             fail(str(e))
+        c["lr_decay_iters"] = c["lr_decay_iters"] or c["max_iters"]
+        notes = check_switches(c, given)
     except ConfigError:
         if int(os.environ.get("RANK", 0)):
             raise SystemExit(0) from None
         raise
-    c["lr_decay_iters"] = c["lr_decay_iters"] or c["max_iters"]
-    return c, explicit, model_args, schedule_notes(c)
+    return c, explicit, model_args, schedule_notes(c) + notes
 
 
 def method_args(c):
-    """gaussws.convert's settings of the method from the config (resolved by gaussws.phase_settings)."""
+    """gaussws.convert's settings of the method from the config (resolved by phase_settings)."""
     return dict(b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"], start=int(c["pqt_start"]),
                 fmt=c["target_format"], ste_start=int(c["ste_start"]), bits_per_weight=c["bits_per_weight"])
 
@@ -245,8 +386,8 @@ def show_dry_run(c, model_args, notes):
     for line in notes:
         print(line)
     if not prepared:
-        print(f"dataset {c['dataset']!r} is not prepared yet ({data_dir} has no meta.json): {loader.prepare_hint(data_dir)}"
-              + ("; a run prepares it itself" if c["dataset"] == "default" else "")
+        print(f"dataset {c['dataset']!r} is not prepared yet ({data_dir} has no meta.json): "
+              f"{loader.prepare_hint(data_dir)}" + ("; a run prepares it itself" if c["dataset"] == "default" else "")
               + (f"; vocab_size={built['vocab_size']} assumed until then" if guessed else ""))
 
 
@@ -283,14 +424,15 @@ def resolve_init(init_from, out_dir, requested):
     """(model_args, state_dict) of the weights a run starts from: a checkpoint of train.py (ckpt.pt,
     ckpt.dcp, or an out_dir holding one), a Hugging Face model directory, or a GPT-2 of the hub
     (nanoGPT's init_from names). requested: the shape keys the user set (a pretrained GPT-2's
-    block_size may shrink, hf.fit_pretrained)."""
+    block_size may shrink, pretrained.fit_pretrained)."""
     path = ckpt_io.find(init_from)
     if os.path.isfile(os.path.join(init_from, "config.json")) and not path or (
-            not os.path.exists(init_from) and init_from in hf.GPT2_HUB):
-        return hf.fit_pretrained(*hf.load_pretrained(init_from), requested, source=f"init_from={init_from}")
+            not os.path.exists(init_from) and init_from in pretrained.GPT2_HUB):
+        source = f"init_from={init_from}"
+        return pretrained.fit_pretrained(*pretrained.load_pretrained(init_from), requested, source=source)
     if not path or not os.path.exists(path):
         fail(f"init_from={init_from!r}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, a "
-             f"Hugging Face model directory, or one of {', '.join(hf.GPT2_HUB)}")
+             f"Hugging Face model directory, or one of {', '.join(pretrained.GPT2_HUB)}")
     if os.path.realpath(path) in map(os.path.realpath, ckpt_io.paths(out_dir)):
         fail(f"init_from={init_from!r} is this run's own checkpoint: continue it with --init_from=resume, "
              f"or write the new run to another --out_dir")
@@ -414,8 +556,9 @@ def _main(argv, resources):
                                progress.device_peak(proc.dev, c["dtype"], proc.world_size))
 
     # logging
+    cuda = proc.device_type == "cuda"
     versions = {"torch": torch.__version__, "python": sys.version.split()[0], "commit": git_commit(),
-                "machine": machine() + (f", {torch.cuda.get_device_name(proc.dev)}" if proc.device_type == "cuda" else "")}
+                "machine": machine() + (f", {torch.cuda.get_device_name(proc.dev)}" if cuda else "")}
     run_info = {**c, "model_args": asdict(mconf), "world_size": proc.world_size, "versions": versions}
     if proc.master and not c["eval_only"]:  # an evaluation leaves the run's record as it is
         run.start(run_info, new=c["init_from"] != "resume", forked=forked)
@@ -444,7 +587,8 @@ def _main(argv, resources):
         for group in (g for o in optimizers for g in o.param_groups):
             group["lr"] = lr
         evaluate_now = iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]
-        if c["eval_only"] or evaluate_now and iter_num != run.saved_step:  # the resumed step was evaluated and saved before
+        # (the step a run resumes from was evaluated and saved before)
+        if c["eval_only"] or evaluate_now and iter_num != run.saved_step:
             losses = evaluate(c, proc, raw_model, splits, iter_num, metrics, autocast=autocast, **batch_args)
             report.val[iter_num] = losses["val"]
             if c["eval_only"]:
@@ -453,9 +597,10 @@ def _main(argv, resources):
                 check_sane(raw_model, losses, iter_num, min(c["b_init"], c["b_target"]), proc.ddp, kept=run)
             except Diverging as e:
                 raise Diverged(run.diverged(iter_num, e.what, e.value, str(e), e.limit))
-            if c["save_checkpoints"] and iter_num > 0 and (losses["val"] < best_val_loss or c["always_save_checkpoint"]):
+            better = losses["val"] < best_val_loss
+            if c["save_checkpoints"] and iter_num > 0 and (better or c["always_save_checkpoint"]):
                 best_val_loss = min(best_val_loss, losses["val"])
-                run.save(raw_model, optimizers, c, iter_num, best_val_loss, proc.dev if proc.device_type == "cuda" else None)
+                run.save(raw_model, optimizers, c, iter_num, best_val_loss, proc.dev if cuda else None)
                 proc.say(f"saved checkpoint to {run.path}")
             t0, timed_steps = time.time(), 0  # evaluation is not training time
         if iter_num >= c["max_iters"]:
@@ -468,8 +613,8 @@ def _main(argv, resources):
                                              forward=train_model, autocast=autocast, grad_clip=c["grad_clip"],
                                              bitwidth_lambda=c["bitwidth_lambda"])
         except NonFinite as e:
-            raise Diverged(run.diverged(iter_num, e.what, e.value, f"{e} at step {iter_num}; stopping before the update "
-                                                                   f"({run}). Try a lower --learning_rate or --grad_clip"))
+            raise Diverged(run.diverged(iter_num, e.what, e.value, f"{e} at step {iter_num}; stopping before the "
+                                        f"update ({run}). Try a lower --learning_rate or --grad_clip"))
         iter_num += 1
         timed_steps += 1
         report.stepped(iter_num)

@@ -1,16 +1,19 @@
+"""The data library: what the data/<name>/prepare.py scripts do, and the one reader of a prepared
+dataset's meta.json (load_meta, which data/loader.py, train.py and hf.py use).
+
+data/openwebtext and data/c4: load documents (from the Hugging Face hub or local files), tokenize
+them (tokenizer.py: tiktoken, SentencePiece, Hugging Face tokenizers) in parallel processes, and
+write train.bin/val.bin (the tokenizer's end-of-sequence token after every document), meta.json and
+the tokenizer's files atomically; their command line (PREPARE_DEFAULTS, prepare_arguments). data/default: the offline
+corpus of byte tokens (prepare_default), which loader.open_data makes where it is missing.
 """
-What data/openwebtext/prepare.py and data/c4/prepare.py share: load documents (from the Hugging
-Face hub or local files), tokenize them (tokenizer.py: tiktoken, SentencePiece, Hugging Face
-tokenizers) in parallel processes, and write train.bin/val.bin (the tokenizer's end-of-sequence
-token after every document), meta.json and the tokenizer's files atomically.
-"""
-import argparse
 import fcntl
 import glob
 import json
 import math
 import os
 import sys
+import sysconfig
 import tempfile
 from contextlib import contextmanager
 from functools import partial
@@ -222,11 +225,12 @@ def prepare_lock(out_dir):
         os.close(fd)
 
 
-def load_meta(data_dir):
-    """meta.json of a prepared dataset, checked against its .bin files before anything trains on
-    them: sizes, and every token below vocab_size (numpy's max over the memory-mapped file: one read
-    of the data, about a second for OpenWebText's 17 GB from the page cache). Raises DataError (one
-    line: what is wrong, the value, what is accepted)."""
+def load_meta(data_dir, bins=True):
+    """meta.json of a prepared dataset, the one reader of it: its fields checked, and with bins, checked
+    against its .bin files before anything trains on them: sizes, and every token below vocab_size
+    (numpy's max over the memory-mapped file: one read of the data, about a second for OpenWebText's
+    17 GB from the page cache). bins=False for a reader of the tokenizer alone, where the .bin files
+    may be absent. Raises DataError (one line: what is wrong, the value, what is accepted)."""
     path = os.path.join(data_dir, "meta.json")
     again = f"prepare the data again (python {os.path.join(data_dir, 'prepare.py')})"
     try:
@@ -251,7 +255,7 @@ def load_meta(data_dir):
     if max_token is not None and not (isinstance(max_token, int) and 0 <= max_token < vocab):
         raise DataError(f"{path}: max_token={max_token!r} but vocab_size={vocab}: the data holds tokens the "
                         f"vocabulary does not; prepare it with the tokenizer of that vocabulary")
-    for split in ("train", "val"):
+    for split in ("train", "val") if bins else ():
         bin_path = os.path.join(data_dir, f"{split}.bin")
         try:
             size = os.path.getsize(bin_path)
@@ -326,31 +330,141 @@ def _write_bins(splits, encoding, out_dir, num_proc, source):
     return meta
 
 
-def argument_parser(doc, out_dir):
-    """The command line both scripts share; doc is the script's docstring."""
-    def positive(s):
-        if not s.isdigit() or int(s) < 1:
-            raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-        return int(s)
+# ---------------------------------------------------------------------------------------------
+# the command line of data/openwebtext/prepare.py and data/c4/prepare.py (configurator: --key=value,
+# a bare --streaming, --help from these comments)
 
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data_files", help="local files instead of the hub: comma-separated paths or globs of "
-                   ".json/.jsonl/.parquet (documents in field 'text', may be .gz) or .txt (one document each)")
-    p.add_argument("--out_dir", default=out_dir, help="where train.bin, val.bin and meta.json go (default: %(default)s)")
-    p.add_argument("--num_proc", type=positive, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="processes for loading and tokenizing (default: %(default)s)")
-    p.add_argument("--tokenizer", dest="encoding", metavar="NAME", default="gpt2",
-                   help="a tiktoken encoding name, a SentencePiece model (Llama 2's tokenizer.model), a tokenizer.json "
-                   "or a directory holding one, or a Hugging Face hub name (default: %(default)s)")
-    p.add_argument("--streaming", action="store_true",
-                   help="read documents as they arrive instead of downloading the whole dataset first")
-    p.add_argument("--max_docs", type=positive, help="use at most this many documents (per split where the "
-                   "dataset has its own val split)")
-    return p
+PREPARE_DEFAULTS = dict(
+    # local files instead of the hub: comma-separated paths or globs of .json/.jsonl/.parquet (documents
+    # in field 'text', may be .gz) or .txt (one document each)
+    data_files="",
+    val_data_files="",  # with data_files: the local files of the validation split (c4, which keeps its own)
+    out_dir="",  # where train.bin, val.bin and meta.json go; "": the script's own folder
+    num_proc=max(1, (os.cpu_count() or 2) // 2),  # processes for loading and tokenizing
+    # a tiktoken encoding name, a SentencePiece model (Llama 2's tokenizer.model), a tokenizer.json or a
+    # directory holding one, or a Hugging Face hub name
+    tokenizer="gpt2",
+    streaming=False,  # read documents as they arrive instead of downloading the whole dataset first
+    max_docs=0,  # use at most this many documents (per split where the dataset has its own val split); 0: all
+)
 
 
-def run(prepare, **kwargs):
-    """Call prepare(**kwargs) for a command line: a DataError becomes one line on stderr and exit 1."""
+def prepare_arguments(config, script):
+    """prepare(...)'s keyword arguments from a prepare script's command line: config holds the keys of
+    PREPARE_DEFAULTS it takes, as configure set them (its help's comments are those above: configure
+    with script=data/common.py); script is its __file__, whose folder is the default out_dir. A bad
+    value is one line (DataError)."""
+    config = dict(config)
+    for key, low in (("num_proc", 1), ("max_docs", 0)):
+        if key in config and config[key] < low:
+            raise DataError(f"--{key}={config[key]}: expected an integer >= {low}")
+    encoding = config.pop("tokenizer")  # prepare's name: a tokenizer.Tokenizer, or what names one
+    unset = {k: v or None for k, v in config.items() if k.endswith("data_files") or k == "max_docs"}
+    return {**config, **unset, "encoding": encoding,
+            "out_dir": config["out_dir"] or os.path.dirname(os.path.abspath(script))}
+
+
+def run(main):
+    """main(argv) as a prepare script's command: bad input or a DataError is one line on stderr and
+    exit status 1 (util.cli)."""
     from huggingface_hub.utils import logging as hub_logging
     hub_logging.set_verbosity_error()  # one line on failure, not the hub client's retry log before it
-    sys.exit(cli(lambda argv: prepare(**kwargs)))
+    sys.exit(cli(main))
+
+
+# ---------------------------------------------------------------------------------------------
+# the offline default corpus: the Python standard library's own source and documentation
+#
+# Every machine that runs this project has this text, so the default run needs no download. The
+# documents are the top-level modules of the standard library (sysconfig's "stdlib" directory, *.py
+# directly in it, sorted by name; packages and tests are left out so the corpus stays a few MB) and
+# then the pydoc topics of the reference manual (pydoc_data.topics, sorted by topic), when that module
+# is installed. Docstrings come with the source. Tokens are the UTF-8 bytes themselves (vocab 256,
+# "tokenizer": "bytes" in meta.json). Split: document i goes to val when i % VAL_EVERY == 0, else to
+# train: about 5%, and the same on every run of the same Python. train.bin and val.bin are uint16,
+# like the other datasets, so train.py reads every dataset the same way. The files are staged (all
+# written, then renamed, meta.json last) under prepare_lock, so two first runs that both find the
+# corpus missing neither collide nor see half-written files.
+
+DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default")
+VAL_EVERY = 20  # document i goes to val when i % VAL_EVERY == 0
+MAX_BYTES = 8 * 2**20  # stop adding documents past this, so preparing stays about a second on any Python
+
+
+def stdlib_documents():
+    """(name, bytes) of every document of the default corpus, in a fixed order."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    docs = []
+    for name in sorted(os.listdir(stdlib)):
+        path = os.path.join(stdlib, name)
+        if name.endswith(".py") and os.path.isfile(path):
+            with open(path, "rb") as f:
+                docs.append((name, f.read()))
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions ship Python without it
+        topics = {}
+    docs += [(f"pydoc:{key}", topics[key].encode("utf-8")) for key in sorted(topics)]
+    kept, total = [], 0
+    for name, text in docs:
+        if total + len(text) > MAX_BYTES:
+            break
+        if not text.endswith(b"\n"):
+            text += b"\n"
+        kept.append((name, text))
+        total += len(text)
+    return kept
+
+
+def unigram_entropy(tokens, vocab_size=256):
+    """Entropy in nats of the token frequencies: the loss of a model that ignores all context."""
+    p = np.bincount(tokens, minlength=vocab_size) / len(tokens)
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())
+
+
+def prepare_default(out_dir=DEFAULT_DIR):
+    """Write the default corpus' train.bin, val.bin and meta.json into out_dir; return the meta dict.
+    Raises DataError."""
+    check_out_dir(out_dir)
+    with prepare_lock(out_dir):
+        return _prepare_default(out_dir)
+
+
+def _prepare_default(out_dir):
+    docs = stdlib_documents()
+    train = b"".join(text for i, (_, text) in enumerate(docs) if i % VAL_EVERY)
+    val = b"".join(text for i, (_, text) in enumerate(docs) if i % VAL_EVERY == 0)
+    train_ids = np.frombuffer(train, dtype=np.uint8).astype(np.uint16)
+    val_ids = np.frombuffer(val, dtype=np.uint8).astype(np.uint16)
+    meta = {
+        "vocab_size": 256,
+        "tokenizer": "bytes",
+        "dtype": "uint16",
+        "train_tokens": len(train_ids),
+        "val_tokens": len(val_ids),
+        "max_token": int(max(train_ids.max(), val_ids.max())),
+        "unigram_entropy_nats": unigram_entropy(train_ids),
+        "documents": len(docs),
+        "source": f"Python {sysconfig.get_python_version()} standard library and pydoc topics",
+    }
+    files = {"train.bin": train_ids.tobytes(), "val.bin": val_ids.tobytes(),
+             "meta.json": (json.dumps(meta, indent=1) + "\n").encode()}
+    with staged(out_dir, files) as temps:  # all written, then renamed: a full disk changes nothing
+        for name, data in files.items():
+            with open(temps[name], "wb") as f:
+                f.write(data)
+    return meta
+
+
+def prepare_default_if_missing(out_dir=DEFAULT_DIR):
+    """The meta dict of out_dir, preparing the default corpus first unless a complete copy is there.
+    Under the preparation lock, so when two runs start at once the second waits for the first and
+    uses its files (prepare_default would write them again, removing meta.json while the first reads it)."""
+    check_out_dir(out_dir)
+    with prepare_lock(out_dir):
+        try:
+            return load_meta(out_dir)
+        except DataError:
+            pass
+        return _prepare_default(out_dir)

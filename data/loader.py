@@ -12,13 +12,12 @@ export.py evaluates a model on exactly the batches of its run's evaluations.
 """
 import hashlib
 import os
-import sys
 from contextlib import nullcontext
 
 import numpy as np
 import torch
 
-from data.common import DataError, load_meta
+from data.common import DataError, load_meta, prepare_default_if_missing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
@@ -28,24 +27,17 @@ def data_dir(dataset):
     return os.path.join(ROOT, "data", dataset)
 
 
-def prepare_default(data_dir):
-    """Make the offline default corpus (data/default/prepare.py) where it is missing. Two first runs
-    at once: the second waits for the first and uses its files. A full disk or an unwritable
-    data/default is one line (DataError)."""
-    print("preparing the default corpus (Python's standard library) ...")
-    sys.path.insert(0, data_dir)
-    import prepare as default_prepare
-    default_prepare.prepare_if_missing(data_dir)
-
-
 def open_data(dataset, master=True, barrier=None):
     """(data_dir, meta) of a dataset, meta.json checked against its files (read_meta). The default
-    corpus is prepared where it is missing, by the master process while the others wait at
-    barrier (torch.distributed.barrier under torchrun)."""
+    corpus (data.common.prepare_default) is prepared where it is missing, by the master process while
+    the others wait at barrier (torch.distributed.barrier under torchrun); two first runs at once: the
+    second waits for the first and uses its files. A full disk or an unwritable data/default is one
+    line (DataError)."""
     directory = data_dir(dataset)
     if dataset == "default" and not os.path.exists(os.path.join(directory, "meta.json")):
         if master:
-            prepare_default(directory)
+            print("preparing the default corpus (Python's standard library) ...")
+            prepare_default_if_missing(directory)
         if barrier is not None:
             barrier()
     return directory, read_meta(directory)

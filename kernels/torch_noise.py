@@ -229,3 +229,20 @@ def apply(w, r_store, scale_bl, method):
 def block_sums(g, r_store, method):
     """sum_bl(g * R) per 32x32 block, FP32 (the sum in Eq. 4)."""
     return _block_sums_c(g.detach(), r_store, method)
+
+
+def _block_absmax(w):
+    m, n = w.shape
+    nbm, nbn = -(-m // BL), -(-n // BL)
+    a = torch.nn.functional.pad(w.abs(), (0, nbn * BL - n, 0, nbm * BL - m))  # zeros never win a max of |w|
+    return a.view(nbm, BL, nbn, BL).amax(dim=(1, 3)).float()
+
+
+_block_absmax_c = Compiled(_block_absmax)  # one fused pass over w for large weights
+
+
+def block_absmax(w):
+    """max_bl(|w|): FP32 max of |w| over each 32x32 block, shape (ceil(m/32), ceil(n/32)), partial
+    blocks at the edges. The scale of Eq. 3's noise (gaussws.py) and of the STE's grids (ste.py), for
+    either backend: here because both of those import it, and it draws no noise."""
+    return _block_absmax_c(w.detach())

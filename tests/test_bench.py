@@ -1,6 +1,7 @@
 """bench.py measures the real thing: the timed callables are the method, the baseline is the paper's,
 the memory accounting sees w_hat, and bad arguments fail in one line. No timing is asserted here:
 speed targets are bench.py's to show, not the tests'."""
+import inspect
 import json
 import math
 import os
@@ -193,6 +194,8 @@ def test_held_bytes_of_one_layer_equals_independent_count(pqt):
 
 def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
     assert bench.STEP_SETTINGS.items() <= train.DEFAULTS.items()  # train.py's defaults
+    convert = inspect.signature(gaussws.convert).parameters  # the method's settings: convert's, train.py's too
+    assert {k: convert[k].default for k in ("b_init", "b_target")}.items() <= train.DEFAULTS.items()
     args = bench.parse_args(["train"] + TINY)[1]
     runner = bench.Runner(args, "gaussws[od]")
     groups = [g for o in runner.optimizers for g in o.param_groups]
@@ -219,7 +222,7 @@ def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
 @pytest.mark.parametrize("argv, words", [
     (["kernel", "--shapes=12by4"], "bad shape"),
     (["kernel", "--repeats=0"], "positive"),
-    (["kernel", "--device=tpu"], "expected cpu or cuda"),
+    (["kernel", "--device=tpu"], "expected cpu, cuda or cuda:N"),  # configurator.check_device's
     (["kernel", "--device=cuda"] if not torch.cuda.is_available() else ["kernel", "--device=xla"], "cuda"),
     (["kernel", "--threads=-1"], "--threads=-1"),
     (["kernel", "--model=gpt2-124m"], "unknown config key 'model'"),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import sharded
 from checkpoint import CheckpointError
 from conftest import ROOT
 
@@ -129,8 +130,9 @@ def test_full_disk_keeps_the_old_checkpoint_and_leaves_no_temporary_file(tmp_pat
     assert "unchanged" in one_line(e.value)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["ckpt.pt"]
     # torch's own writer reports a failed write as a RuntimeError: the same outcome
-    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(
-        RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/0: file write failed")))
+    message = ("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/0: file "
+               "write failed")
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(message)))
     with pytest.raises(CheckpointError, match="file write failed"):
         checkpoint.save({"model": {}}, path)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["ckpt.pt"]
@@ -171,7 +173,8 @@ time.sleep(60)
 
 def test_a_second_writer_is_refused_until_the_first_dies(tmp_path):
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(root=ROOT), str(out)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(root=ROOT), str(out)], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(CheckpointError) as e:
@@ -239,16 +242,16 @@ def sharded_worker(rank, world_size, init_file, path, tmp):
     try:
         model, opt = build(0, fsdp=True)
         train_step(model, opt, 0)
-        checkpoint.save_sharded(path, model, [opt], {"iter_num": 1})
+        sharded.save_sharded(path, model, [opt], {"iter_num": 1})
         first = os.path.realpath(path)
         train_step(model, opt, 1)
-        checkpoint.save_sharded(path, model, [opt], {"iter_num": 2, "rng_state": torch.get_rng_state()})
+        sharded.save_sharded(path, model, [opt], {"iter_num": 2, "rng_state": torch.get_rng_state()})
         assert os.path.realpath(path) != first and not os.path.exists(first)  # swapped, the old one gone
         saved = full_state(model, opt)
 
         model, opt = build(1, fsdp=True)  # other weights ...
         train_step(model, opt, 5)  # ... and other optimizer state, all to be overwritten
-        header = checkpoint.load_sharded(path, model, [opt])
+        header = sharded.load_sharded(path, model, [opt])
         assert header["iter_num"] == 2
         loaded = full_state(model, opt)
         if rank == 0:
@@ -284,13 +287,13 @@ def test_sharded_checkpoint_saved_by_2_loads_in_1_and_2(tmp_path):
 
     model, opt = build(2, fsdp=False)  # 1 process, no process group
     train_step(model, opt, 5)
-    header = checkpoint.load_sharded(path, model, [opt])
+    header = sharded.load_sharded(path, model, [opt])
     assert header["iter_num"] == 2 and header["rng_state"].dtype == torch.uint8
     assert_same(saved, full_state(model, opt))
 
     other = torch.nn.Linear(3, 3)  # another model: one line, not DCP's traceback
     with pytest.raises(CheckpointError, match="cannot load") as e:
-        checkpoint.load_sharded(path, other, [torch.optim.AdamW(other.parameters())])
+        sharded.load_sharded(path, other, [torch.optim.AdamW(other.parameters())])
     one_line(e.value)
 
     ckpt = checkpoint.load_model(path)  # what sample.py reads
@@ -303,7 +306,7 @@ def test_sharded_checkpoint_saved_by_2_loads_in_1_and_2(tmp_path):
         checkpoint.load_model(path)
     assert "__1_0.distcp" in one_line(e.value)
     with pytest.raises(CheckpointError, match="corrupt"):
-        checkpoint.load_sharded(path, model, [opt])
+        sharded.load_sharded(path, model, [opt])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +340,7 @@ def test_find_prefers_ckpt_pt_and_reads_a_sharded_header(tmp_path):
     run = tmp_path / "run"
     target = run / "ckpt.dcp.1234"
     target.mkdir(parents=True)
-    checkpoint.save({"model_args": {"n_layer": 1}, "iter_num": 4}, target / checkpoint.HEADER)
+    checkpoint.save({"model_args": {"n_layer": 1}, "iter_num": 4}, target / sharded.HEADER)
     os.symlink("ckpt.dcp.1234", run / "ckpt.dcp")
     assert checkpoint.find(str(run)) == str(run / "ckpt.dcp")
     assert checkpoint.find(str(run / "ckpt.dcp")) == str(run / "ckpt.dcp")  # a sharded checkpoint names itself
@@ -408,7 +411,7 @@ def test_clean_stale_removes_dead_writers_temporaries_and_unlinked_sharded_direc
     for name in stale + kept:
         (tmp_path / name).write_bytes(b"x")
     for name, content in (("ckpt.dcp.00000001", ".metadata"), ("ckpt.dcp.00000002", "__0_0.distcp"),
-                          ("ckpt.dcp.00000003", checkpoint.CRCS), ("other.0000000a", "notes.txt")):
+                          ("ckpt.dcp.00000003", sharded.CRCS), ("other.0000000a", "notes.txt")):
         (tmp_path / name).mkdir()
         (tmp_path / name / content).write_bytes(b"x")
     os.symlink("ckpt.dcp.00000003", tmp_path / "ckpt.dcp")  # the current sharded checkpoint

@@ -1,5 +1,5 @@
-"""data/default/prepare.py: the offline corpus is the standard library's text, byte for byte."""
-import importlib.util
+"""data/default/prepare.py (data/common.py's prepare_default): the offline corpus is the standard
+library's text, byte for byte."""
 import json
 import math
 import os
@@ -8,17 +8,14 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import ROOT
 
-spec = importlib.util.spec_from_file_location("prepare_default", os.path.join(ROOT, "data", "default", "prepare.py"))
-prepare_default = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(prepare_default)
+from data import common
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     out = tmp_path_factory.mktemp("default")
-    meta = prepare_default.prepare(out_dir=str(out))
+    meta = common.prepare_default(out_dir=str(out))
     return out, meta
 
 
@@ -76,7 +73,7 @@ def test_pydoc_topics_are_in_the_corpus(prepared):
 
 def test_preparing_twice_gives_the_same_bytes(prepared, tmp_path):
     out, meta = prepared
-    again = prepare_default.prepare(out_dir=str(tmp_path))
+    again = common.prepare_default(out_dir=str(tmp_path))
     assert again == meta
     for name in ("train.bin", "val.bin", "meta.json"):
         assert (tmp_path / name).read_bytes() == (out / name).read_bytes()
@@ -88,9 +85,9 @@ def test_a_full_disk_is_one_line_and_the_earlier_corpus_stays(prepared, tmp_path
     for name in ("train.bin", "val.bin", "meta.json"):
         (tmp_path / name).write_bytes((out / name).read_bytes())
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    monkeypatch.setattr(prepare_default, "open", full_disk_open(), raising=False)  # train.bin's write fills the disk
-    with pytest.raises(prepare_default.common.DataError) as e:
-        prepare_default.prepare(out_dir=str(tmp_path))
+    monkeypatch.setattr(common, "open", full_disk_open(), raising=False)  # train.bin's write fills the disk
+    with pytest.raises(common.DataError) as e:
+        common.prepare_default(out_dir=str(tmp_path))
     assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # meta.json too: the data stays complete
 
@@ -98,8 +95,8 @@ def test_a_full_disk_is_one_line_and_the_earlier_corpus_stays(prepared, tmp_path
 def test_an_unusable_out_dir_is_one_line(tmp_path):
     (tmp_path / "a_file").write_text("keep")
     for out_dir in (tmp_path / "a_file", tmp_path / "a_file" / "sub"):
-        with pytest.raises(prepare_default.common.DataError, match="is unusable: .*a_file is not a directory"):
-            prepare_default.prepare(out_dir=str(out_dir))
-        with pytest.raises(prepare_default.common.DataError, match="is unusable"):
-            prepare_default.prepare_if_missing(out_dir=str(out_dir))
+        with pytest.raises(common.DataError, match="is unusable: .*a_file is not a directory"):
+            common.prepare_default(out_dir=str(out_dir))
+        with pytest.raises(common.DataError, match="is unusable"):
+            common.prepare_default_if_missing(out_dir=str(out_dir))
     assert (tmp_path / "a_file").read_text() == "keep"

@@ -17,18 +17,18 @@ from conftest import ROOT
 
 RACE = """
 import os, sys, time
-sys.path.insert(0, {default!r})
-import prepare
+sys.path.insert(0, {root!r})
+from data import common
 while not os.path.exists(sys.argv[2]):  # both start together
     time.sleep(0.005)
-print(prepare.{fn}(sys.argv[1])["train_tokens"])
+print(common.{fn}(sys.argv[1])["train_tokens"])
 """
 
 
-@pytest.mark.parametrize("fn", ["prepare", "prepare_if_missing"])
+@pytest.mark.parametrize("fn", ["prepare_default", "prepare_default_if_missing"])
 def test_two_runs_preparing_the_default_corpus_at_once(tmp_path, fn):
     out, go = tmp_path / "default", tmp_path / "go"
-    code = RACE.format(default=os.path.join(ROOT, "data", "default"), fn=fn)
+    code = RACE.format(root=ROOT, fn=fn)
     runs = [subprocess.Popen([sys.executable, "-c", code, str(out), str(go)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
     time.sleep(0.5)
@@ -47,8 +47,6 @@ def test_a_second_preparation_waits_for_the_first(tmp_path, monkeypatch):
     """Deterministic: the first is held between renaming train.bin and the rest; the second (another
     process) must not write into the folder meanwhile, and both end with whole, matching files."""
     import threading
-    sys.path.insert(0, os.path.join(ROOT, "data", "default"))
-    import prepare
     out, go = tmp_path / "default", tmp_path / "go"
     held, release, real = threading.Event(), threading.Event(), common.commit
 
@@ -58,11 +56,11 @@ def test_a_second_preparation_waits_for_the_first(tmp_path, monkeypatch):
             held.set()
             release.wait(60)
     monkeypatch.setattr(common, "commit", commit_then_hold)
-    first = threading.Thread(target=prepare.prepare, args=(str(out),))
+    first = threading.Thread(target=common.prepare_default, args=(str(out),))
     first.start()
     assert held.wait(60)
     go.touch()
-    code = RACE.format(default=os.path.join(ROOT, "data", "default"), fn="prepare")
+    code = RACE.format(root=ROOT, fn="prepare_default")
     second = subprocess.Popen([sys.executable, "-c", code, str(out), str(go)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     time.sleep(3)  # ample time for the second to prepare the corpus (0.5 s), were it not waiting
@@ -116,8 +114,8 @@ def test_a_bad_meta_json_is_one_line(tmp_path, meta, message):
 @pytest.mark.parametrize("meta,train,val,message", [
     ({"vocab_size": 256}, np.array([1, 300, 2]), np.array([3]), "train.bin holds token id 300, but meta.json says "
                                                                "vocab_size=256"),  # no max_token to trust
-    ({**GOOD, "train_tokens": 3, "val_tokens": 2}, np.array([1, 2, 2]), np.array([7, 1]), "val.bin holds token id 7, "
-                                                                                        "but meta.json says max_token=2"),
+    ({**GOOD, "train_tokens": 3, "val_tokens": 2}, np.array([1, 2, 2]), np.array([7, 1]),
+     "val.bin holds token id 7, but meta.json says max_token=2"),
     ({"vocab_size": 256, "max_token": 255}, np.array([256, 0]), np.array([1]), "train.bin holds token id 256"),
 ])
 def test_tokens_the_vocabulary_does_not_have_are_found_at_load(tmp_path, meta, train, val, message):
@@ -131,7 +129,8 @@ def test_tokens_the_vocabulary_does_not_have_are_found_at_load(tmp_path, meta, t
 def test_train_py_refuses_tokens_beyond_the_vocabulary_in_one_line(tmp_path):
     import train
     ids = np.arange(2000) % 300  # tokens up to 299, meta.json says 256 and has no max_token
-    d = dataset(tmp_path, {"vocab_size": 256}, train=ids.astype(np.uint16).tobytes(), val=ids[:500].astype(np.uint16).tobytes())
+    d = dataset(tmp_path, {"vocab_size": 256}, train=ids.astype(np.uint16).tobytes(),
+                val=ids[:500].astype(np.uint16).tobytes())
     with pytest.raises(DataError) as e:
         train.main([f"--dataset={d}", f"--out_dir={tmp_path / 'out'}", "--n_layer=1", "--n_head=2", "--n_embd=32",
                     "--block_size=16", "--batch_size=2", "--max_iters=1", "--device=cpu", "--compile=False"])

@@ -300,6 +300,27 @@ def test_cli_prepares_local_files_with_a_tiktoken_plugin_tokenizer(tmp_path):
     assert collections.Counter(out["train"] + out["val"]) == collections.Counter(docs)
 
 
+def test_cli_takes_a_bare_streaming_flag_and_its_keys_as_key_value(tmp_path):
+    """The command line is configurator's: --key=value, a bare --streaming for the bool, max_docs a number."""
+    train, val = make_docs(12, seed=8), make_docs(4, seed=9)
+    r = run_cli("c4", tmp_path, f"--data_files={write_jsonl(tmp_path / 't.jsonl', train)}",
+                f"--val_data_files={write_jsonl(tmp_path / 'v.jsonl', val)}", f"--out_dir={tmp_path / 'out'}",
+                "--tokenizer=tiny", "--num_proc=1", "--streaming", "--max_docs=5")
+    assert r.returncode == 0, r.stderr
+    meta, out, _ = read_bins(tmp_path / "out", tiny_encoding())
+    assert meta["source"]["streaming"] is True and meta["source"]["max_docs"] == 5
+    assert out["train"] == train[:5] and out["val"] == val[:4]
+
+
+@pytest.mark.parametrize("args, words", [(["--num_proc=0"], "--num_proc=0: expected an integer >= 1"),
+                                         (["--max_docs=-1"], "--max_docs=-1: expected an integer >= 0"),
+                                         (["--streaming=maybe"], "expected a bool"),
+                                         (["--stream"], "unknown config key 'stream'; did you mean --streaming")])
+def test_cli_bad_keys_are_one_line(tmp_path, args, words):
+    line = one_error_line(run_cli("openwebtext", tmp_path, f"--out_dir={tmp_path / 'out'}", *args))
+    assert words in line and not (tmp_path / "out").exists()
+
+
 def one_error_line(r):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr

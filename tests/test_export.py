@@ -19,6 +19,7 @@ import train
 import util
 from data import loader
 from model import GPT, ModelConfig
+from step import get_lr
 from conftest import ROOT
 
 # Contract of the model: the role of each Linear of a transformer block, by its path in the block.
@@ -469,7 +470,7 @@ def test_a_bad_json_path_is_one_line_before_any_work(tiny_corpus, tmp_path, caps
 
 def test_cpu_configs_pull_b_t_into_the_low_tiers_and_have_a_bf16_twin(capsys):
     """config/cpu/: each passes train.py's dry run; AdamW's decoupled decay alone (b_i *= 1 - lr * decay
-    every step, lr on the config's warmup + cosine schedule) leaves b_t <= 5 (lowbit) and < 3 (3bit);
+    every step, lr on the config's schedule, step.get_lr) leaves b_t <= 5 (lowbit) and < 3 (3bit);
     the bf16 twin differs only in its method and out_dir."""
     settings = {}
     for name in ("gaussws_lowbit", "gaussws_3bit", "bf16"):
@@ -480,12 +481,7 @@ def test_cpu_configs_pull_b_t_into_the_low_tiers_and_have_a_bf16_twin(capsys):
         s = settings[name]
         b_i = 1.0
         for it in range(s["max_iters"]):
-            if it < s["warmup_iters"]:
-                lr = s["learning_rate"] * (it + 1) / (s["warmup_iters"] + 1)
-            else:
-                ratio = (it - s["warmup_iters"]) / (s["lr_decay_iters"] - s["warmup_iters"])
-                lr = s["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (s["learning_rate"] - s["min_lr"])
-            b_i *= 1 - lr * s["bitwidth_weight_decay"]
+            b_i *= 1 - get_lr(it, s) * s["bitwidth_weight_decay"]
         assert s["b_target"] + b_i * (s["b_init"] - s["b_target"]) < ceiling - 0.3, name
         assert s["method"] == "gaussws[all]" and s["dataset"] == "default"
     differ = {k for k in settings["bf16"] if settings["bf16"][k] != settings["gaussws_lowbit"][k]}

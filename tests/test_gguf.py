@@ -287,10 +287,10 @@ def transformers_from_gguf(run, fmt, config):
 
 def transformers_from_export(path, out_dir, tanh):
     """transformers' model of export.load's dequantized weights, written by hf.py (the independent route)."""
-    import hf
+    import pretrained
     from transformers import AutoModelForCausalLM
     model, info = E.load(str(path))
-    hf.save_pretrained(info["model_args"], model.state_dict(), str(out_dir))
+    pretrained.save_pretrained(info["model_args"], model.state_dict(), str(out_dir))
     extra = {"activation_function": "gelu_new"} if tanh else {}  # llama.cpp's GELU, for an exact-GELU GPT2
     return AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32, **extra).eval()
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import hf
+import pretrained
 from checkpoint import PQT_KEYS, CheckpointError
 from model import GPT, ModelConfig
 from conftest import ROOT, make_docs, train_sentencepiece
@@ -88,7 +89,7 @@ def tokens():
 def test_a_transformers_model_gives_our_model_its_logits(tmp_path, make):
     theirs = make()
     theirs.save_pretrained(tmp_path)
-    model_args, sd = hf.load_pretrained(str(tmp_path))
+    model_args, sd = pretrained.load_pretrained(str(tmp_path))
     ours = ours_from(model_args, sd)
     assert_logits_equal(our_logits(ours, tokens()), hf_logits(theirs, tokens()))
     if model_args["arch"] == "llama2":
@@ -116,7 +117,7 @@ def test_train_init_from_a_transformers_directory_starts_from_its_weights(tmp_pa
     ours.load_state_dict({k: v for k, v in saved["model"].items() if not k.endswith(".b_i")})
     assert any(k.endswith(".b_i") for k in saved["model"]) and saved["pqt"]["method"] == "gaussws[all]"
     assert_logits_equal(our_logits(ours.eval(), tokens()), hf_logits(theirs, tokens()))
-    with pytest.raises(hf.HFError, match="conflicts with it"):  # the shape is the pretrained one
+    with pytest.raises(pretrained.HFError, match="conflicts with it"):  # the shape is the pretrained one
         train.main([f"--init_from={tmp_path / 'hf'}", f"--dataset={data}", f"--out_dir={tmp_path / 'o2'}",
                     "--n_layer=3", "--device=cpu"])
 
@@ -130,7 +131,7 @@ def test_gpt2s_own_hub_file_layout_loads_the_same(tmp_path):
     sd = {k.removeprefix("transformer."): v for k, v in load_file(tmp_path / "model.safetensors").items()}
     sd.update({f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, T, T)) for i in range(2)})
     save_file(sd, tmp_path / "model.safetensors")
-    ours = ours_from(*hf.load_pretrained(str(tmp_path)))
+    ours = ours_from(*pretrained.load_pretrained(str(tmp_path)))
     assert_logits_equal(our_logits(ours, tokens()), hf_logits(theirs, tokens()))
 
 
@@ -138,16 +139,16 @@ def test_the_layouts_matter_so_the_equality_above_can_fail(tmp_path):
     """Without the rotary permutation (Llama) or the Conv1D transpose (GPT2) the logits are far off."""
     theirs = hf_llama()
     theirs.save_pretrained(tmp_path / "llama")
-    model_args, sd = hf.load_pretrained(str(tmp_path / "llama"))
+    model_args, sd = pretrained.load_pretrained(str(tmp_path / "llama"))
     for k in [k for k in sd if k.endswith(("attn.q.weight", "attn.k.weight"))]:
         heads = model_args["n_head"] if ".q." in k else model_args["n_kv_head"]
-        sd[k] = hf._to_halves(sd[k], heads)  # back to Hugging Face's order
+        sd[k] = pretrained._to_halves(sd[k], heads)  # back to Hugging Face's order
     wrong, right = our_logits(ours_from(model_args, sd), tokens()), hf_logits(theirs, tokens())
     assert (wrong - right).abs().max() > 0.1 * right.abs().max()
 
     theirs = hf_gpt2()
     theirs.save_pretrained(tmp_path / "gpt2")
-    model_args, sd = hf.load_pretrained(str(tmp_path / "gpt2"))
+    model_args, sd = pretrained.load_pretrained(str(tmp_path / "gpt2"))
     sd = {k: v.t() if k.endswith("attn.c_proj.weight") else v for k, v in sd.items()}  # square: loads untransposed
     wrong, right = our_logits(ours_from(model_args, sd), tokens()), hf_logits(theirs, tokens())
     assert (wrong - right).abs().max() > 0.1 * right.abs().max()
@@ -156,15 +157,15 @@ def test_the_layouts_matter_so_the_equality_above_can_fail(tmp_path):
 def test_a_pretrained_shape_is_kept_except_a_shorter_block_size(tmp_path):
     theirs = hf_gpt2()
     theirs.save_pretrained(tmp_path)
-    model_args, sd = hf.load_pretrained(str(tmp_path))
-    args, short = hf.fit_pretrained(model_args, sd, {"block_size": 8, "dropout": 0.1, "n_layer": 2, "method": "bf16",
-                                                       "ffn_hidden": None})
+    model_args, sd = pretrained.load_pretrained(str(tmp_path))
+    args, short = pretrained.fit_pretrained(model_args, sd, {"block_size": 8, "dropout": 0.1, "n_layer": 2,
+                                                             "method": "bf16", "ffn_hidden": None})
     assert args["block_size"] == 8 and args["dropout"] == 0.1 and short["transformer.wpe.weight"].shape[0] == 8
     x = tokens()[:, :8]  # causal: the first 8 positions do not depend on the rest
     assert_logits_equal(our_logits(ours_from({**args, "dropout": 0.0}, short), x), hf_logits(theirs, x))
     for key, value in (("n_layer", 4), ("block_size", 32), ("vocab_size", 128)):
-        with pytest.raises(hf.HFError) as e:
-            hf.fit_pretrained(model_args, sd, {key: value}, source="gpt2")
+        with pytest.raises(pretrained.HFError) as e:
+            pretrained.fit_pretrained(model_args, sd, {key: value}, source="gpt2")
         assert f"--{key}={value}" in one_line(e.value) and f"gpt2 has {key}={model_args[key]}" in str(e.value)
 
 
@@ -194,13 +195,13 @@ def checkpoint_state(model):
 def test_an_export_loads_in_transformers_with_our_logits_and_comes_back_bit_exact(tmp_path, arch):
     args, model = our_model(arch)
     old_layout = {**args, "method": "gaussws[all]", "b_init": 6.0, "b_target": 4.0}  # older checkpoints' model_args
-    files, why = hf.save_pretrained(old_layout, checkpoint_state(model), tmp_path / "export")
+    files, why = pretrained.save_pretrained(old_layout, checkpoint_state(model), tmp_path / "export")
     assert files == ["config.json", "model.safetensors"] and why == "no tokenizer given"
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     assert type(theirs).__name__ == {"gpt2": "GPT2LMHeadModel", "llama2": "LlamaForCausalLM"}[arch]
     assert_logits_equal(our_logits(model, tokens()), hf_logits(theirs, tokens()))
 
-    back_args, back = hf.load_pretrained(str(tmp_path / "export"))
+    back_args, back = pretrained.load_pretrained(str(tmp_path / "export"))
     assert ModelConfig(**back_args) == model.config
     assert back.keys() == model.state_dict().keys()
     for k, v in model.state_dict().items():
@@ -212,12 +213,12 @@ def test_export_refuses_a_non_finite_model_and_an_occupied_directory(tmp_path):
     sd = model.state_dict()
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
-    with pytest.raises(hf.HFError, match="not an empty directory"):
-        hf.save_pretrained(args, sd, tmp_path / "taken")
+    with pytest.raises(pretrained.HFError, match="not an empty directory"):
+        pretrained.save_pretrained(args, sd, tmp_path / "taken")
     assert os.listdir(tmp_path / "taken") == ["keep.txt"]
     sd["transformer.h.1.mlp.up.weight"][0, 0] = float("nan")
-    with pytest.raises(hf.HFError, match="non-finite weights"):
-        hf.save_pretrained(args, sd, tmp_path / "nan")
+    with pytest.raises(pretrained.HFError, match="non-finite weights"):
+        pretrained.save_pretrained(args, sd, tmp_path / "nan")
     assert not (tmp_path / "nan").exists() and sorted(os.listdir(tmp_path)) == ["taken"]  # no temporary left
 
 
@@ -230,17 +231,17 @@ def one_line(e):
 
 def test_a_directory_that_is_not_a_model_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(hf.HFError) as e:
-        hf.load_pretrained(str(tmp_path))
+    with pytest.raises(pretrained.HFError) as e:
+        pretrained.load_pretrained(str(tmp_path))
     assert "no config.json" in one_line(e.value)
-    with pytest.raises(hf.HFError, match="no such directory"):
-        hf.load_pretrained(str(tmp_path / "missing"))
+    with pytest.raises(pretrained.HFError, match="no such directory"):
+        pretrained.load_pretrained(str(tmp_path / "missing"))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8,
                                                       "num_attention_heads": 2, "num_hidden_layers": 1,
                                                       "intermediate_size": 16, "vocab_size": 10,
                                                       "max_position_embeddings": 8}))
-    with pytest.raises(hf.HFError) as e:
-        hf.load_pretrained(str(tmp_path))
+    with pytest.raises(pretrained.HFError) as e:
+        pretrained.load_pretrained(str(tmp_path))
     assert "no *.safetensors" in one_line(e.value)
 
 
@@ -258,8 +259,8 @@ def test_an_unsupported_architecture_is_refused(tmp_path, config, expect):
             "GPT2LMHeadModel": dict(n_embd=8, n_head=2, n_layer=1, vocab_size=10, n_positions=8)}
     (tmp_path / "config.json").write_text(json.dumps({**base.get((config.get("architectures") or [""])[0], {}),
                                                       **config}))
-    with pytest.raises(hf.HFError) as e:
-        hf.load_pretrained(str(tmp_path))
+    with pytest.raises(pretrained.HFError) as e:
+        pretrained.load_pretrained(str(tmp_path))
     assert expect in one_line(e.value)
 
 
@@ -268,8 +269,8 @@ def test_weights_of_another_shape_are_refused(tmp_path):
     theirs.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 4}))
-    with pytest.raises(hf.HFError) as e:
-        hf.load_pretrained(str(tmp_path))
+    with pytest.raises(pretrained.HFError) as e:
+        pretrained.load_pretrained(str(tmp_path))
     assert "self_attn.k_proj" in one_line(e.value) or "attn.k.weight" in one_line(e.value)
 
 
@@ -294,8 +295,8 @@ LLAMA_BASE = dict(architectures=["LlamaForCausalLM"], hidden_size=8, num_attenti
 ])
 def test_a_config_of_wrong_types_or_zeros_is_refused_in_one_line(tmp_path, config, expect):
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(hf.HFError) as e:
-        hf.load_pretrained(str(tmp_path))
+    with pytest.raises(pretrained.HFError) as e:
+        pretrained.load_pretrained(str(tmp_path))
     assert expect in one_line(e.value) and "config.json" in str(e.value)
 
 
@@ -320,10 +321,11 @@ def sharded(tmp_path):
 ], ids=["not-json", "no-weight-map", "a-list", "a-number", "outside", "a-missing-shard"])
 def test_a_broken_safetensors_index_is_refused_in_one_line(tmp_path, break_index, expect):
     theirs, index = sharded(tmp_path)
-    assert_logits_equal(our_logits(ours_from(*hf.load_pretrained(str(tmp_path))), tokens()), hf_logits(theirs, tokens()))
+    ours = ours_from(*pretrained.load_pretrained(str(tmp_path)))
+    assert_logits_equal(our_logits(ours, tokens()), hf_logits(theirs, tokens()))
     (tmp_path / "model.safetensors.index.json").write_text(break_index(index))
-    with pytest.raises(hf.HFError) as e:
-        hf.load_pretrained(str(tmp_path))
+    with pytest.raises(pretrained.HFError) as e:
+        pretrained.load_pretrained(str(tmp_path))
     assert expect in one_line(e.value) and "index.json" in str(e.value), str(e.value)
 
 
@@ -333,13 +335,14 @@ def test_an_out_in_an_unwritable_place_is_one_line_before_the_checkpoint_is_read
     (tmp_path / "a_file").write_text("keep")
     out = {"under a file": tmp_path / "a_file" / "hf", "read-only": os.path.join(read_only_dir(tmp_path), "hf"),
            "not creatable": "/proc/no/such/hf"}[case]
-    with pytest.raises(hf.HFError) as e:  # the checkpoint does not exist: --out is checked first
+    with pytest.raises(pretrained.HFError) as e:  # the checkpoint does not exist: --out is checked first
         hf.main([f"--ckpt={tmp_path / 'missing.pt'}", f"--out={out}"])
     assert f"--out={out} cannot be written" in one_line(e.value)
-    assert "cannot be written" in error_line(run(tmp_path, "hf.py", f"--ckpt={tmp_path / 'missing.pt'}", f"--out={out}"))
+    line = error_line(run(tmp_path, "hf.py", f"--ckpt={tmp_path / 'missing.pt'}", f"--out={out}"))
+    assert "cannot be written" in line
     args, model = our_model("gpt2")
-    with pytest.raises(hf.HFError, match="cannot be written"):
-        hf.save_pretrained(args, model.state_dict(), out)
+    with pytest.raises(pretrained.HFError, match="cannot be written"):
+        pretrained.save_pretrained(args, model.state_dict(), out)
     assert (tmp_path / "a_file").read_text() == "keep"
 
 
@@ -357,7 +360,7 @@ def fill_the_disk_in_save_file(monkeypatch):
 
 def fill_the_disk_in_config_json(monkeypatch):
     from disk_faults import full_disk_open
-    monkeypatch.setattr(hf, "open", full_disk_open(), raising=False)
+    monkeypatch.setattr(pretrained, "open", full_disk_open(), raising=False)
 
 
 @pytest.mark.parametrize("fault", [fill_the_disk_in_save_file, fill_the_disk_in_config_json])
@@ -366,8 +369,8 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tmp_path, monkeypa
     (tmp_path / "empty").mkdir()  # an empty --out is allowed, and must stay as it was
     fault(monkeypatch)
     for out in (tmp_path / "new", tmp_path / "empty"):
-        with pytest.raises(hf.HFError) as e:
-            hf.save_pretrained(args, model.state_dict(), out)
+        with pytest.raises(pretrained.HFError) as e:
+            pretrained.save_pretrained(args, model.state_dict(), out)
         assert "No space left on device" in one_line(e.value) and "nothing was written" in str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["empty"] and os.listdir(tmp_path / "empty") == []  # no temporary left
 
@@ -391,8 +394,8 @@ def error_line(r):
 
 
 def test_hub_names_offline_fail_in_one_line_that_says_how_to_use_local_files(hub_offline):
-    with pytest.raises(hf.HFError) as e:
-        hf.load_pretrained("gpt2")
+    with pytest.raises(pretrained.HFError) as e:
+        pretrained.load_pretrained("gpt2")
     assert "openai-community/gpt2" in one_line(e.value) and "local directory" in str(e.value)
 
 
@@ -434,11 +437,13 @@ def byte_export(tmp_path):
     torch.manual_seed(3)
     args = dict(arch="gpt2", n_layer=2, n_head=4, n_embd=32, ffn_hidden=48, vocab_size=256, block_size=64)
     model = GPT(ModelConfig(**args)).eval()
-    with torch.no_grad():  # matrices of std about 0.2, not 0.02: logits far from uniform, no near-ties in greedy decoding
+    # matrices of std about 0.2, not 0.02: logits far from uniform, no near-ties in greedy decoding
+    with torch.no_grad():
         for p in model.parameters():
             p.mul_(10.0 if p.dim() == 2 else 1.0)
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}))
+    meta = {"vocab_size": 256, "tokenizer": "bytes", "dtype": "uint16"}
+    (tmp_path / "data" / "meta.json").write_text(json.dumps(meta))
     checkpoint.save({"model": checkpoint_state(model), "model_args": args, "config": {"dataset": "default"}},
                     str(tmp_path / "ckpt.pt"))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "hf.py"), f"--ckpt={tmp_path / 'ckpt.pt'}",
@@ -577,17 +582,26 @@ def test_convert_puts_pqt_on_a_transformers_gpt2_in_its_own_layout():
     h = torch.randn(2, 5, 32)
     with gaussws.TrainStep(theirs, 0):
         out = layer(h)
-        w_hat = gaussws.pseudo_quantize(layer.weight.detach(), layer.b_t.detach(), layer.noise_seed)  # Eq. 3, stored layout
+        # Eq. 3, on the stored layout
+        w_hat = gaussws.pseudo_quantize(layer.weight.detach(), layer.b_t.detach(), layer.noise_seed)
         torch.testing.assert_close(out, h @ w_hat.float() + layer.bias, rtol=1e-5, atol=1e-6)
         assert not torch.equal(w_hat.float(), layer.weight.detach())
         theirs(x, labels=x).loss.backward()
     assert all(l.b_i.grad is not None and l.b_i.grad.abs().sum() > 0 for l in gaussws.pqt_layers(theirs))
 
 
+@pytest.mark.parametrize("args, words", [([], "--out is required"), (["--ot=x"], "did you mean --out"),
+                                         (["--out"], "overrides are written --key=value")])
+def test_a_missing_or_unknown_option_is_one_line(tmp_path, args, words):
+    """hf.py reads its command line as every script does (configurator): one 'error: ' line, exit 1."""
+    assert words in error_line(run(tmp_path, "hf.py", *args))
+    assert not os.listdir(tmp_path)  # nothing written
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_prints_the_options_and_exits_0(tmp_path, flag):
     r = run(tmp_path, "hf.py", flag)
-    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("usage: hf.py")
-    for option in ("--ckpt", "--out", "--data_dir", "-h, --help"):
-        assert any(line.strip().startswith(option) for line in r.stdout.splitlines()), option
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("usage: python hf.py")
+    for key in ("ckpt", "out", "data_dir"):  # configurator's --help: each key, its default and its comment
+        assert any(line.strip().startswith(f"{key} = ") and "  # " in line for line in r.stdout.splitlines()), key
     assert not os.listdir(tmp_path)  # nothing written

@@ -15,6 +15,7 @@ import checkpoint
 import export as E
 import gaussws
 import sample
+import ste
 import train
 import util
 from configurator import ConfigError
@@ -85,11 +86,11 @@ def test_each_block_trains_on_exports_grid_for_its_own_format(shape):
     ids = choice[torch.randint(0, 3, nb, generator=torch.Generator().manual_seed(1))]
     if ids.numel() > 1:
         ids.view(-1)[:2] = choice[[0, 2]]  # at least two formats in a weight of more than one block
-    got = gaussws.fake_quantize_blocks(w, ids)
+    got = ste.fake_quantize_blocks(w, ids)
     assert torch.equal(as_int32(got), as_int32(exported(w, ids)))
     assert not torch.equal(got, w)
 
-    layer = gaussws.STELinear(shape[1], shape[0], fmt="error-int", bits_per_weight=3.0)
+    layer = ste.STELinear(shape[1], shape[0], fmt="error-int", bits_per_weight=3.0)
     with torch.no_grad():
         layer.weight.copy_(w)
     layer.set_formats(ids)  # chosen already: TrainStep keeps them
@@ -107,7 +108,7 @@ def test_each_block_trains_on_exports_grid_for_its_own_format(shape):
 
 def test_a_compiled_layer_trains_on_the_same_per_block_grid():
     gen = torch.Generator().manual_seed(3)
-    layer = gaussws.STELinear(96, 70, fmt="error-int", bits_per_weight=3.0)
+    layer = ste.STELinear(96, 70, fmt="error-int", bits_per_weight=3.0)
     layer.set_formats(torch.tensor([[BY_NAME["int2"], BY_NAME["int4"], BY_NAME["int3"]]] * 3, dtype=torch.uint8))
     x, g = torch.randn(4, 96, generator=gen), torch.randn(4, 70, generator=gen)
     results = []
@@ -130,7 +131,7 @@ def test_the_mixed_run_is_the_gaussws_phase_run_bit_for_bit_until_ste_start(runs
         (w_pqt, opt_pqt), (w, opt) = pqt[step], mixed[step]
         assert set(w) - set(w_pqt) == set(k + ".format_ids" for k in format_ids(w))
         assert all(torch.equal(w[k], v) for k, v in w_pqt.items())  # weights and b_i, bit for bit
-        assert all((v == gaussws.UNCHOSEN).all() for v in format_ids(w).values())  # nothing chosen before the switch
+        assert all((v == ste.UNCHOSEN).all() for v in format_ids(w).values())  # nothing chosen before the switch
         (s_pqt, g_pqt), (s, g) = [(o[0]["state"], o[0]["param_groups"]) for o in (opt_pqt, opt)]
         assert g == g_pqt and s.keys() == s_pqt.keys()
         assert all(torch.equal(s[i][k], v) for i, st in s_pqt.items() for k, v in st.items())
@@ -142,7 +143,7 @@ def test_b_t_is_free_per_block_in_the_phase_and_fixed_from_ste_start(runs):
     mixed_dir, mixed = runs["auto"]
     with open(os.path.join(mixed_dir, "config.json")) as f:
         config = json.load(f)
-    level = gaussws.budget_level("gaussws", 2.75)
+    level = train.budget_level("gaussws", 2.75)
     assert config["b_target"] == level and config["b_init"] == level + 1 and config["ste_start"] == STE_START
     lo, hi = curve(mixed_dir, "b_t/min"), curve(mixed_dir, "b_t/max")
     assert all(lo[i] == hi[i] == pytest.approx(level + 1, abs=1e-6) for i in range(1, PQT_START + 1))  # b_i = 1
@@ -164,8 +165,8 @@ def export_files(out_dir, name, capsys):
     """export.py of a run at its own target_format and budget: {layer weight: the file's tensors}."""
     from safetensors.torch import load_file
     fmt, budget = RUNS[name]["target_format"], RUNS[name]["bits_per_weight"]
-    assert util.cli(E.main, [f"--out_dir={out_dir}", f"--format={fmt}", f"--bits_per_weight={budget}", "--other_dtype=float32",
-                  "--evaluate=False", "--plot=False", "--overwrite=True"]) == 0
+    assert util.cli(E.main, [f"--out_dir={out_dir}", f"--format={fmt}", f"--bits_per_weight={budget}",
+                             "--other_dtype=float32", "--evaluate=False", "--plot=False", "--overwrite=True"]) == 0
     printed = capsys.readouterr().out
     return load_file(str(out_dir / f"model-{fmt}.safetensors")), printed
 
@@ -186,12 +187,13 @@ def test_the_allocation_at_the_switch_is_exports_budget_of_that_steps_checkpoint
     one did; it meets the budget; and the resumed run repeats the uninterrupted losses."""
     train.main(argv(data_dir, tmp_path, name, max_iters=STE_START))
     at_switch = checkpoint.load_model(str(tmp_path / "ckpt.pt"))["model"]
-    assert all((v == gaussws.UNCHOSEN).all() for v in format_ids(at_switch).values())
+    assert all((v == ste.UNCHOSEN).all() for v in format_ids(at_switch).values())
     files, _ = export_files(tmp_path, name, capsys)
     train.main(argv(data_dir, tmp_path, name, init_from="resume"))
     whole_dir, whole = runs[name]
     assert curve(tmp_path) == curve(whole_dir) and curve(tmp_path, "val/loss") == curve(whole_dir, "val/loss")
-    trained, uninterrupted = format_ids(checkpoint.load_model(str(tmp_path / "ckpt.pt"))["model"]), format_ids(whole[STEPS][0])
+    trained = format_ids(checkpoint.load_model(str(tmp_path / "ckpt.pt"))["model"])
+    uninterrupted = format_ids(whole[STEPS][0])
     assert trained.keys() == uninterrupted.keys() and len(trained) == 8  # every block Linear of both layers
     for layer, ids in trained.items():
         assert torch.equal(ids, files[layer + ".weight.format"]) and torch.equal(ids, uninterrupted[layer])
@@ -201,7 +203,7 @@ def test_the_allocation_at_the_switch_is_exports_budget_of_that_steps_checkpoint
     if budget != int(budget):  # a fractional budget cannot be one format
         assert len({i for v in trained.values() for i in v.flatten().tolist()}) >= 2
     if RUNS[name]["target_format"] == "auto-int":  # by b_t: of two whole blocks, the higher b_t has no fewer bits
-        level = gaussws.budget_level("gaussws", budget)
+        level = train.budget_level("gaussws", budget)
         b_t = torch.cat([level + at_switch[k + ".b_i"].double().flatten() * 1.0 for k in trained])  # Eq. 11
         bits = torch.cat([bits_of(v) for v in trained.values()])
         whole_block = torch.cat([block_weights(*shapes[k]).flatten() == 1024 for k in trained])
@@ -245,7 +247,7 @@ def test_a_run_stopped_at_or_after_a_switch_resumes_on_the_formats_chosen_at_it(
     train.main(argv(data_dir, tmp_path, name, max_iters=stop))
     with pytest.MonkeyPatch.context() as mp:
         if stop > STE_START:
-            mp.setattr(gaussws, "budget_format_ids", lambda *a: pytest.fail("the formats were chosen again"))
+            mp.setattr(ste, "budget_format_ids", lambda *a: pytest.fail("the formats were chosen again"))
         train.main(argv(data_dir, tmp_path, name, init_from="resume"))
     whole_dir, whole = runs[name]
     assert curve(tmp_path) == curve(whole_dir) and curve(tmp_path, "val/loss") == curve(whole_dir, "val/loss")
@@ -268,17 +270,17 @@ def test_a_new_run_from_another_runs_weights_chooses_its_own_formats(runs, data_
     for source in ("auto", "pqt"):
         saved = train_recording(argv(data_dir, tmp_path / source, "auto", init_from=str(runs[source][0] / "ckpt.pt"),
                                      max_iters=PQT_START))
-        assert all((v == gaussws.UNCHOSEN).all() for v in format_ids(saved[PQT_START][0]).values())
+        assert all((v == ste.UNCHOSEN).all() for v in format_ids(saved[PQT_START][0]).values())
 
 
 @pytest.mark.parametrize("name", ["auto", "ste"])
 def test_sample_and_hf_read_a_mixed_runs_checkpoint(runs, name, tmp_path):
     """sample.py rebuilds the run's model (its layers hold format_ids); hf.py writes its weights alone."""
-    import hf
+    import pretrained
     model, ckpt = sample.load_checkpoint(str(runs[name][0]), "cpu")
     assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())
     assert format_ids(model.state_dict()).keys() == format_ids(ckpt["model"]).keys() != set()
-    files, _ = hf.save_pretrained(ckpt["model_args"], ckpt["model"], str(tmp_path / "hf"))
+    files, _ = pretrained.save_pretrained(ckpt["model_args"], ckpt["model"], str(tmp_path / "hf"))
     assert "model.safetensors" in files
 
 
@@ -292,10 +294,14 @@ def test_sample_and_hf_read_a_mixed_runs_checkpoint(runs, name, tmp_path):
     (dict(bits_per_weight=4.5), r"bits_per_weight=4\.5: expected a mean of 2 to 4 element bits per weight"),
     (dict(bits_per_weight=1.5), r"bits_per_weight=1\.5: expected a mean of 2 to 4"),
     (dict(bits_per_weight=0.0), r"bits_per_weight=0: expected a mean of 2 to 4 .* for target_format='auto-int'"),
-    (dict(target_format="int3"), r"bits_per_weight=3 is for target_format auto-int or error-int .* not target_format='int3'"),
-    (dict(method="ste[all]", target_format="error-int", ste_start=15), r"an ste\[\.\.\.\] run is STE from pqt_start on"),
-    (dict(method="ste[all]", target_format="auto-int", ste_start=0), r"auto-int' ranks blocks by their learned b_t, and method ste"),
-    (dict(method="bf16", target_format="", ste_start=15, pqt_start=0, bits_per_weight=0.0), r"ste_start=15 is for a method"),
+    (dict(target_format="int3"),
+     r"bits_per_weight=3 is for target_format auto-int or error-int .* not target_format='int3'"),
+    (dict(method="ste[all]", target_format="error-int", ste_start=15),
+     r"an ste\[\.\.\.\] run is STE from pqt_start on"),
+    (dict(method="ste[all]", target_format="auto-int", ste_start=0),
+     r"auto-int' ranks blocks by their learned b_t, and method ste"),
+    (dict(method="bf16", target_format="", ste_start=15, pqt_start=0, bits_per_weight=0.0),
+     r"ste_start=15 is for a method"),
     (dict(ste_start=1.5), r"ste_start=1\.5: expected 0 \(no STE phase\), a fraction"),
 ])
 def test_a_bad_mixed_run_is_one_line_before_anything_is_written(data_dir, tmp_path, args, message):
@@ -309,15 +315,15 @@ def test_a_bad_mixed_run_is_one_line_before_anything_is_written(data_dir, tmp_pa
 def test_the_budgets_level_is_int3s_at_3_bits_and_b_init_is_one_bit_above_in_a_phase():
     c = dict(pqt_start=0.5, ste_start=0.75, max_iters=200, target_format="auto-int", bits_per_weight=3.0,
              b_init=6.0, b_target=4.0)
-    level = gaussws.matched_b_t("gaussws", "int3")
-    assert gaussws.phase_settings("gaussws", c) == dict(pqt_start=100.0, ste_start=150.0, b_init=level + 1,
+    level = train.matched_b_t("gaussws", "int3")
+    assert train.phase_settings("gaussws", c) == dict(pqt_start=100.0, ste_start=150.0, b_init=level + 1,
                                                         b_target=level)
-    assert gaussws.phase_settings("gaussws", c, explicit={"b_init"})["b_init"] == 6.0
-    assert gaussws.phase_settings("gaussws", dict(c, pqt_start=0.0))["b_init"] == 6.0  # from scratch: the paper's
-    assert gaussws.phase_settings("ste", dict(c, ste_start=0.0, target_format="error-int")) == \
+    assert train.phase_settings("gaussws", c, explicit={"b_init"})["b_init"] == 6.0
+    assert train.phase_settings("gaussws", dict(c, pqt_start=0.0))["b_init"] == 6.0  # from scratch: the paper's
+    assert train.phase_settings("ste", dict(c, ste_start=0.0, target_format="error-int")) == \
         dict(pqt_start=100.0, ste_start=0.0, b_init=6.0, b_target=4.0)
     for method in ("gaussws", "diffq"):
-        int2, int3, int4 = (gaussws.matched_b_t(method, f"int{b}") for b in (2, 3, 4))
-        assert [gaussws.budget_level(method, b) for b in (2.0, 3.0, 4.0)] == [int2, int3, int4]
-        assert gaussws.budget_level(method, 3.5) == pytest.approx((int3 + int4) / 2, abs=0.005)
-        assert gaussws.budget_level(method, 2.25) == pytest.approx(int2 + (int3 - int2) / 4, abs=0.005)
+        int2, int3, int4 = (train.matched_b_t(method, f"int{b}") for b in (2, 3, 4))
+        assert [train.budget_level(method, b) for b in (2.0, 3.0, 4.0)] == [int2, int3, int4]
+        assert train.budget_level(method, 3.5) == pytest.approx((int3 + int4) / 2, abs=0.005)
+        assert train.budget_level(method, 2.25) == pytest.approx(int2 + (int3 - int2) / 4, abs=0.005)

@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 import checkpoint
 import export as E
 import gaussws
+import ste
 import train
 import util
 from configurator import ConfigError
@@ -38,6 +40,15 @@ def tiny(data_dir, out_dir, **kw):
                 lr_decay_iters=STEPS, learning_rate=3e-3, device="cpu", dtype="float32", seed=7)
     args.update(kw)
     return [f"--{k}={v}" for k, v in args.items()]
+
+
+def one_line(argv, capsys):
+    """train.py's command line as a user meets it (util.cli): exit status 1 and one line on stderr."""
+    capsys.readouterr()
+    assert util.cli(train.main, argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    return err.strip()
 
 
 def records(out_dir):
@@ -96,7 +107,7 @@ def test_phase_run_is_the_bf16_run_bit_for_bit_until_the_switch(runs, phase):
 
 def test_phase_b_t_starts_at_the_level_matched_to_the_target_format_and_stays(runs):
     phase_dir, run = runs["gaussws"]
-    level = gaussws.matched_b_t("gaussws", "int3")
+    level = train.matched_b_t("gaussws", "int3")
     with open(os.path.join(phase_dir, "config.json")) as f:
         config = json.load(f)
     assert config["pqt_start"] == START and config["b_init"] == config["b_target"] == level == 3.49
@@ -118,7 +129,7 @@ def first_step_loss(model, data_dir, step):
 def test_the_first_noisy_step_is_eq3_of_a_freshly_converted_model_on_the_bf16_weights(runs, data_dir):
     (_, bf16), (phase_dir, _) = runs["bf16"], runs["gaussws"]
     config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
-    level = gaussws.matched_b_t("gaussws", "int3")
+    level = train.matched_b_t("gaussws", "int3")
     model = gaussws.convert(GPT(config), "gaussws[all]", ROLES["gpt2"], b_init=level, b_target=level, seed=7)
     gaussws.load_weights(model, bf16[START][0])  # b_i as the converter makes them: 1
     assert first_step_loss(model, data_dir, START) == curve(phase_dir)[START + 1]
@@ -168,23 +179,58 @@ def test_pqt_start_as_a_fraction_is_a_step_of_max_iters_and_resume_holds_it(runs
     (dict(pqt_start=-0.5), r"pqt_start=-0\.5: expected"),
     (dict(target_format="int3", b_target=3.0), r"b_target=3 and target_format='int3' both set"),
 ])
-def test_a_bad_phase_is_one_line_before_anything_is_written(data_dir, tmp_path, args, message):
+def test_a_bad_phase_is_one_line_before_anything_is_written(data_dir, tmp_path, args, message, capsys):
     out = tmp_path / "out"
     with pytest.raises(ConfigError, match=message):
         train.main(tiny(data_dir, out, **args))
+    assert re.search(message, one_line(tiny(data_dir, out, **args), capsys))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(pqt_start=25), r"pqt_start=25 is at or past max_iters=20: the run would end before its switch and "
+                         r"train bf16 throughout"),
+    (dict(pqt_start=20), r"pqt_start=20 is at or past max_iters=20"),
+    (dict(pqt_start=0.99), r"pqt_start=0\.99 \(step 20\) is at or past max_iters=20"),
+    (dict(method="ste[all]", pqt_start=20), r"pqt_start=20 is at or past max_iters=20"),
+    (dict(pqt_start=5, ste_start=30, target_format="auto-int", bits_per_weight=3.0),
+     r"ste_start=30 is at or past max_iters=20: the run would end before its switch and train PQT throughout"),
+])
+def test_a_switch_the_run_never_reaches_is_refused_in_one_line(data_dir, tmp_path, args, message, capsys):
+    """A run whose switch is at or past its end (max_iters, lr_decay_iters here too) would train
+    what it switches from throughout, yet record the method it names: refused, nothing written."""
+    out = tmp_path / "out"
+    line = one_line(tiny(data_dir, out, **{**PHASES["gaussws"], **args}), capsys)
+    assert re.search(message, line) and "lr_decay_iters" in line, line
+    assert not out.exists()
+
+
+def test_a_run_stopped_before_its_switch_says_so_and_resumed_it_trains_the_method(runs, data_dir, tmp_path, capsys):
+    """max_iters before the switch, but the schedule set for the whole run (lr_decay_iters past the
+    switch): the first part of a longer run. It says that it stops before its switch, trains bf16, and
+    resumed to the whole run's max_iters it is the uninterrupted phase run, loss for loss."""
+    kw = dict(PHASES["gaussws"], pqt_start=START)
+    train.main(tiny(data_dir, tmp_path, max_iters=START - 5, **kw))  # stopped at an evaluation
+    out = capsys.readouterr().out
+    assert (f"note: pqt_start={START} is at or past max_iters={START - 5}: this run stops before its switch, bf16 "
+            f"throughout; resume it (--init_from=resume) with max_iters up to lr_decay_iters={STEPS}") in out
+    bf16 = curve(runs["bf16"][0])
+    assert curve(tmp_path) == {i: bf16[i] for i in range(1, START - 4)}
+    train.main(tiny(data_dir, tmp_path, init_from="resume", **kw))
+    whole = runs["gaussws"][0]
+    assert curve(tmp_path) == curve(whole) and curve(tmp_path, "val/loss") == curve(whole, "val/loss")
 
 
 def test_phase_settings_resolve_the_start_and_b_t():
     c = dict(pqt_start=0.85, max_iters=200, target_format="int3", b_init=6.0, b_target=4.0)
-    assert gaussws.phase_settings("gaussws", c) == dict(pqt_start=170.0, ste_start=0.0, b_init=3.49, b_target=3.49)
-    assert gaussws.phase_settings("gaussws", c, explicit={"b_init"}) == \
+    assert train.phase_settings("gaussws", c) == dict(pqt_start=170.0, ste_start=0.0, b_init=3.49, b_target=3.49)
+    assert train.phase_settings("gaussws", c, explicit={"b_init"}) == \
         dict(pqt_start=170.0, ste_start=0.0, b_init=6.0, b_target=3.49)
     scratch = dict(c, pqt_start=0.0)  # the paper's way: b_t from b_init pulled to the level
-    assert gaussws.phase_settings("diffq", scratch) == dict(pqt_start=0.0, ste_start=0.0, b_init=6.0, b_target=2.58)
-    assert gaussws.phase_settings("gaussws", dict(c, pqt_start=170, target_format="")) == \
+    assert train.phase_settings("diffq", scratch) == dict(pqt_start=0.0, ste_start=0.0, b_init=6.0, b_target=2.58)
+    assert train.phase_settings("gaussws", dict(c, pqt_start=170, target_format="")) == \
         dict(pqt_start=170.0, ste_start=0.0, b_init=6.0, b_target=4.0)
-    assert gaussws.phase_settings("ste", dict(c, pqt_start=0.5)) == \
+    assert train.phase_settings("ste", dict(c, pqt_start=0.5)) == \
         dict(pqt_start=100.0, ste_start=0.0, b_init=6.0, b_target=4.0)
 
 
@@ -198,7 +244,7 @@ def test_matched_b_t_gives_pqn_the_variance_of_the_int_grids_rounding_error():
         for bits in (3, 4, 8):
             levels = 2 ** (bits - 1) - 1
             closed = math.log2(levels) + 0.5 * math.log2(48 * second_moment)
-            assert gaussws.matched_b_t(method, f"int{bits}") == pytest.approx(closed, abs=0.02)
+            assert train.matched_b_t(method, f"int{bits}") == pytest.approx(closed, abs=0.02)
     assert gaussws.R_SECOND_MOMENT["gaussws"] == 2 * (0.75 * 2 ** -9 * 4 + 9 / 64 * (1 - 0.75 * 2 ** -8))
 
 
@@ -206,15 +252,16 @@ def test_an_ste_run_exports_as_it_was_trained(runs, data_dir, capsys):
     """export.py's int3 file holds the STE's trained weights, and its model computes what the trained
     model computed in its last training step (no noise, no dropout: the same logits, bit for bit)."""
     phase_dir, run = runs["ste"]
-    assert util.cli(E.main, [f"--out_dir={phase_dir}", "--format=int3", "--other_dtype=float32", "--evaluate=False"]) == 0
+    assert util.cli(E.main, [f"--out_dir={phase_dir}", "--format=int3", "--other_dtype=float32",
+                             "--evaluate=False"]) == 0
     exported, _ = E.load(str(phase_dir / "model-int3.safetensors"))
     master = run[STEPS][0]
     config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
     trained = gaussws.convert(GPT(config), "ste[all]", ROLES["gpt2"], fmt="int3")
     trained.load_state_dict(master)
     for name, layer in trained.named_modules():
-        if isinstance(layer, gaussws.STELinear):
-            assert torch.equal(exported.get_submodule(name).weight, gaussws.fake_quantize(layer.weight, "int3"))
+        if isinstance(layer, ste.STELinear):
+            assert torch.equal(exported.get_submodule(name).weight, ste.fake_quantize(layer.weight, "int3"))
     x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), gaussws.TrainStep(trained.train(), STEPS):
         logits = trained(x, x)[0]  # with targets: the logits of every position
@@ -238,7 +285,8 @@ def trunk(data_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("phase", PHASES)
-def test_a_phase_run_forked_from_the_bf16_run_at_its_switch_is_the_whole_phase_run(runs, trunk, data_dir, tmp_path, phase):
+def test_a_phase_run_forked_from_the_bf16_run_at_its_switch_is_the_whole_phase_run(runs, trunk, data_dir, tmp_path,
+                                                                                    phase):
     """Until its switch a phase run is the bf16 run, so one that continues the bf16 run's checkpoint of
     that step (weights, AdamW state, step, RNG) has every loss and the final weights of the whole run."""
     whole_dir, whole = runs[phase]
@@ -257,17 +305,131 @@ def test_a_phase_run_forked_from_the_bf16_run_at_its_switch_is_the_whole_phase_r
     (dict(pqt_start=START - 1), "at step 10"),  # the bf16 run past the switch
     (dict(init_from="TRUNK"), "goes with --init_from=scratch"),  # a fork is a new run, not init_from's weights
 ])
-def test_a_fork_from_another_run_or_past_the_switch_is_one_line(trunk, data_dir, tmp_path, kw, message):
+def test_a_fork_from_another_run_or_past_the_switch_is_one_line(trunk, data_dir, tmp_path, kw, message, capsys):
     kw = {k: os.path.join(trunk, "ckpt.pt") if v == "TRUNK" else v for k, v in kw.items()}
     args = tiny(data_dir, tmp_path, **{**PHASES["gaussws"], "pqt_start": START,
                                        "fork_from": os.path.join(trunk, "ckpt.pt"), **kw})
     with pytest.raises(UserError, match=message):  # train.py's config check, or checkpoint.read_fork's
         train.main(args)
+    assert message in one_line(args, capsys)
     assert not os.path.exists(tmp_path / "ckpt.pt") and not os.path.exists(tmp_path / "metrics.jsonl")
 
 
-def test_a_fork_from_a_phase_run_is_one_line(runs, data_dir, tmp_path):
+def test_a_fork_from_a_phase_run_is_one_line(runs, data_dir, tmp_path, capsys):
     d, _ = runs["ste"]
+    args = tiny(data_dir, tmp_path, **PHASES["gaussws"], pqt_start=STEPS, max_iters=STEPS + 5,
+                fork_from=os.path.join(d, "ckpt.pt"))
     with pytest.raises(UserError, match="forks from a bf16 run"):
-        train.main(tiny(data_dir, tmp_path, **PHASES["gaussws"], pqt_start=STEPS, max_iters=STEPS + 5,
-                        fork_from=os.path.join(d, "ckpt.pt")))
+        train.main(args)
+    assert "forks from a bf16 run" in one_line(args, capsys)
+
+
+# --- end to end: a diffq phase, and Llama2's phase, STE and mixed runs --------------------------------
+# Each proves what a phase is: the bf16 run of the same seed bit for bit until its switch (losses,
+# weights, AdamW state), the method from the switch (its first step computed here by other means), and
+# a model that export.py writes and loads as it was trained.
+
+LLAMA = dict(arch="llama2", n_layer=2, n_head=2, n_kv_head=1, n_embd=48, ffn_hidden=80)  # GQA, partial blocks
+LLAMA_CONFIG = ModelConfig(block_size=32, vocab_size=256, **LLAMA)
+MIXED = dict(method="gaussws[all]", pqt_start=5, ste_start=START, target_format="error-int", bits_per_weight=3.25)
+
+
+def same_until(switch, bf16_dir, bf16, phase_dir, run):
+    """The phase run is the bf16 run bit for bit until `switch` (losses, evaluations, weights, the
+    weights' AdamW state) and another run from there."""
+    a, b = curve(bf16_dir), curve(phase_dir)
+    assert [a[i] for i in range(1, switch + 1)] == [b[i] for i in range(1, switch + 1)]
+    assert all(a[i] != b[i] for i in range(switch + 1, STEPS + 1))
+    assert {i: v for i, v in curve(bf16_dir, "val/loss").items() if i <= switch} == \
+           {i: v for i, v in curve(phase_dir, "val/loss").items() if i <= switch}
+    (w_bf16, opt_bf16), (w, opt) = bf16[switch], run[switch]
+    assert all(torch.equal(w[k], v) for k, v in w_bf16.items())
+    assert set(w) - set(w_bf16) == {k for k in w if k.endswith((".b_i", ".format_ids"))}
+    state_bf16, state = opt_bf16[0]["state"], opt[0]["state"]
+    assert state.keys() == state_bf16.keys()
+    assert all(torch.equal(state[i][k], v) for i, s in state_bf16.items() for k, v in s.items())
+
+
+def export_and_load(run_dir, fmt, budget=0.0):
+    """export.py's file of the run at fmt (and budget) through its command line, loaded back."""
+    args = [f"--out_dir={run_dir}", f"--format={fmt}", "--other_dtype=float32", "--evaluate=False",
+            "--plot=False", "--overwrite=True"] + ([f"--bits_per_weight={budget}"] if budget else [])
+    assert util.cli(E.main, args) == 0
+    return E.load(str(run_dir / f"model-{fmt}.safetensors"))[0]
+
+
+def test_a_diffq_phase_is_the_bf16_run_then_eq3_with_uniform_noise_and_exports(runs, data_dir, tmp_path):
+    (bf16_dir, bf16) = runs["bf16"]
+    run = train_recording(tiny(data_dir, tmp_path, method="diffq[all]", target_format="int3", pqt_start=START))
+    same_until(START, bf16_dir, bf16, tmp_path, run)
+    level = train.matched_b_t("diffq", "int3")
+    assert level == 2.58 and all(v == pytest.approx(level, abs=1e-6) for v in curve(tmp_path, "b_t/mean").values())
+    config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
+    model = gaussws.convert(GPT(config), "diffq[all]", ROLES["gpt2"], b_init=level, b_target=level, seed=7)
+    gaussws.load_weights(model, bf16[START][0])
+    assert first_step_loss(model, data_dir, START) == curve(tmp_path)[START + 1]  # Eq. 3, U(-1/2, 1/2) noise
+    exported, master = export_and_load(tmp_path, "int3"), run[STEPS][0]
+    for name in gaussws.method_linears(GPT(config), "diffq[all]", ROLES["gpt2"]):
+        assert torch.equal(exported.get_submodule(name).weight, ste.fake_quantize(master[name + ".weight"], "int3"))
+
+
+@pytest.fixture(scope="module")
+def llama_runs(data_dir, tmp_path_factory):
+    """Llama2's bf16 run and, from the same seed, its gaussws and STE phases from START and a mixed
+    run (gaussws from 5, STE from START on the per-block formats of a 3.25-bit budget)."""
+    out = {}
+    for name, kw in [("bf16", dict(method="bf16")), ("gaussws", dict(PHASES["gaussws"], pqt_start=START)),
+                     ("ste", dict(PHASES["ste"], pqt_start=START)), ("mixed", MIXED)]:
+        d = tmp_path_factory.mktemp(f"llama_{name}")
+        out[name] = (d, train_recording(tiny(data_dir, d, **LLAMA, **kw)))
+    return out
+
+
+def trained_logits(run_dir, master, x):
+    """The logits the trained model computes in a training step after its last (STE: on its grid)."""
+    with open(run_dir / "config.json") as f:
+        c = json.load(f)
+    model = gaussws.convert(GPT(LLAMA_CONFIG), c["method"], ROLES["llama2"], **train.method_args(c))
+    model.load_state_dict(master)  # strict: the run's state is the converted model's
+    with torch.no_grad(), gaussws.TrainStep(model.train(), STEPS):
+        return model(x, x)[0]
+
+
+def test_a_llama2_gaussws_phase_is_the_bf16_run_then_eq3_and_exports(llama_runs, data_dir):
+    (bf16_dir, bf16), (phase_dir, run) = llama_runs["bf16"], llama_runs["gaussws"]
+    same_until(START, bf16_dir, bf16, phase_dir, run)
+    level = train.matched_b_t("gaussws", "int3")
+    model = gaussws.convert(GPT(LLAMA_CONFIG), "gaussws[all]", ROLES["llama2"], b_init=level, b_target=level, seed=7)
+    gaussws.load_weights(model, bf16[START][0])
+    assert first_step_loss(model, data_dir, START) == curve(phase_dir)[START + 1]
+    exported, master = export_and_load(phase_dir, "int3"), run[STEPS][0]
+    linears = gaussws.method_linears(GPT(LLAMA_CONFIG), "gaussws[all]", ROLES["llama2"])
+    assert len(linears) == 14  # q, k, v, out, gate, up, down of both blocks
+    for name in linears:
+        assert torch.equal(exported.get_submodule(name).weight, ste.fake_quantize(master[name + ".weight"], "int3"))
+
+
+def test_a_llama2_ste_phase_is_the_bf16_run_then_its_grid_and_exports_as_trained(llama_runs, data_dir):
+    (bf16_dir, bf16), (phase_dir, run) = llama_runs["bf16"], llama_runs["ste"]
+    same_until(START, bf16_dir, bf16, phase_dir, run)
+    plain = GPT(LLAMA_CONFIG)
+    linears = gaussws.method_linears(plain, "ste[all]", ROLES["llama2"])
+    plain.load_state_dict({k: ste.fake_quantize(v, "int3") if k[:-len(".weight")] in linears else v
+                           for k, v in bf16[START][0].items()})
+    assert first_step_loss(plain, data_dir, START) == curve(phase_dir)[START + 1]  # the bf16 weights on the grid
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    exported = export_and_load(phase_dir, "int3")
+    assert torch.equal(exported(x, x)[0], trained_logits(phase_dir, run[STEPS][0], x))
+
+
+def test_a_llama2_mixed_run_trains_a_budgets_formats_from_its_switch_and_exports_as_trained(llama_runs):
+    (bf16_dir, bf16), (mixed_dir, run) = llama_runs["bf16"], llama_runs["mixed"]
+    same_until(MIXED["pqt_start"], bf16_dir, bf16, mixed_dir, run)
+    ids = {k: v for k, v in run[STEPS][0].items() if k.endswith(".format_ids")}
+    assert len(ids) == 14 and all((v == ste.UNCHOSEN).all() for k, v in run[5][0].items() if k in ids)
+    chosen = {i for v in ids.values() for i in v.flatten().tolist()}
+    assert chosen <= {E.BY_NAME[f] for f in ("int2", "int3", "int4")} and len(chosen) >= 2
+    assert all(torch.equal(run[15][0][k], v) for k, v in ids.items())  # chosen once, at START
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    exported = export_and_load(mixed_dir, MIXED["target_format"], MIXED["bits_per_weight"])
+    assert torch.equal(exported(x, x)[0], trained_logits(mixed_dir, run[STEPS][0], x))

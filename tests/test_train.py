@@ -103,7 +103,8 @@ def test_compiled_run_trains_as_eager_and_saves_the_same_model(tiny_corpus, tmp_
 
 def _originals():
     import gaussws
-    return {"build_optimizers": gaussws.build_optimizers, "get_batch": loader.get_batch, "load_state": checkpoint.load_state}
+    return {"build_optimizers": gaussws.build_optimizers, "get_batch": loader.get_batch,
+            "load_state": checkpoint.load_state}
 
 
 ORIGINAL = _originals()  # before any test patches them
@@ -185,7 +186,8 @@ def test_init_from_refuses_another_shape_in_one_line(tiny_corpus, trained, tmp_p
 
 def torchrun(args):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
 
 
 @pytest.mark.parametrize("parallel,optimizer", [("ddp", "adamw"), ("ddp", "adam_mini"), ("fsdp", "adamw")])
@@ -223,7 +225,8 @@ def test_two_processes_match_one_with_the_same_global_batch(tiny_corpus, tmp_pat
     import torch
     c1 = torch.load(one / "ckpt.pt", weights_only=True)
     if parallel == "fsdp":  # the model as 2 processes saved it; the optimizer as 1 process resumed it
-        c2 = {**checkpoint.load_model(two / "ckpt.dcp"), "optimizer": torch.load(three / "ckpt.pt", weights_only=True)["optimizer"]}
+        c2 = {**checkpoint.load_model(two / "ckpt.dcp"),
+              "optimizer": torch.load(three / "ckpt.pt", weights_only=True)["optimizer"]}
     else:
         c2 = torch.load(two / "ckpt.pt", weights_only=True)
     assert c1["model"].keys() == c2["model"].keys() and any(k.endswith("b_i") for k in c1["model"])
@@ -239,6 +242,32 @@ def test_two_processes_match_one_with_the_same_global_batch(tiny_corpus, tmp_pat
     for x, y in zip(m1, m2):
         # a wrong gradient scale (2x) is off by the tensor's own size; summation order, by far less
         torch.testing.assert_close(y, x, rtol=1e-3, atol=5e-3 * x.abs().max().item())
+    if parallel == "ddp":
+        # Each process takes one micro-step, as one process computes it; DDP adds the two gradients, which
+        # gives the same bits in either order, and halves them, exactly: one process's run, bit for bit.
+        assert a == b and all(torch.equal(c2["model"][k], v) for k, v in c1["model"].items())
+        assert all(torch.equal(x, y) for x, y in zip(m1, m2))
+
+
+def test_processes_adding_the_micro_steps_in_another_order_agree_within_its_rounding(tiny_corpus, tmp_path):
+    """gradient_accumulation_steps=4 on 2 processes, 2 micro-steps each: a step adds the 4 micro-step
+    losses l_m / 4 (and gradients) of one process in another order, (l0 + l1) + (l2 + l3) instead of
+    ((l0 + l1) + l2) + l3 (each halving exact). The first step starts from the same weights on the same
+    micro-batches, so the l_m are the same bits, and each order's sum is within gamma_3 of the exact
+    one (gamma_k = k u / (1 - k u), u = 2^-24: FP32): the two losses at most 2 gamma_3 L apart. Later
+    steps carry the gradient's rounding on (README, "Multi-GPU"). A process that took another's
+    micro-step would be a whole micro-batch's loss away."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = dict(max_iters=3, eval_interval=3, gradient_accumulation_steps=4, dtype="float32", lr_decay_iters=3)
+    r1 = run_cli(tiny(tiny_corpus, one, **args))
+    assert r1.returncode == 0, r1.stderr
+    r2 = torchrun(tiny(tiny_corpus, two, **args))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "2 process(es) on cpu, each taking 2 micro-step(s) of 8 sequences a step" in r2.stdout
+    a, b = losses(one), losses(two)
+    gamma = 3 * 2.0**-24 / (1 - 3 * 2.0**-24)
+    assert abs(a[1] - b[1]) <= 2 * gamma * a[1] / (1 - gamma)
+    np.testing.assert_allclose([b[k] for k in a], [a[k] for k in a], rtol=1e-5)
 
 
 def test_two_processes_split_each_micro_batch_where_there_is_one_micro_step(tiny_corpus, tmp_path):
@@ -318,7 +347,8 @@ def test_the_cosine_follows_max_iters_unless_lr_decay_iters_is_set(tiny_corpus, 
     config = json.load(open(tmp_path / "a" / "config.json"))
     assert config["lr_decay_iters"] == 12
     # the run names the commit its numbers came from (git's own answer, not ours)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
     assert config["versions"]["commit"].partition("+")[0] == head
     # an explicit lr_decay_iters before max_iters is said once, and the run goes on
     train.main([f"--dataset={tiny_corpus}", f"--out_dir={tmp_path / 'b'}", "--lr_decay_iters=8"]
@@ -576,8 +606,8 @@ def test_an_inf_gradient_with_a_finite_loss_is_not_applied(tiny_corpus, trained,
         return build(model, *args, **kw)
     monkeypatch.setattr(gaussws, "build_optimizers", poisoned)
     weights = {}
-    monkeypatch.setattr(checkpoint, "load_state", lambda model, o, ckpt, fsdp: (ORIGINAL["load_state"](model, o, ckpt, fsdp),
-                                                                            weights.update(ckpt["model"])))
+    monkeypatch.setattr(checkpoint, "load_state", lambda model, o, ckpt, fsdp: (
+        ORIGINAL["load_state"](model, o, ckpt, fsdp), weights.update(ckpt["model"])))
     for grad_clip in (1.0, 0.0):  # clipped or not, the norm is checked
         with pytest.raises(ConfigError, match=r"gradient norm is (inf|nan) \(loss \d"):
             train.main(tiny(tiny_corpus, out, max_iters=20, init_from="resume", grad_clip=grad_clip))

@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
+from configurator import configure  # noqa: E402
 from data import common  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,8 +35,8 @@ def prepare(data_files=None, val_data_files=None, out_dir=HERE, encoding="gpt2",
                   "val": common.load_local(files[1], streaming, flag="--val_data_files")}
         source = {"data_files": data_files, "val_data_files": val_data_files}
     else:
-        ds = common.load_hub(HUB_DATASET, HUB_CONFIG, streaming=streaming, num_proc=num_proc,
-                             offline="--data_files='en/c4-train.*.json.gz' --val_data_files='en/c4-validation.*.json.gz'")
+        offline = "--data_files='en/c4-train.*.json.gz' --val_data_files='en/c4-validation.*.json.gz'"
+        ds = common.load_hub(HUB_DATASET, HUB_CONFIG, streaming=streaming, num_proc=num_proc, offline=offline)
         splits = {"train": ds["train"], "val": ds["validation"]}
         source = {"hub": f"{HUB_DATASET}:{HUB_CONFIG}"}
     source.update(val="C4's validation split", streaming=streaming, max_docs=max_docs)
@@ -47,15 +48,19 @@ def prepare(data_files=None, val_data_files=None, out_dir=HERE, encoding="gpt2",
         return common.write_bins(splits, enc, out_dir, num_proc, source)
 
 
-def main():
-    parser = common.argument_parser(__doc__, out_dir=HERE)
-    parser.add_argument("--val_data_files", help="with --data_files: the local files of the validation split")
-    args = parser.parse_args()
-    common.run(prepare, **vars(args))
+# the command line: these keys of common.PREPARE_DEFAULTS (--help shows their comments)
+KEYS = ("data_files", "val_data_files", "out_dir", "num_proc", "tokenizer", "streaming", "max_docs")
+
+
+def main(argv):
+    config = {k: common.PREPARE_DEFAULTS[k] for k in KEYS}
+    usage = "usage: python data/c4/prepare.py [--key=value ...] [--streaming]"
+    configure(config, argv, script=common.__file__, usage=usage)
+    return prepare(**common.prepare_arguments(config, __file__))
 
 
 if __name__ == "__main__":
-    main()
+    common.run(main)
 
 # Expected sizes, none measured here (this was written on a machine without network):
 # C4 en has 364,868,892 train and 364,608 validation documents (the dataset card). Dodge et al. (2021)

@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
+from configurator import configure  # noqa: E402
 from data import common  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,13 +44,19 @@ def prepare(data_files=None, out_dir=HERE, encoding="gpt2", num_proc=1, streamin
         return common.write_bins({"train": split["train"], "val": split["test"]}, enc, out_dir, num_proc, source)
 
 
-def main():
-    args = common.argument_parser(__doc__, out_dir=HERE).parse_args()
-    common.run(prepare, **vars(args))
+# the command line: these keys of common.PREPARE_DEFAULTS (--help shows their comments)
+KEYS = ("data_files", "out_dir", "num_proc", "tokenizer", "streaming", "max_docs")
+
+
+def main(argv):
+    config = {k: common.PREPARE_DEFAULTS[k] for k in KEYS}
+    usage = "usage: python data/openwebtext/prepare.py [--key=value ...] [--streaming]"
+    configure(config, argv, script=common.__file__, usage=usage)
+    return prepare(**common.prepare_arguments(config, __file__))
 
 
 if __name__ == "__main__":
-    main()
+    common.run(main)
 
 # Expected with the gpt2 tokenizer, as nanoGPT measured on the same data with the same split (not
 # re-measured here: this was written on a machine without network):
