@@ -400,10 +400,10 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
 
 def read_exported(path):
     """A file of export.py as a checkpoint dict: its model's dequantized weights, architecture and config."""
-    import export
+    import lowbit
     try:
-        model, info = export.load(path)
-    except export.ExportError as e:
+        model, info = lowbit.load(path)
+    except lowbit.ExportError as e:
         raise HFError(str(e)) from None
     return {"model": model.state_dict(), "model_args": info["model_args"], "config": info.get("config") or {}}
 

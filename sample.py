@@ -69,12 +69,12 @@ def load_checkpoint(out_dir, device):
 
 def load_export(path, device):
     """(model in eval mode, info) from a file of export.py: the model holds the dequantized weights."""
-    import export
+    import lowbit
     if not path.endswith(".safetensors"):
         raise UsageError(f"--init_from={path!r}: expected 'resume' or a .safetensors file written by export.py")
     try:
-        return export.load(path, device)
-    except export.ExportError as e:
+        return lowbit.load(path, device)
+    except lowbit.ExportError as e:
         raise UsageError(str(e)) from None
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import export as E
-import export_gguf
+import gguf_file
+import lowbit
 import tokenizer
 import util
 from data import loader
@@ -182,7 +183,7 @@ def test_gguf_reader_gives_back_the_exported_weights_exactly(exported):
     biases in F32, GPT2's head left to its embedding."""
     case, run, _, reports = exported
     for fmt, qtype in EXACT.items():
-        model, info = E.load(str(run / f"model-{fmt}.safetensors"))
+        model, info = lowbit.load(str(run / f"model-{fmt}.safetensors"))
         ours = model.state_dict()
         got = gguf_weights(run / f"model-{fmt}.gguf")
         arch = model.config.arch
@@ -234,7 +235,7 @@ def test_fp8_goes_to_q8_0_each_weight_within_gguf_rounding(exported):
     in FP32, d stored in FP16), moves a weight by at most half a step plus 127 times d's FP16 rounding
     (2^-11 of d); the report's figures are those of the file."""
     case, run, _, reports = exported
-    model, _ = E.load(str(run / "model-mxfp8_e4m3.safetensors"))
+    model, _ = lowbit.load(str(run / "model-mxfp8_e4m3.safetensors"))
     ours = model.state_dict()
     report = reports["mxfp8_e4m3"]["gguf"]
     changed = {c["tensor"]: c for c in report["changed"]}
@@ -261,7 +262,7 @@ def test_auto_takes_one_type_per_tensor_and_reports_its_bits(exported):
     types = report["quantized_types"]
     assert {n: t for n, t in types.items() if "attn" in n} == {n: "MXFP4" for n in types if "attn" in n}
     assert {n: t for n, t in types.items() if "ffn" in n} == {n: "Q8_0" for n in types if "ffn" in n}
-    model, info = E.load(str(run / "model-auto.safetensors"))
+    model, info = lowbit.load(str(run / "model-auto.safetensors"))
     got = gguf_weights(run / "model-auto.gguf")
     weights = {n: model.state_dict()[our_key(n, model.config.arch)].numel() for n in types}
     bits = {"MXFP4": 8 * 17 / 32, "Q8_0": 8 * 34 / 32}  # bytes per 32-weight block: scale + codes
@@ -289,7 +290,7 @@ def transformers_from_export(path, out_dir, tanh):
     """transformers' model of export.load's dequantized weights, written by hf.py (the independent route)."""
     import hf
     from transformers import AutoModelForCausalLM
-    model, info = E.load(str(path))
+    model, info = lowbit.load(str(path))
     hf.save_pretrained(info["model_args"], model.state_dict(), str(out_dir))
     extra = {"activation_function": "gelu_new"} if tanh else {}  # llama.cpp's GELU, for an exact-GELU GPT2
     return AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32, **extra).eval()
@@ -302,7 +303,7 @@ def test_transformers_reads_the_file_and_computes_the_exported_model_bit_for_bit
     pytest.importorskip("accelerate", reason="transformers reads GGUF files only with accelerate installed")
     case, run, tok, reports = exported
     for fmt in EXACT:
-        ours, _ = E.load(str(run / f"model-{fmt}.safetensors"))
+        ours, _ = lowbit.load(str(run / f"model-{fmt}.safetensors"))
         theirs = transformers_from_gguf(run, fmt, ours.config)
         twin = transformers_from_export(run / f"model-{fmt}.safetensors", tmp_path / fmt, tanh=case == "bytes")
         x = seeded_tokens(tok.vocab_size)
@@ -324,7 +325,7 @@ def test_transformers_logits_of_the_rounded_formats_are_the_measured_ones(export
     pytest.importorskip("accelerate", reason="transformers reads GGUF files only with accelerate installed")
     case, run, tok, reports = exported
     for fmt in ("mxfp8_e4m3", "auto"):
-        ours, _ = E.load(str(run / f"model-{fmt}.safetensors"))
+        ours, _ = lowbit.load(str(run / f"model-{fmt}.safetensors"))
         theirs = transformers_from_gguf(run, fmt, ours.config)
         x = seeded_tokens(tok.vocab_size)
         with torch.no_grad():
@@ -367,12 +368,12 @@ def test_llama_cpp_runs_the_file_with_our_tokens_and_logits(exported):
     text = PROBES[0] + " " + PROBES[3]
     ids = tok.encode(text)
     for fmt in FORMATS:
-        llm = export_gguf.llama_cpp_model(run / f"model-{fmt}.gguf", 64, plain_cpu=True)  # AMX: see there
+        llm = gguf_file.llama_cpp_model(run / f"model-{fmt}.gguf", 64, plain_cpu=True)  # AMX: see there
         for probe in PROBES + [text]:
             assert llm.tokenize(probe.encode("utf-8"), add_bos=False, special=False) == tok.encode(probe), (fmt, probe)
         llm.eval(ids)
         theirs = torch.tensor(np.array(llm.scores[:len(ids)]), dtype=torch.float32)
-        model, _ = E.load(str(run / f"model-{fmt}.safetensors"))
+        model, _ = lowbit.load(str(run / f"model-{fmt}.safetensors"))
         with torch.no_grad():
             ours = model(torch.tensor([ids]), torch.zeros(1, len(ids), dtype=torch.long))[0][0]
         worst = (theirs - ours).abs().max().item()
@@ -453,8 +454,8 @@ def test_the_llama_cpp_check_reports_our_val_loss_and_llama_cpps(exported):
     """python export_gguf.py --gguf=...: our val loss is export.py's in FP32 on train.py's evaluation
     batches; llama.cpp's and its logits are within LLAMA_CPP_TOLERANCE."""
     case, run, _, _ = exported
-    r = export_gguf.check_llama_cpp(str(run / "model-mxfp4.gguf"), eval_iters=1, plain_cpu=True)
-    model, info = E.load(str(run / "model-mxfp4.safetensors"))
+    r = gguf_file.check_llama_cpp(str(run / "model-mxfp4.gguf"), eval_iters=1, plain_cpu=True)
+    model, info = lowbit.load(str(run / "model-mxfp4.safetensors"))
     config, directory = info["config"], loader.data_dir(info["config"]["dataset"])
     data = loader.open_split(directory, "val", loader.read_meta(directory), 64)
     ours = loader.estimate_loss(model, {"val": data}, seed=config["seed"], eval_iters=1, batch_size=config["batch_size"],

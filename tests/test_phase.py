@@ -13,6 +13,7 @@ import torch
 import checkpoint
 import export as E
 import gaussws
+import lowbit
 import train
 import util
 from configurator import ConfigError
@@ -130,8 +131,8 @@ def test_the_first_ste_step_is_the_bf16_weights_on_exports_grid(runs, data_dir):
     state = dict(bf16[START][0])
     for key, value in state.items():
         if key.startswith("transformer.h.") and key.endswith(".weight") and value.dim() == 2:
-            ids = torch.full((-(-value.shape[0] // 32), -(-value.shape[1] // 32)), E.BY_NAME["int3"], dtype=torch.uint8)
-            state[key] = E.dequantize_weight(E.quantize_weight(key, value, ids), *value.shape)
+            ids = torch.full((-(-value.shape[0] // 32), -(-value.shape[1] // 32)), lowbit.BY_NAME["int3"], dtype=torch.uint8)
+            state[key] = lowbit.dequantize_weight(lowbit.quantize_weight(key, value, ids), *value.shape)
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256))
     model.load_state_dict(state)
     assert first_step_loss(model, data_dir, START) == curve(phase_dir)[START + 1]
@@ -207,7 +208,7 @@ def test_an_ste_run_exports_as_it_was_trained(runs, data_dir, capsys):
     model computed in its last training step (no noise, no dropout: the same logits, bit for bit)."""
     phase_dir, run = runs["ste"]
     assert util.cli(E.main, [f"--out_dir={phase_dir}", "--format=int3", "--other_dtype=float32", "--evaluate=False"]) == 0
-    exported, _ = E.load(str(phase_dir / "model-int3.safetensors"))
+    exported, _ = lowbit.load(str(phase_dir / "model-int3.safetensors"))
     master = run[STEPS][0]
     config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
     trained = gaussws.convert(GPT(config), "ste[all]", ROLES["gpt2"], fmt="int3")
