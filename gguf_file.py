@@ -52,6 +52,7 @@ alone: llama.cpp needs a merge, transformers its merged token in the vocabulary)
 end-of-sequence token is eos; the bytes have none, and the file names NUL (byte 0), which text
 never holds, where llama.cpp would otherwise stop at byte 2. No BOS is added: the data has none.
 """
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -441,7 +442,8 @@ def _write_atomic(path, config, vocab, tensors, source):
         commit(tmp, path)
     finally:
         if writer is not None:
-            writer.close()
+            with contextlib.suppress(OSError):  # a full disk fails again as close flushes what is buffered
+                writer.close()
         if os.path.exists(tmp):
             os.remove(tmp)
 
