@@ -269,7 +269,8 @@ def _scaled_blocks(qtype, w, step):
     value and w / step are integers in range; all-zero blocks with d = 0. (blocks, exact per block)."""
     lo, hi = (-127, 127) if qtype == Q.Q8_0 else (-8, 7)
     v = w.reshape(w.shape[0], -1, QK)
-    d = step.astype(np.float16)
+    with np.errstate(over="ignore"):  # a scale past FP16's range: Inf, not usable
+        d = step.astype(np.float16)
     usable = np.isfinite(step) & (step > 0) & (d.astype(np.float64) == step)
     q = v / np.where(usable, step, 1.0)[..., None]
     zero = (v == 0).all(-1)
@@ -659,9 +660,9 @@ def describe(report):
         lines.append("every weight is the exported model's, exactly (read back with gguf's dequantizer)")
     else:
         worst = max(report["changed"], key=lambda c: c["rel_rms"])
-        lines.append(f"{len(report['changed'])} tensors changed ({sum(c['weights_changed'] for c in report['changed'])} "
-                     f"weights): the most, {worst['tensor']} ({worst['type']}), by relative RMS {worst['rel_rms']:.2e}, "
-                     f"at most {worst['max_abs']:.2e}")
+        moved = sum(c["weights_changed"] for c in report["changed"])
+        lines.append(f"{len(report['changed'])} tensors changed ({moved} weights): the most, {worst['tensor']} "
+                     f"({worst['type']}), by relative RMS {worst['rel_rms']:.2e}, at most {worst['max_abs']:.2e}")
     lines += [f"note: {note}" for note in report["notes"]]
     lines.append(f"logits of the file's model (its weights read back, llama.cpp's GELU) against the exported "
                  f"model's: max |difference| {report['max_logit_difference']:.3e} on {MEASURE_TOKENS} seeded tokens")
