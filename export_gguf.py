@@ -6,7 +6,9 @@ batches against our model of the .safetensors export beside it (lowbit.load, FP3
 
 The file is verified first (its checksums, and that it was written from the .safetensors beside it:
 gguf_file.open_export); a damaged, foreign or mismatched file, a missing one or a directory is one
-line and exit status 1, and llama.cpp is not run. Needs llama-cpp-python (docs/GGUF.md).
+line and exit status 1, and llama.cpp is not run. Then llama.cpp's logits are compared with the file's
+model computed with llama.cpp's roundings reproduced (gguf_file.LlamaCppArithmetic): beyond the bound
+docs/GGUF.md derives, exit status 1. Needs llama-cpp-python (docs/GGUF.md).
 """
 import sys
 import time
@@ -29,11 +31,22 @@ def main(argv):
     configure(cfg, argv)
     start = time.time()
     r = gguf_file.check_llama_cpp(cfg["gguf"], cfg["eval_iters"], cfg["plain_cpu"])
-    print(f"{cfg['gguf']}: {r['batches']} batches of train.py's evaluation, {r['tokens']:,} tokens; val loss: ours "
-          f"(FP32) {r['val_loss']:.4f}, llama.cpp {r['val_loss_llama_cpp']:.4f} "
-          f"({100 * (r['val_loss_llama_cpp'] / r['val_loss'] - 1):+.3f}%); max |logit difference| "
-          f"{r['max_logit_difference']:.3f} (logits up to {r['max_logit']:.2f}); the same next token at "
-          f"{100 * r['same_next_token']:.2f}% of positions ({time.time() - start:.0f} s)")
+    pct = lambda loss: f"{100 * (loss / r['val_loss'] - 1):+.4f}%"  # noqa: E731
+    print(f"{cfg['gguf']}: {r['batches']} batches of train.py's evaluation, {r['tokens']:,} tokens "
+          f"({time.time() - start:.0f} s)")
+    print(f"val loss: ours (FP32) {r['val_loss']:.5f}; llama.cpp {r['val_loss_llama_cpp']:.5f} "
+          f"({pct(r['val_loss_llama_cpp'])}); the file's model {r['val_loss_file']:.5f} ({pct(r['val_loss_file'])}), "
+          f"with llama.cpp's roundings {r['val_loss_arithmetic']:.5f} ({pct(r['val_loss_arithmetic'])})")
+    print(f"max |logit difference| of llama.cpp (logits up to {r['max_logit']:.2f}): to ours "
+          f"{r['max_logit_difference']:.2e}, to the file's model {r['max_logit_difference_file']:.2e} (bound: twice "
+          f"the effect of llama.cpp's roundings, {2 * r['rounding_effect']:.2e}), to the file's model with them "
+          f"{r['max_logit_difference_arithmetic']:.2e}; the same next token as ours at "
+          f"{100 * r['same_next_token']:.2f}% of positions")
+    if not r["within_bound"]:
+        raise gguf_file.GGUFError(f"llama.cpp's logits differ from the file's model's by "
+                                  f"{r['max_logit_difference_file']:.3e}, more than twice the effect of its own "
+                                  f"roundings ({r['rounding_effect']:.3e}): llama.cpp does not compute the model "
+                                  f"this file holds (docs/GGUF.md)")
 
 
 if __name__ == "__main__":
