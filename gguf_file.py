@@ -20,13 +20,11 @@ largest change, the bits per weight, and the logits and val loss of the file's m
 GELU, in our code) against ours. Embeddings and head keep the export's BF16/F32; norms and biases
 are F32, as llama.cpp's converter writes them.
 
-Checksums. The file's key/value metadata ties it to its bytes and to its source: pqt.gguf_export
-(GGUF_EXPORT), pqt.sha256.<tensor> (SHA-256 of each tensor's bytes in the file), pqt.header_sha256
-(SHA-256 of every byte before the tensor data, that is the metadata and the tensor list, its own 64
-digits read as zeros) and pqt.source.* (SOURCE_KEYS: the architecture, the format, and the
-checksums of the .safetensors export it was written from). read() checks the file before anything
-uses it, and check_llama_cpp checks it against the .safetensors beside it: a damaged, foreign or
-mismatched file is one line (GGUFError).
+Checksums (docs/GGUF.md): pqt.gguf_export, pqt.sha256.<tensor> (each tensor's bytes in the file),
+pqt.header_sha256 (every byte before the tensor data, its own digits read as zeros) and SOURCE_KEYS
+(what identifies the .safetensors export it was written from). read() checks a file before anything
+uses it, open_export() against the export beside it: a damaged, foreign or mismatched file is one
+line (GGUFError). LlamaCppArithmetic reproduces llama.cpp's roundings, which bound its logits.
 
 Architectures: gpt2 and llama of llama.cpp. Our Llama2 already orders each head's query and key
 rows in adjacent pairs, as Meta's checkpoints and llama.cpp's rotary embedding do (llama.cpp's
@@ -35,14 +33,10 @@ grouped-query attention is head_count_kv. A GPT2 without biases gets zero biases
 requires them). llama.cpp's GPT-2 computes the tanh GELU: a model trained with the exact GELU is
 told so, with the measured difference.
 
-Tokenizer, the data's: tiktoken's GPT-2 pattern encodings (gpt2, r50k_base, p50k_base) as a
-byte-level BPE vocabulary with merges; a SentencePiece BPE model as llama.cpp's "llama"
-vocabulary (scores and byte tokens); the default corpus's UTF-8 bytes as a SentencePiece vocabulary
-of the 256 byte tokens, the space spelled "▁" (llama.cpp and transformers read spaces as "▁",
-so the character U+2581 itself reads as a space; a byte-level BPE vocabulary cannot hold bytes
-alone: llama.cpp needs a merge, transformers its merged token in the vocabulary). The data's
-end-of-sequence token is eos; the bytes have none, and the file names NUL (byte 0), which text
-never holds, where llama.cpp would otherwise stop at byte 2. No BOS is added: the data has none.
+Tokenizer, the data's: tiktoken's GPT-2 pattern encodings as a byte-level BPE vocabulary with
+merges, a SentencePiece BPE model as llama.cpp's "llama" vocabulary, the default corpus's bytes as
+256 SentencePiece byte tokens with the space spelled "▁" (_bytes_vocab says why). eos is the data's
+end-of-sequence token (NUL for the bytes, which have none); no BOS is added: the data has none.
 """
 import contextlib
 import hashlib
@@ -125,7 +119,10 @@ def _padded(vocab, n):
 
 
 def _bytes_vocab():
-    """The 256 UTF-8 bytes as SentencePiece byte tokens <0xNN>, the space as "▁" (see the docstring)."""
+    """The 256 UTF-8 bytes as SentencePiece byte tokens <0xNN>, the space as "▁": llama.cpp and transformers
+    read spaces as "▁" (so the character U+2581 itself reads as a space), and a byte-level BPE vocabulary
+    cannot hold bytes alone (llama.cpp needs a merge, transformers its merged token in the vocabulary).
+    eos is NUL (byte 0), which text never holds, where llama.cpp would otherwise stop at byte 2."""
     tokens = ["\u2581" if b == 0x20 else f"<0x{b:02X}>" for b in range(256)]
     types = [gguf.TokenType.NORMAL if b == 0x20 else gguf.TokenType.BYTE for b in range(256)]
     return dict(model="llama", tokens=tokens, types=types, scores=[0.0] * 256, eos=0, bos=None,
@@ -451,6 +448,7 @@ TENSOR_KEY = "pqt.sha256."  # + a tensor's name: the SHA-256 of its bytes in the
 HEADER_KEY = "pqt.header_sha256"  # the SHA-256 of the file before its tensor data, these 64 digits read as zeros
 SOURCE_KEYS = ("pqt.source.arch", "pqt.source.format", "pqt.source.metadata_sha256", "pqt.source.tensors_sha256")
 UNSEALED = "0" * 64
+AGAIN = "write it again with python export.py --out_dir=RUN --format=... --gguf=True"
 
 
 def source_keys(model, info):
@@ -506,18 +504,17 @@ def _text(reader, key):
 
 def open_reader(path):
     """gguf's GGUFReader of path, or GGUFError: a missing file, a directory, bytes gguf cannot read."""
-    again = "write it again with python export.py --out_dir=RUN --format=... --gguf=True"
     if os.path.isdir(path):
         raise GGUFError(f"{path} is a directory; give the path of a .gguf file written by export.py --gguf=True")
     if not os.path.exists(path):
-        raise GGUFError(f"no file {path}: {again}")
+        raise GGUFError(f"no file {path}: {AGAIN}")
     try:
         return gguf.GGUFReader(path)
     except OSError as e:
         raise GGUFError(f"cannot read {path}: {first_line(e)}") from None
     except Exception as e:  # gguf's reader of damaged bytes fails with anything (ValueError, IndexError, ...)
         raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {first_line(e)}): damaged, cut "
-                        f"short, or not a GGUF file; {again}") from None
+                        f"short, or not a GGUF file; {AGAIN}") from None
 
 
 def read(path):
@@ -525,27 +522,26 @@ def read(path):
     the tensor data (metadata, tensor list) against pqt.header_sha256, each tensor's bytes against its
     pqt.sha256.<name>. Anything else is GGUFError, one line."""
     reader = open_reader(path)
-    again = "write it again with python export.py --out_dir=RUN --format=... --gguf=True"
     field = reader.fields.get(VERSION_KEY)
     if field is None:
         raise GGUFError(f"{path} carries no checksums ({VERSION_KEY}): it was not written by export.py, or by an "
-                        f"older one, so it cannot be verified; {again}")
+                        f"older one, so it cannot be verified; {AGAIN}")
     version = field.contents() if field.types == [gguf.GGUFValueType.UINT32] else None
     if version != GGUF_EXPORT:
-        raise GGUFError(f"{path} has {VERSION_KEY} {version!r}; this code reads {GGUF_EXPORT}: {again}")
+        raise GGUFError(f"{path} has {VERSION_KEY} {version!r}; this code reads {GGUF_EXPORT}: {AGAIN}")
     damaged = f"{path} fails verification (damaged, or not written by export.py)"
     recorded = _text(reader, HEADER_KEY)
     if recorded is None or len(recorded) != 64 or _header_sha256(reader) != recorded:
-        raise GGUFError(f"{damaged}: its metadata and tensor list do not match their checksum; {again}")
+        raise GGUFError(f"{damaged}: its metadata and tensor list do not match their checksum; {AGAIN}")
     names = {t.name for t in reader.tensors}
     if names != {k[len(TENSOR_KEY):] for k in reader.fields if k.startswith(TENSOR_KEY)}:
-        raise GGUFError(f"{damaged}: its tensors are not those it has checksums of; {again}")
+        raise GGUFError(f"{damaged}: its tensors are not those it has checksums of; {AGAIN}")
     for t in reader.tensors:
         start, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
         if end > len(reader.data) or hashlib.sha256(reader.data[start:end]).hexdigest() != _text(reader,
                                                                                                 TENSOR_KEY + t.name):
             raise GGUFError(f"{damaged}: tensor {t.name} does not match its checksum (flipped or missing bytes); "
-                            f"{again}")
+                            f"{AGAIN}")
     return reader
 
 
@@ -711,6 +707,10 @@ class LlamaCppArithmetic(torch.overrides.TorchFunctionMode):
         super().__init__()
         types = {t.name: t.tensor_type for t in read(path).tensors}
         names = gguf_names(model.config)  # GPT2's head is its embedding: one parameter, token_embd's type
+        unknown = sorted({t.name for t in types.values()} - {t.name for t in ACTIVATIONS})
+        if unknown:
+            raise GGUFError(f"{path} holds {', '.join(unknown)} tensors, whose activations llama.cpp rounds in a way "
+                            f"this check does not reproduce (gguf_file.ACTIVATIONS)")
         self.rounding = {id(p): ACTIVATIONS[types[names[k]]] for k, p in model.named_parameters()
                          if p.dim() == 2 and names.get(k) in types}
 

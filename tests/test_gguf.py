@@ -622,6 +622,10 @@ def test_the_llama_cpp_check_reports_our_val_loss_and_llama_cpps(exported, fmt):
     ours = loader.estimate_loss(model, {"val": data}, seed=config["seed"], eval_iters=1,
                                 batch_size=config["batch_size"], block_size=64, device="cpu")["val"]  # FP32
     assert r["val_loss"] == pytest.approx(ours, rel=1e-6)
+    print(f"llama.cpp check {case} {fmt}: val loss to its arithmetic "
+          f"{r['val_loss_llama_cpp'] / r['val_loss_arithmetic'] - 1:+.1e}, "
+          f"to ours {r['val_loss_llama_cpp'] / r['val_loss'] - 1:+.1e}; logits to the file's model "
+          f"{r['max_logit_difference_file']:.2e}, the roundings' effect {r['rounding_effect']:.2e}")
     assert r["tokens"] == 4 * 64 and r["within_bound"]
     assert 0 < r["rounding_effect"] and r["max_logit_difference_file"] <= 2 * r["rounding_effect"]
     assert r["val_loss_llama_cpp"] == pytest.approx(r["val_loss_arithmetic"], rel=1e-5)
