@@ -31,7 +31,8 @@ top_k = 200  # sample only among the top_k most likely tokens; 0 keeps them all
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
 # -----------------------------------------------------------------------------
-CONFIG_KEYS = ("init_from", "out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed", "device")
+CONFIG_KEYS = ("init_from", "out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed",
+               "device")
 
 
 class UsageError(UserError):

@@ -238,8 +238,9 @@ def test_auto_and_auto_int_pick_the_rules_format_from_the_file(tiny_corpus, tmp_
         names = [lowbit.FORMATS[i].name for i in ids.flatten().tolist()]
         assert names[:len(values)] == [table[v] for v in values]
         assert set(names[len(values):]) == {"bf16" if fmt == "auto" else "int6"}
-    assert [lowbit.FORMATS[i].name for i in lowbit.auto_format_ids(torch.tensor([0.5, -2.0])).tolist()] == ["mxfp4", "mxfp4"]
-    assert [lowbit.FORMATS[i].name for i in lowbit.auto_int_format_ids(torch.tensor([0.5, 1.5])).tolist()] == ["int2", "int2"]
+    names = lambda ids: [lowbit.FORMATS[i].name for i in ids.tolist()]  # noqa: E731
+    assert names(lowbit.auto_format_ids(torch.tensor([0.5, -2.0]))) == ["mxfp4", "mxfp4"]
+    assert names(lowbit.auto_int_format_ids(torch.tensor([0.5, 1.5]))) == ["int2", "int2"]
 
 
 # --- the file --------------------------------------------------------------------------------
@@ -451,7 +452,8 @@ def test_json_path_gets_the_summary_the_tables_print(tiny_corpus, tmp_path, caps
     for r in report["exports"]:
         assert r["path"] == str(tmp_path / "run" / f"model-{r['format']}.safetensors")
         assert r["file_bytes"] == os.path.getsize(r["path"])
-        assert f"{r['val_loss']:.4f}" == table[r["format"]][1] and f"{r['val_loss_unquantized']:.4f}" == table[r["format"]][2]
+        assert f"{r['val_loss']:.4f}" == table[r["format"]][1]
+        assert f"{r['val_loss_unquantized']:.4f}" == table[r["format"]][2]
     assert out.strip().splitlines()[-1] == f"wrote {tmp_path / 'out.json'}"
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # written atomically: no temporary left
 
