@@ -507,7 +507,7 @@ def open_reader(path):
     if os.path.isdir(path):
         raise GGUFError(f"{path} is a directory; give the path of a .gguf file written by export.py --gguf=True")
     if not os.path.exists(path):
-        raise GGUFError(f"no file {path}: {AGAIN}")
+        raise GGUFError(f"no file {path}: write it with python export.py --out_dir=RUN --format=... --gguf=True")
     try:
         return gguf.GGUFReader(path)
     except OSError as e:
