@@ -20,6 +20,7 @@ Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoi
    the loss of the checkpoint's own (unquantized) weights;
 4. with --gguf=True, writes model-<format>.gguf beside each file, for llama.cpp (gguf_file.py,
    docs/GGUF.md).
+Every file is written atomically; what an export killed mid-write left beside them is removed first.
 
     model, info = lowbit.load("out/model-auto.safetensors")  # the dequantized model, in eval mode
 
