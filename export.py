@@ -15,22 +15,14 @@ Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoi
    mean ranked by b_t (auto-int) or by each block's own error (error-int); writes
    model-<format>.safetensors: packed element codes, scales, per-block format ids, what it takes
    to rebuild the model (no pickle) and the SHA-256 of every tensor and of the metadata, which
-   load checks before it rebuilds anything;
+   load checks before it rebuilds anything (the file: lowbit.py);
 3. evaluates the val loss of each exported model on train.py's fixed evaluation batches, beside
-   the loss of the checkpoint's own (unquantized) weights.
+   the loss of the checkpoint's own (unquantized) weights;
+4. with --gguf=True, writes model-<format>.gguf beside each file, for llama.cpp (gguf_file.py,
+   docs/GGUF.md).
+Every file is written atomically; what an export killed mid-write left beside them is removed first.
 
-    model, info = export.load("out/model-auto.safetensors")  # the dequantized model, in eval mode
-
-The file: for each quantized weight W, W.format (a uint8 format id per block, ids in the
-metadata's "formats"), W.<format>.codes (that format's element codes, packed little-endian, blocks
-in row-major order) and W.<format>.scales (E8M0 bytes, or BF16 for integers); every other tensor
-under its own name; metadata with the architecture, the PQT settings, the format and its mix, the
-training config, the dataset's meta.json and the SHA-256s.
-
-load refuses in one line (ExportError) a file that is damaged (a checksum differs), malformed (a
-tensor of the wrong size for its blocks, a format id the file does not name, model_args the model
-does not know), of another tool or of an older export.py (no checksums: export the run again),
-and a model that rebuilds non-finite.
+    model, info = lowbit.load("out/model-auto.safetensors")  # the dequantized model, in eval mode
 
 Layers without PQT, embeddings, head, norms and biases are kept in BF16 (--other_dtype=float32
 keeps them exact). A run without PQT layers (a bf16 run) has its block Linears quantized instead,
@@ -40,29 +32,25 @@ format is its target_format. A run that trained by STE on a bit budget's per-blo
 auto-int or error-int) keeps them: exported at its own target_format and --bits_per_weight, each
 block takes the format it trained on, and the file holds the trained weights.
 """
-import hashlib
 import io
 import json
 import math
 import os
-import struct
+import re
 import sys
-from dataclasses import fields
 
-import numpy as np
 import torch
 
 import checkpoint
 import gaussws
-import ste
+import lowbit
 from configurator import check_device, configure
 from data import loader
 from data.common import DataError, unusable_dir
-from formats import (BY_NAME, FORMATS, block_weights, budget_format_ids, dequantize_blocks, from_blocks,
-                     quantize_blocks, to_blocks)
-from kernels import BL
+from formats import FORMATS, block_weights
+from lowbit import ExportError
 from model import GPT, ROLES, ModelConfig
-from util import UserError, cli, first_line, write_atomic
+from util import cli, first_line, write_atomic
 
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
@@ -78,99 +66,12 @@ DEFAULTS = dict(
     evaluate=True,  # val loss of each exported model beside the unquantized one
     eval_iters=0,  # batches of the val loss; 0 -> the run's own eval_iters (the batches of train.py's evaluation)
     json="",  # also write the summary (checkpoint, notes, bitwidths, a record per format) to this path as JSON
-    gguf=False,  # also write model-<format>.gguf beside each file, for llama.cpp (export_gguf.py)
+    gguf=False,  # also write model-<format>.gguf beside each file, for llama.cpp (gguf_file.py, docs/GGUF.md)
     device="cuda" if torch.cuda.is_available() else "cpu",  # where the evaluation runs
 )
 # -----------------------------------------------------------------------------------------------
 
-
-class ExportError(UserError):
-    """Bad input or an unusable checkpoint; the message is one line that says what to do."""
-
-
-# --- which format a block takes (the formats themselves: formats.py) ---------------------------
-
-# auto's candidates, cheapest first (element bits, then scale bits): a block takes the first one
-# that Table C allows for its b_t. fp32 allows every b_t up to 25, and is the master weight itself.
-AUTO_ORDER = ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "bf16", "fp16", "fp32"]
 TIERS = [(4.0, "<=4"), (5.0, "4-5"), (9.0, "5-9"), (12.0, "9-12"), (math.inf, ">12")]  # Table C's tiers of b_t
-
-
-def table_c_allows(fmt, b_t):
-    """Table C of the paper (appendix C; METHOD.md section 3): w_hat of bitwidth b_t needs an FP
-    exponent of ceil(log2(b_t + 3)) bits and a mantissa of b_t - 2 bits. ceil(log2(b_t + 3)) <= e
-    is b_t <= 2^e - 3, which spares a log of a float at the tier edges (b_t = 5 exactly: e = 3)."""
-    return (b_t <= 2 ** fmt.ebits - 3) & (b_t <= fmt.mbits + 2)
-
-
-def auto_format_ids(b_t):
-    """Per block, the cheapest format of AUTO_ORDER that Table C allows for its b_t."""
-    ids = torch.full(b_t.shape, BY_NAME["fp32"], dtype=torch.uint8)
-    for name in reversed(AUTO_ORDER):  # cheaper formats overwrite dearer ones
-        ids[table_c_allows(FORMATS[BY_NAME[name]], b_t)] = BY_NAME[name]
-    return ids
-
-
-def auto_int_format_ids(b_t):
-    """Per block, the symmetric integer of ceil(b_t) bits (at least 2): its step, max_bl / (2^(b-1) - 1),
-    is the grid Eq. 3's noise scale max_bl * 2^(1 - b_t) stands in for. Past 16 bits: fp32."""
-    bits = torch.ceil(b_t).clamp(min=2)
-    ids = torch.full(b_t.shape, BY_NAME["fp32"], dtype=torch.uint8)
-    for b in range(2, 17):
-        ids[bits == b] = BY_NAME[f"int{b}"]
-    return ids
-
-
-# --- 32x32 blocks and bit packing ----------------------------------------------------------------
-
-def pack(codes, bits):
-    """Codes (int64, each < 2^bits) as a little-endian bit stream: code i in bits [i*bits, (i+1)*bits)."""
-    c = codes.numpy()
-    stream = np.empty((len(c), bits), dtype=np.uint8)
-    for j in range(bits):
-        stream[:, j] = (c >> j) & 1
-    return torch.from_numpy(np.packbits(stream.reshape(-1), bitorder="little"))
-
-
-def unpack(packed, bits, count):
-    stream = np.unpackbits(packed.numpy(), count=count * bits, bitorder="little").reshape(count, bits)
-    codes = np.zeros(count, dtype=np.int64)
-    for j in range(bits):
-        codes |= stream[:, j].astype(np.int64) << j
-    return torch.from_numpy(codes)
-
-
-def quantize_weight(name, w, format_ids):
-    """A weight (m, n) and the format id of each 32x32 block -> the file's tensors for it, by suffix:
-    "format" (uint8 ids, (ceil(m/32), ceil(n/32))) and, per format used, "<format>.codes" (its blocks'
-    codes, packed in block order, only the real elements of edge blocks) and "<format>.scales"."""
-    if not torch.isfinite(w).all():
-        raise ExportError(f"{name} holds {int((~torch.isfinite(w)).sum())} non-finite values (NaN or Inf); "
-                          f"a non-finite model cannot be exported: export an earlier checkpoint")
-    blocks, real = to_blocks(w.double()), to_blocks(torch.ones(w.shape, dtype=torch.bool))
-    ids = format_ids.flatten()
-    out = {"format": format_ids.to(torch.uint8).contiguous()}
-    for fid in ids.unique().tolist():
-        fmt, sel = FORMATS[fid], ids == fid
-        codes, scales = quantize_blocks(blocks[sel], fmt)
-        out[f"{fmt.name}.codes"] = pack(codes[real[sel]], fmt.bits)
-        if scales is not None:
-            out[f"{fmt.name}.scales"] = scales.contiguous()
-    return out
-
-
-def dequantize_weight(tensors, m, n):
-    """The float32 weight (m, n) from quantize_weight's tensors."""
-    ids = tensors["format"].flatten().long()
-    real = to_blocks(torch.ones(m, n, dtype=torch.bool))
-    blocks = torch.zeros(real.shape, dtype=torch.float64)
-    for fid in ids.unique().tolist():
-        fmt, sel = FORMATS[fid], ids == fid
-        mask = real[sel]
-        codes = torch.zeros(mask.shape, dtype=torch.int64)
-        codes[mask] = unpack(tensors[f"{fmt.name}.codes"], fmt.bits, int(mask.sum()))
-        blocks[sel] = dequantize_blocks(codes, tensors.get(f"{fmt.name}.scales"), fmt)
-    return from_blocks(blocks, m, n).float()
 
 
 # --- the checkpoint --------------------------------------------------------------------------
@@ -306,263 +207,6 @@ def plot_bitwidths(report):
     return png.getvalue()
 
 
-# --- the exported file -------------------------------------------------------------------------
-
-EXPORT_VERSION = "2"  # the file's "pqt_export"; "1": an older export.py, which recorded no checksums
-INFO_KEYS = ("model_args", "pqt", "formats", "quantized", "mix", "config", "meta", "iter_num")  # JSON in the metadata
-
-
-def trained_formats(state_dict, pqt, quantized, fmt_name, budget):
-    """{layer: format ids} a run trained on (STE at a bit budget: the format_ids saved beside each
-    weight, chosen at its switch), when they are what --format at --bits_per_weight asks for: the run's
-    own target_format and bits_per_weight, every quantized layer holding its chosen ids. Else None: the
-    budget is allocated afresh (budget_format_ids) from the checkpoint's weights and b_t."""
-    ids = {k[:-len(".format_ids")]: v for k, v in state_dict.items() if k.endswith(".format_ids")}
-    if (fmt_name, budget) != (pqt.get("target_format"), pqt.get("bits_per_weight")) or set(ids) != set(quantized):
-        return None
-    if any((v == ste.UNCHOSEN).any() for v in ids.values()):
-        return None  # saved before the switch: the run has not chosen them yet
-    return {k: ids[k].to(torch.uint8) for k in quantized}
-
-
-def format_ids_for(name, fmt_name, b_t, shape):
-    """The format id of each block of layer `name` under --format (auto/auto-int need the layer's b_t)."""
-    nb = (-(-shape[0] // BL), -(-shape[1] // BL))
-    if fmt_name in ("auto", "auto-int"):
-        if b_t is None:  # a block Linear without PQT: nothing learned to choose from
-            return torch.full(nb, BY_NAME["bf16"], dtype=torch.uint8)
-        return auto_format_ids(b_t) if fmt_name == "auto" else auto_int_format_ids(b_t)
-    return torch.full(nb, BY_NAME[fmt_name], dtype=torch.uint8)
-
-
-def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen=None):
-    """The safetensors file (bytes) of `model` with the weights of `quantized` ({module path: role})
-    quantized per block, and its mix: share of quantized weights per format and bits per weight.
-    chosen: {layer: format ids} made beforehand (a bit budget's), instead of format_ids_for's."""
-    from safetensors.torch import save
-    tensors, seen, shapes = {}, set(), {}
-    weights_by_format, quantized_bytes = {}, 0
-    for key, value in model.state_dict().items():
-        if value.data_ptr() in seen:  # a tied weight (GPT2's lm_head is wte) is stored once
-            continue
-        seen.add(value.data_ptr())
-        layer = key[:-len(".weight")]
-        if key.endswith(".weight") and layer in quantized:
-            ids = chosen[layer] if chosen else format_ids_for(layer, fmt_name, b_t.get(layer), value.shape)
-            parts = quantize_weight(key, value.detach().float().cpu(), ids)
-            tensors.update({f"{key}.{suffix}": t for suffix, t in parts.items()})
-            quantized_bytes += sum(t.numel() * t.element_size() for t in parts.values())
-            shapes[key] = list(value.shape)
-            counts = block_weights(*value.shape).flatten()
-            for fid in ids.flatten().unique().tolist():
-                weights_by_format[FORMATS[fid].name] = (weights_by_format.get(FORMATS[fid].name, 0)
-                                                        + int(counts[ids.flatten() == fid].sum().item()))
-        else:
-            tensors[key] = value.detach().to(other_dtype).cpu().contiguous()
-    n = sum(weights_by_format.values())
-    mix = dict(format=fmt_name, quantized_weights=n, quantized_bytes=quantized_bytes,
-               bits_per_weight=8 * quantized_bytes / n if n else None,
-               share={f: c / n for f, c in sorted(weights_by_format.items(), key=lambda fc: BY_NAME[fc[0]])})
-    metadata = {**metadata, "pqt_export": EXPORT_VERSION, "format": fmt_name,
-                "formats": json.dumps([f.name for f in FORMATS]), "quantized": json.dumps(shapes), "mix": json.dumps(mix)}
-    metadata["sha256"] = checksums(tensors, metadata)
-    return save(tensors, metadata=metadata), mix
-
-
-def tensor_sha256(t):
-    """SHA-256 of a tensor's bytes as safetensors stores them (little-endian, row-major)."""
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
-
-
-def metadata_sha256(metadata):
-    """SHA-256 of the metadata entries but the checksums themselves, in a canonical order."""
-    return hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "sha256"}, sort_keys=True).encode()
-                          ).hexdigest()
-
-
-def checksums(tensors, metadata):
-    """The "sha256" metadata entry: every tensor's checksum and the metadata's, checked by load."""
-    return json.dumps({"tensors": {k: tensor_sha256(t) for k, t in tensors.items()},
-                       "metadata": metadata_sha256(metadata)})
-
-
-def _header(data, where):
-    """(tensor entries {name: {dtype, shape, data_offsets}}, metadata) of a safetensors file's bytes."""
-    foreign = f"{where} is not a model file written by export.py"
-    if len(data) < 8 or struct.unpack("<Q", data[:8])[0] > len(data) - 8:
-        raise ExportError(f"{foreign} (shorter than its header says: truncated, or not a safetensors file)")
-    (n,) = struct.unpack("<Q", data[:8])
-    try:
-        header = json.loads(data[8:8 + n])
-    except ValueError as e:
-        raise ExportError(f"{foreign} (its header is not JSON: {e})") from None
-    metadata = header.pop("__metadata__", None) if isinstance(header, dict) else None
-    if not isinstance(metadata, dict) or "pqt_export" not in metadata:
-        raise ExportError(f"{foreign} (no pqt_export metadata)")
-    if metadata["pqt_export"] == "1" and "sha256" not in metadata:
-        raise ExportError(f"{where} was written by an older export.py that recorded no checksums, so it cannot be "
-                          f"verified; export the run again (python export.py --out_dir=RUN --format=...)")
-    if metadata["pqt_export"] != EXPORT_VERSION:
-        raise ExportError(f"{where} has export version {metadata['pqt_export']!r}; this export.py reads "
-                          f"{EXPORT_VERSION!r}: export the run again with this export.py")
-    return header, metadata
-
-
-def _verify(data, header, metadata, where):
-    """Every tensor's bytes and the metadata against the checksums recorded at export."""
-    damaged = f"{where} fails verification (damaged, or not written by export.py)"
-    try:
-        sums = json.loads(metadata["sha256"])
-        tensor_sums, metadata_sum = dict(sums["tensors"]), sums["metadata"]
-    except (KeyError, TypeError, ValueError):
-        raise ExportError(f"{damaged}: its checksums cannot be read; export the run again") from None
-    if metadata_sha256(metadata) != metadata_sum:
-        raise ExportError(f"{damaged}: its metadata does not match its checksum; export the run again")
-    if set(tensor_sums) != set(header):
-        odd = sorted(set(tensor_sums) ^ set(header))
-        raise ExportError(f"{damaged}: tensors {odd[:3]} are missing or were added; export the run again")
-    base = 8 + struct.unpack("<Q", data[:8])[0]
-    view = memoryview(data)
-    for name, entry in header.items():
-        try:
-            start, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ExportError(f"{damaged}: the header entry of {name} is malformed; export the run again") from None
-        if not 0 <= start <= end <= len(data) - base or hashlib.sha256(view[base + start:base + end]).hexdigest() \
-                != tensor_sums[name]:
-            raise ExportError(f"{damaged}: tensor {name} does not match its checksum (flipped or missing bytes); "
-                              f"export the run again")
-
-
-def _info(metadata, where):
-    """The metadata's JSON entries, parsed and type-checked."""
-    info = {"format": metadata.get("format")}
-    if not isinstance(info["format"], str):
-        raise ExportError(f"{where} lacks the metadata entry 'format' export.py writes; export the run again")
-    for key in INFO_KEYS:
-        if key not in metadata:
-            raise ExportError(f"{where} lacks the metadata entry {key!r} export.py writes; export the run again")
-        try:
-            info[key] = json.loads(metadata[key])
-        except (TypeError, ValueError) as e:
-            raise ExportError(f"{where}: metadata entry {key!r} is not JSON ({e}); export the run again") from None
-    kinds = dict(model_args=dict, pqt=dict, formats=list, quantized=dict, mix=dict, config=dict, meta=(dict, type(None)))
-    for key, kind in kinds.items():
-        if not isinstance(info[key], kind):
-            raise ExportError(f"{where}: metadata entry {key!r} is a JSON {type(info[key]).__name__}, not what "
-                              f"export.py writes; export the run again")
-    if info["formats"] != [f.name for f in FORMATS][:len(info["formats"])]:
-        raise ExportError(f"{where} numbers its formats differently from this export.py: {info['formats']}")
-    unknown = sorted(set(info["model_args"]) - {f.name for f in fields(ModelConfig)})
-    if unknown:
-        raise ExportError(f"{where}: model_args has keys this project's model does not know: {unknown}")
-    return info
-
-
-def _reference(info, where):
-    """{key: shape} of the unique tensors (a tied weight once) of the model that info describes (meta device)."""
-    try:
-        with torch.device("meta"):
-            model = GPT(ModelConfig(**info["model_args"]))
-    except (TypeError, ValueError, ZeroDivisionError, RuntimeError, OverflowError) as e:
-        raise ExportError(f"{where}: model_args {info['model_args']} do not describe a model "
-                          f"({type(e).__name__}: {e})") from None
-    shapes, seen = {}, set()
-    for key, value in model.state_dict(keep_vars=True).items():
-        if id(value) not in seen:  # export_bytes stores a tied weight once, under its first name
-            seen.add(id(value))
-            shapes[key] = tuple(value.shape)
-    return shapes
-
-
-def _check_quantized(tensors, key, shape, n_formats, where):
-    """The names of a quantized weight's tensors, each checked against the block count of its shape."""
-    ids = tensors.get(f"{key}.format")
-    nb = (-(-shape[0] // BL), -(-shape[1] // BL))
-    if ids is None or ids.dtype != torch.uint8 or tuple(ids.shape) != nb:
-        got = "missing" if ids is None else f"{ids.dtype} {tuple(ids.shape)}"
-        raise ExportError(f"{where}: {key}.format should hold one uint8 format id per 32x32 block {nb}, got {got}")
-    ids = ids.flatten().long()
-    if (ids >= n_formats).any():
-        raise ExportError(f"{where}: {key}.format holds format id {int(ids.max())}; the file names {n_formats} formats")
-    real = to_blocks(torch.ones(shape, dtype=torch.bool)).sum(dim=1)  # elements of each block (edge blocks fewer)
-    names = {f"{key}.format"}
-    for fid in ids.unique().tolist():
-        fmt, sel = FORMATS[fid], ids == fid
-        want = {f"{key}.{fmt.name}.codes": (torch.uint8, (-(-int(real[sel].sum()) * fmt.bits // 8),))}
-        if fmt.scaled:
-            want[f"{key}.{fmt.name}.scales"] = (torch.bfloat16 if fmt.kind == "int" else torch.uint8, (int(sel.sum()),))
-        for name, (dtype, size) in want.items():
-            t = tensors.get(name)
-            if t is None or t.dtype != dtype or tuple(t.shape) != size:
-                got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)}"
-                raise ExportError(f"{where}: {name} should be {dtype} {size} for the blocks of {key}, got {got}")
-        scales = tensors.get(f"{key}.{fmt.name}.scales")
-        if fmt.kind == "fp" and scales is not None and (scales == 255).any():
-            raise ExportError(f"{where}: {key} has the E8M0 scale code 255 (NaN), which export.py never writes")
-        names |= want.keys()
-    return names
-
-
-def _check_tensors(tensors, info, where):
-    """Every tensor of the model is in the file, of its shape; nothing else is."""
-    reference, quantized = _reference(info, where), info["quantized"]
-    expected = set()
-    for key, shape in quantized.items():
-        if key not in reference or list(reference[key]) != shape or len(shape) != 2:
-            raise ExportError(f"{where}: quantized weight {key} {shape} is not a weight of the model "
-                              f"{info['model_args']} ({list(reference.get(key, ())) or 'no such weight'})")
-        expected |= _check_quantized(tensors, key, tuple(shape), len(info["formats"]), where)
-    for key, shape in reference.items():
-        if key in quantized:
-            continue
-        t = tensors.get(key)
-        if t is None or not t.is_floating_point() or tuple(t.shape) != shape:
-            got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)}"
-            raise ExportError(f"{where}: {key} should be a float tensor of shape {shape}, got {got}")
-        expected.add(key)
-    if set(tensors) - expected:
-        raise ExportError(f"{where} holds tensors the model does not have: {sorted(set(tensors) - expected)[:3]}")
-
-
-def rebuild(data, device="cpu", where="the exported file"):
-    """(model in eval mode with the dequantized weights, info) from an exported file's bytes, verified
-    first: the checksums export recorded, every tensor's size against the model and its blocks, and
-    the rebuilt model finite. Anything else is ExportError, one line."""
-    from safetensors.torch import load as load_tensors
-    header, metadata = _header(data, where)
-    _verify(data, header, metadata, where)
-    info = _info(metadata, where)
-    try:
-        tensors = load_tensors(data)
-    except Exception as e:  # safetensors' own errors have no common base class
-        raise ExportError(f"{where} is not a valid safetensors file ({type(e).__name__}: {e})") from None
-    _check_tensors(tensors, info, where)
-    model = GPT(ModelConfig(**info["model_args"]))
-    own = model.state_dict()
-    state = {k: v.float() for k, v in tensors.items() if k in own and k not in info["quantized"]}
-    for key, (m, n) in info["quantized"].items():
-        prefix = key + "."
-        state[key] = dequantize_weight({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, m, n)
-    model.load_state_dict(state, strict=False)  # complete, as _check_tensors found; a tied weight comes with its twin
-    for key, value in model.state_dict().items():
-        if not torch.isfinite(value).all():
-            raise ExportError(f"{where}: {key} holds {int((~torch.isfinite(value)).sum())} non-finite values (an Inf "
-                              f"or NaN scale, norm or weight); a non-finite model is not loaded: export the run again")
-    return model.to(device).eval(), info
-
-
-def load(path, device="cpu"):
-    """(model, info) from a file written by export.py, verified (rebuild): the model (eval mode) holds
-    the dequantized weights; info holds model_args, pqt, format, mix, config and meta (the dataset's tokenizer)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ExportError(f"cannot read {path}: {first_line(e)}")
-    return rebuild(data, device, where=path)
-
-
 # --- evaluation ----------------------------------------------------------------------------------
 
 def run_val_loss(config, meta, block_size, eval_iters, device):
@@ -637,101 +281,143 @@ def check_json_path(path):
         raise ExportError(f"--json={path} cannot be written: {why}; choose another path")
 
 
+def cannot_write(path, e, option="--export_dir"):
+    """The one line of a write that failed (a full disk, a folder gone): nothing was replaced."""
+    return ExportError(f"cannot write {path} ({e.strerror or e}): free space or choose another {option}; "
+                       f"no file there was replaced")
+
+
 def write_output(path, data, option="--export_dir"):
     """bytes to path atomically (util.write_atomic): a full disk is one line, the old file kept."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_atomic(path, data)
     except OSError as e:
-        raise ExportError(f"cannot write {path} ({e.strerror or e}): free space or choose another {option}; "
-                          f"no file there was replaced") from None
+        raise cannot_write(path, e, option) from None
 
 
-def budget_formats(fmt_name, budget, model, state_dict, pqt, quantized, b_t, notes):
-    """{layer: format ids} of --format auto-int or error-int at a bit budget (--bits_per_weight; None
-    without one): the per-block formats the run trained on, where it trained on this budget's (a note
-    says so), else formats.budget_format_ids's choice from the weights (and b_t, for auto-int)."""
-    if not budget or fmt_name not in ("auto-int", "error-int"):
-        return None
-    chosen = trained_formats(state_dict, pqt, quantized, fmt_name, budget)
-    if chosen is not None:
-        notes.append(f"{fmt_name} at {budget:g} bits per weight: the per-block formats the run trained on, "
-                     f"chosen at its step {pqt.get('ste_start') or pqt.get('pqt_start'):.0f}")
-        return chosen
-    if fmt_name == "auto-int" and any(k not in b_t for k in quantized):
-        raise ExportError("auto-int with --bits_per_weight ranks blocks by their learned b_t, and these layers "
-                          "have none (no PQT): use --format=error-int, which ranks them by their own error")
-    weights = {k: model.get_submodule(k).weight for k in quantized}
-    return budget_format_ids(fmt_name, weights, b_t, budget)
+def _alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        pass
+    return True
+
+
+def remove_stale_temporaries(paths):
+    """Remove the temporary files (util.temp_path's names: .<name>.<pid>.<token>.tmp) that writers of
+    these paths killed mid-write left beside them; a live writer's are kept. Returns those removed."""
+    removed = []
+    for path in paths:
+        directory, name = os.path.split(os.path.abspath(path))
+        pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for entry in names:
+            match = pattern.fullmatch(entry)
+            if match and not _alive(int(match.group(1))):
+                try:
+                    os.unlink(os.path.join(directory, entry))
+                except OSError:  # gone already, or not ours to remove: left as it is
+                    continue
+                removed.append(entry)
+    return removed
+
+
+def read_run(cfg, formats):
+    """The checkpoint of --out_dir as export needs it: (checkpoint dict, model, b_t, block Linears,
+    the layers to quantize, notes), every weight finite."""
+    ckpt = checkpoint.read(cfg["out_dir"])  # verified first; a sharded (FSDP) checkpoint gathered here
+    state_dict, pqt = ckpt["model"], ckpt["pqt"]
+    model = build_model(state_dict, ckpt["model_args"])
+    for key, value in model.state_dict().items():
+        if not torch.isfinite(value).all():
+            raise ExportError(f"{key} holds {int((~torch.isfinite(value)).sum())} non-finite values (NaN or Inf) in "
+                              f"{ckpt['path']}; a non-finite model cannot be exported: export an earlier checkpoint")
+    b_t = learned_bitwidths(state_dict, pqt)
+    linears = block_linears(state_dict, model.config.arch)
+    quantized = linears if cfg["layers"] == "all" else trained_layers(linears, b_t, pqt)
+    notes = []
+    if not b_t and any(f.startswith("auto") for f in formats):
+        notes.append(f"{ckpt['path']} has no PQT layers (method {pqt.get('method', 'bf16')!r}), so auto and auto-int "
+                     f"have no learned b_t to choose a format from: they keep its block Linears in bf16")
+    return ckpt, model, b_t, linears, quantized, notes
+
+
+def read_meta(ckpt, evaluate):
+    """The dataset's meta.json of the run (None where the run records no dataset); needed to evaluate."""
+    config = ckpt["config"]
+    lacking = [k for k in ("dataset", "seed", "batch_size", "eval_iters", "dtype") if k not in config]
+    if evaluate and lacking:
+        raise ExportError(f"{ckpt['path']} does not record {', '.join(lacking)} of its run, so train.py's evaluation "
+                          f"batches cannot be drawn again; pass --evaluate=False to export without the loss")
+    try:
+        return loader.read_meta(loader.data_dir(config["dataset"])) if "dataset" in config else None
+    except DataError:
+        if evaluate:
+            raise
+    return None
+
+
+def write_gguf(gguf_plan, fmt_name, data, val_loss):
+    """model-<format>.gguf of the exported bytes (gguf_file.write): a failed write is one line."""
+    import gguf_file
+    try:
+        return gguf_file.write(gguf_plan, fmt_name, data, log=print, evaluate=val_loss)
+    except OSError as e:
+        raise cannot_write(gguf_plan.paths[fmt_name], e) from None
 
 
 def main(argv):
     cfg = dict(DEFAULTS)
     configure(cfg, argv)
     formats, export_dir, paths = check_args(cfg)
-
-    ckpt = checkpoint.read(cfg["out_dir"])  # verified first; a sharded (FSDP) checkpoint gathered here
-    ckpt_path, state_dict, arch_args, pqt, iter_num = (ckpt[k] for k in ("path", "model", "model_args", "pqt", "iter_num"))
-    model = build_model(state_dict, arch_args)
-    for key, value in model.state_dict().items():
-        if not torch.isfinite(value).all():
-            raise ExportError(f"{key} holds {int((~torch.isfinite(value)).sum())} non-finite values (NaN or Inf) in "
-                              f"{ckpt_path}; a non-finite model cannot be exported: export an earlier checkpoint")
-    arch = model.config.arch
-    b_t = learned_bitwidths(state_dict, pqt)
-    linears = block_linears(state_dict, arch)
-    quantized = linears if cfg["layers"] == "all" else trained_layers(linears, b_t, pqt)
-    shapes = {name: tuple(state_dict[name + ".weight"].shape) for name in linears}
-    notes = []
-    if not b_t and any(f.startswith("auto") for f in formats):
-        notes.append(f"{ckpt_path} has no PQT layers (method {pqt.get('method', 'bf16')!r}), so auto and auto-int have "
-                     f"no learned b_t to choose a format from: they keep its block Linears in bf16")
-
-    config = ckpt["config"]
-    lacking = [k for k in ("dataset", "seed", "batch_size", "eval_iters", "dtype") if k not in config]
-    if cfg["evaluate"] and lacking:
-        raise ExportError(f"{ckpt_path} does not record {', '.join(lacking)} of its run, so train.py's evaluation "
-                          f"batches cannot be drawn again; pass --evaluate=False to export without the loss")
-    meta = None
-    try:
-        meta = loader.read_meta(loader.data_dir(config["dataset"])) if "dataset" in config else None
-    except DataError:
-        if cfg["evaluate"]:
-            raise
+    ckpt, model, b_t, linears, quantized, notes = read_run(cfg, formats)
+    config, pqt, state_dict = ckpt["config"], ckpt["pqt"], ckpt["model"]
+    meta = read_meta(ckpt, cfg["evaluate"])
+    gguf_plan = None
     if cfg["gguf"]:
-        import export_gguf  # needs the gguf package, and only here
-        gguf_plan = export_gguf.plan(model, quantized, meta, config, formats, export_dir, cfg)
+        import gguf_file  # needs the gguf package, and only here
+        gguf_plan = gguf_file.plan(model, quantized, meta, config, formats, export_dir, cfg)
+    outputs = [*paths.values(), *(gguf_plan.paths.values() if gguf_plan else ()), cfg["json"] or None,
+               *(os.path.join(export_dir, f"bitwidths.{ext}") for ext in ("json", "png"))]
+    remove_stale_temporaries([p for p in outputs if p])  # what an export killed mid-write left
+    val_loss = reference = None
     if cfg["evaluate"]:
         eval_iters = cfg["eval_iters"] or config["eval_iters"]
         val_loss = run_val_loss(config, meta, model.config.block_size, eval_iters, cfg["device"])
         reference = val_loss(model.to(cfg["device"]))
+    shapes = {name: tuple(state_dict[name + ".weight"].shape) for name in linears}
     report = bitwidth_report(b_t, shapes, linears, pqt) if b_t else None
     if report:
         write_output(os.path.join(export_dir, "bitwidths.json"), json.dumps(report, indent=1).encode())
         if cfg["plot"]:
             write_output(os.path.join(export_dir, "bitwidths.png"), plot_bitwidths(report))
 
-    metadata = {"model_args": json.dumps(arch_args), "pqt": json.dumps(pqt),
-                "config": json.dumps(config), "meta": json.dumps(meta), "iter_num": json.dumps(iter_num)}
-    results = []
+    metadata = {"model_args": json.dumps(ckpt["model_args"]), "pqt": json.dumps(pqt), "config": json.dumps(config),
+                "meta": json.dumps(meta), "iter_num": json.dumps(ckpt["iter_num"])}
     other_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["other_dtype"]]
+    results = []
     for fmt_name in formats:
-        chosen = budget_formats(fmt_name, cfg["bits_per_weight"], model, state_dict, pqt, quantized, b_t, notes)
-        data, mix = export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen)
+        chosen = lowbit.budget_formats(fmt_name, cfg["bits_per_weight"], model, state_dict, pqt, quantized, b_t, notes)
+        data, mix = lowbit.export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen)
         result = dict(mix, path=paths[fmt_name] if cfg["save"] else None, file_bytes=len(data))
         if cfg["save"]:
             write_output(paths[fmt_name], data)  # atomic: a crash leaves no half-written model file
-        if cfg["evaluate"]:
-            exported, _ = rebuild(data, cfg["device"])
+        if val_loss:
+            exported, _ = lowbit.rebuild(data, cfg["device"])
             loss = val_loss(exported)
             result.update(val_loss=loss, val_loss_unquantized=reference, increase_pct=100 * (loss / reference - 1))
-        if cfg["gguf"]:
-            result["gguf"] = export_gguf.write(gguf_plan, fmt_name, data, log=print,
-                                               evaluate=val_loss if cfg["evaluate"] else None)
+        if gguf_plan:
+            result["gguf"] = write_gguf(gguf_plan, fmt_name, data, val_loss)
         results.append(result)
 
-    summary = dict(checkpoint=ckpt_path, iter_num=iter_num, notes=notes, bitwidths=report, exports=results)
-    print_summary(summary, export_dir, cfg["plot"], (eval_iters, config["dtype"]) if cfg["evaluate"] else None)
+    summary = dict(checkpoint=ckpt["path"], iter_num=ckpt["iter_num"], notes=notes, bitwidths=report, exports=results)
+    print_summary(summary, export_dir, cfg["plot"], (eval_iters, config["dtype"]) if val_loss else None)
     if cfg["json"]:
         write_output(cfg["json"], (json.dumps(summary, indent=1) + "\n").encode(), "--json")
         print(f"wrote {cfg['json']}")

@@ -202,7 +202,8 @@ def budget_format_ids(fmt_name, weights, b_t, budget):
         if any(k not in b_t for k in layers):
             raise ValueError("auto-int at a bit budget ranks blocks by their learned b_t, and these layers have "
                              "none (no PQT): use error-int, which ranks them by their own error")
-        priority = torch.cat([b_t[k].flatten() for k in layers])[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64)
+        learned = torch.cat([b_t[k].flatten() for k in layers])[:, None]
+        priority = learned - torch.tensor([2.0, 3.0], dtype=torch.float64)
     else:
         errors = []
         for k in layers:
@@ -212,6 +213,7 @@ def budget_format_ids(fmt_name, weights, b_t, budget):
                                        for f in fmts], dim=1))
         error = torch.cat(errors)
         priority = (error[:, :-1] - error[:, 1:]) / counts[:, None]
-    ids = torch.tensor([BY_NAME[f] for f in BUDGET_FORMATS], dtype=torch.uint8)[budget_bits(priority, counts, budget) - 2]
+    candidates = torch.tensor([BY_NAME[f] for f in BUDGET_FORMATS], dtype=torch.uint8)
+    ids = candidates[budget_bits(priority, counts, budget) - 2]
     sizes = [block_weights(*weights[k].shape).shape for k in layers]
     return {k: part.view(size) for k, part, size in zip(layers, ids.split([a * b for a, b in sizes]), sizes)}

@@ -28,10 +28,10 @@ USAGE = "usage: python hf.py --out=DIR [--ckpt=out/ckpt.pt] [--data_dir=DIR]"
 
 def read_exported(path):
     """A file of export.py as a checkpoint dict: its model's dequantized weights, architecture and config."""
-    import export
+    import lowbit
     try:
-        model, info = export.load(path)
-    except export.ExportError as e:
+        model, info = lowbit.load(path)
+    except lowbit.ExportError as e:
         raise pretrained.HFError(str(e)) from None
     return {"model": model.state_dict(), "model_args": info["model_args"], "config": info.get("config") or {}}
 

@@ -31,7 +31,8 @@ top_k = 200  # sample only among the top_k most likely tokens; 0 keeps them all
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # "cpu", "cuda", "cuda:1", ...
 # -----------------------------------------------------------------------------
-CONFIG_KEYS = ("init_from", "out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed", "device")
+CONFIG_KEYS = ("init_from", "out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "seed",
+               "device")
 
 
 class UsageError(UserError):
@@ -69,12 +70,12 @@ def load_checkpoint(out_dir, device):
 
 def load_export(path, device):
     """(model in eval mode, info) from a file of export.py: the model holds the dequantized weights."""
-    import export
+    import lowbit
     if not path.endswith(".safetensors"):
         raise UsageError(f"--init_from={path!r}: expected 'resume' or a .safetensors file written by export.py")
     try:
-        return export.load(path, device)
-    except export.ExportError as e:
+        return lowbit.load(path, device)
+    except lowbit.ExportError as e:
         raise UsageError(str(e)) from None
 
 

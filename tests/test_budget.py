@@ -10,6 +10,7 @@ import torch
 
 import export as E
 import formats
+import lowbit
 import util
 from model import GPT, ModelConfig
 
@@ -50,16 +51,17 @@ def test_budget_bits_takes_the_best_upgrades_that_fit():
 def test_error_int_minimises_the_total_squared_error_at_the_budget():
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
     w[:32] *= torch.linspace(0.1, 3.0, 96)  # blocks of unlike spread
-    chosen = E.budget_format_ids("error-int", {"w": w}, {}, 3.0)["w"]
-    blocks = E.to_blocks(w.double())
+    chosen = lowbit.budget_format_ids("error-int", {"w": w}, {}, 3.0)["w"]
+    blocks = formats.to_blocks(w.double())
 
     def error(bits):  # the total squared error of int<b> per block, by brute force
         total = 0.0
         for block, b in zip(blocks, bits):
-            fmt = E.FORMATS[E.BY_NAME[f"int{b}"]]
-            total += (E.dequantize_blocks(*E.quantize_blocks(block[None], fmt), fmt) - block).square().sum().item()
+            fmt = lowbit.FORMATS[lowbit.BY_NAME[f"int{b}"]]
+            back = formats.dequantize_blocks(*formats.quantize_blocks(block[None], fmt), fmt)
+            total += (back - block).square().sum().item()
         return total
-    got = [int(E.FORMATS[i].name[3:]) for i in chosen.flatten().tolist()]
+    got = [int(lowbit.FORMATS[i].name[3:]) for i in chosen.flatten().tolist()]
     best = min(error(c) for c in itertools.product((2, 3, 4), repeat=6) if sum(c) <= 3 * 6)
     assert sum(got) == 18 and error(got) == pytest.approx(best)
 
@@ -107,7 +109,8 @@ def test_auto_int_at_a_budget_gives_more_bits_to_blocks_of_higher_b_t(data_dir, 
     b_t, bits = [], []
     for key in [k for k in sd if k.endswith(".b_i")]:
         b_t.append(4.0 + 2.0 * sd[key].double().flatten())
-        bits.append(torch.tensor([int(E.FORMATS[i].name[3:]) for i in tensors[key[:-4] + ".weight.format"].flatten()]))
+        ids = tensors[key[:-4] + ".weight.format"].flatten()
+        bits.append(torch.tensor([int(lowbit.FORMATS[i].name[3:]) for i in ids]))
     b_t, bits = torch.cat(b_t), torch.cat(bits)
     order = b_t.argsort()
     assert (bits[order].diff() >= 0).all()  # over all layers together: the higher b_t, the more bits
@@ -127,5 +130,6 @@ def test_a_bad_budget_is_one_line(data_dir, tmp_path, capsys, args, message):
 
 def test_auto_int_at_a_budget_needs_learned_bitwidths(data_dir, tmp_path, capsys):
     checkpoint(tmp_path, data_dir, b_t=False)
-    assert util.cli(E.main, [f"--out_dir={tmp_path}", "--format=auto-int", "--bits_per_weight=3", "--evaluate=False"]) == 1
+    argv = [f"--out_dir={tmp_path}", "--format=auto-int", "--bits_per_weight=3", "--evaluate=False"]
+    assert util.cli(E.main, argv) == 1
     assert "use --format=error-int" in capsys.readouterr().err

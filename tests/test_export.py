@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import export as E
 import formats
+import lowbit
 import train
 import util
 from data import loader
@@ -26,7 +27,7 @@ from conftest import ROOT
 ROLES = {"gpt2": {"attn.c_attn": "qkv", "attn.c_proj": "out", "mlp.c_fc": "up", "mlp.c_proj": "down"},
          "llama2": {"attn.q": "q", "attn.k": "k", "attn.v": "v", "attn.out": "out",
                     "mlp.gate": "gate", "mlp.up": "up", "mlp.down": "down"}}
-FMT = {f.name: f for f in E.FORMATS}
+FMT = {f.name: f for f in lowbit.FORMATS}
 
 
 def make_checkpoint(out_dir, data_dir, arch="gpt2", pqt_roles=None, b_t=None, layout="new", nan=False, seed=0):
@@ -164,8 +165,8 @@ def test_int_formats_are_symmetric_absmax_grids_with_ties_to_even():
         fmt, levels = FMT[f"int{bits}"], 2 ** (bits - 1) - 1
         w = torch.randn(40, 70, generator=torch.Generator().manual_seed(bits))
         w[:32, 32:64] = 0.0  # an all-zero block
-        t = E.quantize_weight("w", w, torch.full((2, 3), E.BY_NAME[fmt.name], dtype=torch.uint8))
-        got = E.dequantize_weight(t, 40, 70).double()
+        t = lowbit.quantize_weight("w", w, torch.full((2, 3), lowbit.BY_NAME[fmt.name], dtype=torch.uint8))
+        got = lowbit.dequantize_weight(t, 40, 70).double()
         s = t[f"{fmt.name}.scales"].double()
         assert len(s) == 6 and s[1] == 0 and torch.equal(got[:32, 32:64], torch.zeros(32, 32, dtype=torch.float64))
         for (i, j, block), scale in zip(blocks_of(w.double()), s.tolist()):
@@ -178,16 +179,16 @@ def test_int_formats_are_symmetric_absmax_grids_with_ties_to_even():
             assert torch.equal(q, q.round()) and q.abs().max() == levels  # the largest weight reaches the top level
             assert ((q * scale - block).abs() <= scale / 2 + 1e-12).all()  # nearest level
     w = torch.tensor([[3.0, 0.5, 1.5, 2.5, -0.5, -2.5, 9.0 / 8]])  # int3: levels -3..3, amax 3 so s = 1
-    t = E.quantize_weight("w", w, torch.full((1, 1), E.BY_NAME["int3"], dtype=torch.uint8))
-    assert E.dequantize_weight(t, 1, 7).tolist() == [[3.0, 0.0, 2.0, 2.0, 0.0, -2.0, 1.0]]
+    t = lowbit.quantize_weight("w", w, torch.full((1, 1), lowbit.BY_NAME["int3"], dtype=torch.uint8))
+    assert lowbit.dequantize_weight(t, 1, 7).tolist() == [[3.0, 0.0, 2.0, 2.0, 0.0, -2.0, 1.0]]
 
 
 def test_nan_or_inf_in_a_weight_is_refused():
     for bad in (float("nan"), float("inf")):
         w = torch.ones(8, 8)
         w[2, 3] = bad
-        with pytest.raises(E.ExportError, match="non-finite"):
-            E.quantize_weight("h.0.w", w, torch.zeros(1, 1, dtype=torch.uint8))
+        with pytest.raises(lowbit.ExportError, match="non-finite"):
+            lowbit.quantize_weight("h.0.w", w, torch.zeros(1, 1, dtype=torch.uint8))
 
 
 # --- scales ----------------------------------------------------------------------------------
@@ -201,9 +202,9 @@ def test_e8m0_scale_of_each_block_from_its_absmax(name):
     for i, j, block in blocks_of(w):
         block.mul_(2.0 ** (5 * i - 4 * j + torch.rand((), generator=gen).item()))
     w[64:, :32] = 0.0  # an all-zero edge block
-    t = E.quantize_weight("w", w, torch.full((3, 2), E.BY_NAME[name], dtype=torch.uint8))
+    t = lowbit.quantize_weight("w", w, torch.full((3, 2), lowbit.BY_NAME[name], dtype=torch.uint8))
     scales = t[f"{name}.scales"].tolist()
-    got = E.dequantize_weight(t, 70, 45)
+    got = lowbit.dequantize_weight(t, 70, 45)
     for (i, j, block), code in zip(blocks_of(w), scales):
         amax = block.abs().max().item()
         if amax == 0:
@@ -235,11 +236,12 @@ def test_auto_and_auto_int_pick_the_rules_format_from_the_file(tiny_corpus, tmp_
     assert rc == 0, err
     for fmt, table in (("auto", AUTO), ("auto-int", AUTO_INT)):
         ids = load_tensors(tmp_path / f"model-{fmt}.safetensors")["transformer.h.0.mlp.c_fc.weight.format"]
-        names = [E.FORMATS[i].name for i in ids.flatten().tolist()]
+        names = [lowbit.FORMATS[i].name for i in ids.flatten().tolist()]
         assert names[:len(values)] == [table[v] for v in values]
         assert set(names[len(values):]) == {"bf16" if fmt == "auto" else "int6"}
-    assert [E.FORMATS[i].name for i in E.auto_format_ids(torch.tensor([0.5, -2.0])).tolist()] == ["mxfp4", "mxfp4"]
-    assert [E.FORMATS[i].name for i in E.auto_int_format_ids(torch.tensor([0.5, 1.5])).tolist()] == ["int2", "int2"]
+    names = lambda ids: [lowbit.FORMATS[i].name for i in ids.tolist()]  # noqa: E731
+    assert names(lowbit.auto_format_ids(torch.tensor([0.5, -2.0]))) == ["mxfp4", "mxfp4"]
+    assert names(lowbit.auto_int_format_ids(torch.tensor([0.5, 1.5]))) == ["int2", "int2"]
 
 
 # --- the file --------------------------------------------------------------------------------
@@ -308,7 +310,7 @@ def test_file_gives_back_the_quantized_values_bit_for_bit_and_its_size_is_the_bi
     scale_bytes = {"mxfp8_e4m3": 1, "mxfp8_e5m2": 1, "mxfp6_e2m3": 1, "mxfp4": 1, "bf16": 0, "int4": 2}
     for fmt in formats:
         path = tmp_path / f"model-{fmt}.safetensors"
-        model, info = E.load(str(path))
+        model, info = lowbit.load(str(path))
         got = model.state_dict()
         for layer in pqt_layers:
             w = sd[layer + ".weight"].double()
@@ -356,7 +358,7 @@ def test_reported_loss_is_the_loss_of_the_model_rebuilt_from_the_file(tiny_corpu
     reference = GPT(ModelConfig(arch="gpt2", n_layer=2, n_head=2, n_embd=48, vocab_size=256, block_size=32))
     reference.load_state_dict({k: v for k, v in sd.items() if not k.endswith(".b_i")})
     for r in report["exports"]:
-        model, _ = E.load(r["path"])
+        model, _ = lowbit.load(r["path"])
         assert r["val_loss"] == pytest.approx(loss_of(model), rel=1e-6)
         assert r["val_loss_unquantized"] == pytest.approx(loss_of(reference), rel=1e-6)
         assert r["increase_pct"] == pytest.approx(100 * (r["val_loss"] / r["val_loss_unquantized"] - 1))
@@ -403,10 +405,10 @@ def test_bad_input_is_one_line_and_changes_nothing(tiny_corpus, tmp_path, capsys
     assert rc == 1 and "exists" in err and "--overwrite=True" in err and target.read_bytes() == b"keep"
     rc, out, err = run([f"--out_dir={tmp_path}", "--format=mxfp4", "--evaluate=False", "--overwrite=True"], capsys)
     assert rc == 0, err
-    assert E.load(str(target))[1]["format"] == "mxfp4"
+    assert lowbit.load(str(target))[1]["format"] == "mxfp4"
 
-    with pytest.raises(E.ExportError, match="not a model file written by export.py"):
-        E.load(str(tmp_path / "ckpt.pt"))
+    with pytest.raises(lowbit.ExportError, match="not a model file written by export.py"):
+        lowbit.load(str(tmp_path / "ckpt.pt"))
 
     make_checkpoint(tmp_path / "nan", tiny_corpus, nan=True)
     rc, out, err = run([f"--out_dir={tmp_path / 'nan'}", "--format=mxfp4"], capsys)
@@ -422,7 +424,7 @@ def test_a_run_without_pqt_layers_has_nothing_for_auto_to_choose_from(tiny_corpu
     assert len(note) == 1 and "no PQT layers" in note[0] and "no learned b_t" in note[0] and "bf16" in note[0]
     auto = load_tensors(tmp_path / "model-auto.safetensors")
     ids = [v for k, v in auto.items() if k.endswith(".weight.format")]
-    assert len(ids) == 8 and all((v == E.BY_NAME["bf16"]).all() for v in ids)  # every block Linear, in bf16
+    assert len(ids) == 8 and all((v == lowbit.BY_NAME["bf16"]).all() for v in ids)  # every block Linear, in bf16
     mxfp4 = load_tensors(tmp_path / "model-mxfp4.safetensors")
     assert sum(k.endswith(".weight.format") for k in mxfp4) == 8  # post-training quantization of a bf16 run
     assert not (tmp_path / "bitwidths.json").exists()
@@ -451,7 +453,8 @@ def test_json_path_gets_the_summary_the_tables_print(tiny_corpus, tmp_path, caps
     for r in report["exports"]:
         assert r["path"] == str(tmp_path / "run" / f"model-{r['format']}.safetensors")
         assert r["file_bytes"] == os.path.getsize(r["path"])
-        assert f"{r['val_loss']:.4f}" == table[r["format"]][1] and f"{r['val_loss_unquantized']:.4f}" == table[r["format"]][2]
+        assert f"{r['val_loss']:.4f}" == table[r["format"]][1]
+        assert f"{r['val_loss_unquantized']:.4f}" == table[r["format"]][2]
     assert out.strip().splitlines()[-1] == f"wrote {tmp_path / 'out.json'}"
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # written atomically: no temporary left
 
@@ -498,7 +501,7 @@ def test_sample_py_generates_from_an_exported_file(tiny_corpus, tmp_path, capsys
     sample.main([f"--init_from={path}", "--start=def ", "--num_samples=1", "--max_new_tokens=8",
                  "--temperature=0.0", "--device=cpu"])
     text = capsys.readouterr().out.split("\n---------------")[0]
-    model, _ = E.load(path)  # greedy decoding of the dequantized model, by hand
+    model, _ = lowbit.load(path)  # greedy decoding of the dequantized model, by hand
     idx = torch.tensor([list(b"def ")])
     for _ in range(8):
         with torch.no_grad():
@@ -518,7 +521,7 @@ def test_an_exported_file_goes_to_transformers_with_its_dequantized_weights(tiny
     path = str(tmp_path / "model-int4.safetensors")
     hf.main([f"--ckpt={path}", f"--out={tmp_path / 'hf'}"])
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ours, _ = E.load(path)
+    ours, _ = lowbit.load(path)
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = ours(x, torch.zeros_like(x))[0], theirs(x).logits
@@ -618,8 +621,8 @@ CORRUPT = {  # the mxfp4 file's bytes -> damaged bytes
 def test_a_damaged_file_is_refused_in_one_line(exported, tmp_path, case):
     path = tmp_path / "model.safetensors"
     path.write_bytes(CORRUPT[case]((exported / "model-mxfp4.safetensors").read_bytes()))
-    with pytest.raises(E.ExportError) as e:
-        E.load(str(path))
+    with pytest.raises(lowbit.ExportError) as e:
+        lowbit.load(str(path))
     message = str(e.value)
     assert "\n" not in message and str(path) in message
     assert ("checksum" in message if case not in ("cut inside the header", "empty")
@@ -634,8 +637,8 @@ def test_any_flipped_bit_or_cut_is_refused_in_one_line(exported):
     for i, bit in zip(rng.integers(0, len(data), 300).tolist(), rng.integers(0, 8, 300).tolist()):
         damaged.append(data[:i] + bytes([data[i] ^ (1 << bit)]) + data[i + 1:])
     for d in damaged:
-        with pytest.raises(E.ExportError) as e:
-            E.rebuild(d)
+        with pytest.raises(lowbit.ExportError) as e:
+            lowbit.rebuild(d)
         assert "\n" not in str(e.value)
 
 
@@ -653,8 +656,8 @@ def foreign(tiny_corpus, tmp_path):
 def test_files_of_other_tools_and_older_exports_are_refused(exported, tiny_corpus, tmp_path):
     (tmp_path / "old.safetensors").write_bytes(older_export((exported / "model-mxfp4.safetensors").read_bytes()))
     for case, (path, expect) in foreign(tiny_corpus, tmp_path).items():
-        with pytest.raises(E.ExportError) as e:
-            E.load(str(path))
+        with pytest.raises(lowbit.ExportError) as e:
+            lowbit.load(str(path))
         assert expect in str(e.value) and "\n" not in str(e.value), (case, str(e.value))
     assert "export the run again" in str(e.value)
 
@@ -727,16 +730,16 @@ def test_a_malformed_file_with_valid_checksums_is_refused_in_one_line(exported, 
     tensors, metadata = file_parts(exported / f"model-{fmt}.safetensors")
     change(tensors, metadata)
     path = seal(tmp_path / "model.safetensors", tensors, metadata)
-    with pytest.raises(E.ExportError) as e:
-        E.load(path)
+    with pytest.raises(lowbit.ExportError) as e:
+        lowbit.load(path)
     assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_sealing_by_hand_makes_a_file_that_loads(exported, tmp_path):
     """The malformed files above fail for what was changed, not for how they were written."""
     tensors, metadata = file_parts(exported / "model-mxfp4.safetensors")
-    model, _ = E.load(seal(tmp_path / "model.safetensors", tensors, metadata))
-    reference, _ = E.load(str(exported / "model-mxfp4.safetensors"))
+    model, _ = lowbit.load(seal(tmp_path / "model.safetensors", tensors, metadata))
+    reference, _ = lowbit.load(str(exported / "model-mxfp4.safetensors"))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
 
 

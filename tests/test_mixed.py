@@ -14,6 +14,7 @@ import torch
 import checkpoint
 import export as E
 import gaussws
+import lowbit
 import sample
 import ste
 import train
@@ -69,7 +70,7 @@ def bits_of(ids):
 
 def exported(w, ids):
     """The weight export.py writes with these per-block format ids and reads back."""
-    return E.dequantize_weight(E.quantize_weight("w", w, ids), *w.shape)
+    return lowbit.dequantize_weight(lowbit.quantize_weight("w", w, ids), *w.shape)
 
 
 def as_int32(t):
@@ -227,7 +228,7 @@ def test_the_exported_model_is_the_trained_one(runs, name, capsys):
                               start=kw["pqt_start"], ste_start=kw.get("ste_start", 0), fmt=fmt,
                               bits_per_weight=budget, seed=7)
     trained.load_state_dict(master)  # strict: the run's state is the converted model's
-    exported_model, _ = E.load(str(out_dir / f"model-{fmt}.safetensors"))
+    exported_model, _ = lowbit.load(str(out_dir / f"model-{fmt}.safetensors"))
     for layer, ids in format_ids(master).items():
         assert torch.equal(files[layer + ".weight.format"], ids)
         assert torch.equal(exported_model.get_submodule(layer).weight, exported(master[layer + ".weight"], ids))

@@ -14,6 +14,7 @@ import torch
 import checkpoint
 import export as E
 import gaussws
+import lowbit
 import ste
 import train
 import util
@@ -141,8 +142,8 @@ def test_the_first_ste_step_is_the_bf16_weights_on_exports_grid(runs, data_dir):
     state = dict(bf16[START][0])
     for key, value in state.items():
         if key.startswith("transformer.h.") and key.endswith(".weight") and value.dim() == 2:
-            ids = torch.full((-(-value.shape[0] // 32), -(-value.shape[1] // 32)), E.BY_NAME["int3"], dtype=torch.uint8)
-            state[key] = E.dequantize_weight(E.quantize_weight(key, value, ids), *value.shape)
+            ids = torch.full((-(-value.shape[0] // 32), -(-value.shape[1] // 32)), lowbit.BY_NAME["int3"], dtype=torch.uint8)
+            state[key] = lowbit.dequantize_weight(lowbit.quantize_weight(key, value, ids), *value.shape)
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256))
     model.load_state_dict(state)
     assert first_step_loss(model, data_dir, START) == curve(phase_dir)[START + 1]
@@ -254,7 +255,7 @@ def test_an_ste_run_exports_as_it_was_trained(runs, data_dir, capsys):
     phase_dir, run = runs["ste"]
     assert util.cli(E.main, [f"--out_dir={phase_dir}", "--format=int3", "--other_dtype=float32",
                              "--evaluate=False"]) == 0
-    exported, _ = E.load(str(phase_dir / "model-int3.safetensors"))
+    exported, _ = lowbit.load(str(phase_dir / "model-int3.safetensors"))
     master = run[STEPS][0]
     config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
     trained = gaussws.convert(GPT(config), "ste[all]", ROLES["gpt2"], fmt="int3")
@@ -355,7 +356,7 @@ def export_and_load(run_dir, fmt, budget=0.0):
     args = [f"--out_dir={run_dir}", f"--format={fmt}", "--other_dtype=float32", "--evaluate=False",
             "--plot=False", "--overwrite=True"] + ([f"--bits_per_weight={budget}"] if budget else [])
     assert util.cli(E.main, args) == 0
-    return E.load(str(run_dir / f"model-{fmt}.safetensors"))[0]
+    return lowbit.load(str(run_dir / f"model-{fmt}.safetensors"))[0]
 
 
 def test_a_diffq_phase_is_the_bf16_run_then_eq3_with_uniform_noise_and_exports(runs, data_dir, tmp_path):
@@ -428,7 +429,7 @@ def test_a_llama2_mixed_run_trains_a_budgets_formats_from_its_switch_and_exports
     ids = {k: v for k, v in run[STEPS][0].items() if k.endswith(".format_ids")}
     assert len(ids) == 14 and all((v == ste.UNCHOSEN).all() for k, v in run[5][0].items() if k in ids)
     chosen = {i for v in ids.values() for i in v.flatten().tolist()}
-    assert chosen <= {E.BY_NAME[f] for f in ("int2", "int3", "int4")} and len(chosen) >= 2
+    assert chosen <= {lowbit.BY_NAME[f] for f in ("int2", "int3", "int4")} and len(chosen) >= 2
     assert all(torch.equal(run[15][0][k], v) for k, v in ids.items())  # chosen once, at START
     x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     exported = export_and_load(mixed_dir, MIXED["target_format"], MIXED["bits_per_weight"])

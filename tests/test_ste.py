@@ -7,6 +7,7 @@ import torch.nn as nn
 import export as E
 import gaussws
 import formats
+import lowbit
 import ste
 from formats import BY_NAME, FORMATS
 
@@ -35,7 +36,7 @@ def random_weight(shape, seed):
 def exported(w, name):
     """The weight export.py writes for format `name` and reads back (export.quantize_weight, dequantize_weight)."""
     ids = torch.full((-(-w.shape[0] // 32), -(-w.shape[1] // 32)), BY_NAME[name], dtype=torch.uint8)
-    return E.dequantize_weight(E.quantize_weight("w", w, ids), *w.shape)
+    return lowbit.dequantize_weight(lowbit.quantize_weight("w", w, ids), *w.shape)
 
 
 def bits(t):
@@ -213,5 +214,5 @@ def test_export_quantizes_the_layers_a_run_trained_for_it():
     assert E.trained_layers(linears, {}, {"method": "ste[all]"}) == linears
     assert E.trained_layers(linears, {}, {"method": "bf16"}) == linears
     assert E.trained_layers(linears, {k: None for k in od}, {"method": "gaussws[od]"}) == od
-    with pytest.raises(E.ExportError, match="method cannot be read"):
+    with pytest.raises(lowbit.ExportError, match="method cannot be read"):
         E.trained_layers(linears, {}, {"method": "qat[od]"})
