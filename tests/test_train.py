@@ -242,11 +242,6 @@ def test_two_processes_match_one_with_the_same_global_batch(tiny_corpus, tmp_pat
     for x, y in zip(m1, m2):
         # a wrong gradient scale (2x) is off by the tensor's own size; summation order, by far less
         torch.testing.assert_close(y, x, rtol=1e-3, atol=5e-3 * x.abs().max().item())
-    if parallel == "ddp":
-        # Each process takes one micro-step, as one process computes it; DDP adds the two gradients, which
-        # gives the same bits in either order, and halves them, exactly: one process's run, bit for bit.
-        assert a == b and all(torch.equal(c2["model"][k], v) for k, v in c1["model"].items())
-        assert all(torch.equal(x, y) for x, y in zip(m1, m2))
 
 
 def test_processes_adding_the_micro_steps_in_another_order_agree_within_its_rounding(tiny_corpus, tmp_path):
