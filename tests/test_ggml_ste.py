@@ -508,3 +508,25 @@ def test_two_processes_sum_imatrix_over_both_and_choose_the_same_types(data_dir,
     assert ggml_types(a) == ggml_types(b)
     for k in (k for k in a if k.endswith(".imatrix")):
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=0)
+
+
+def test_a_compiled_model_trains_on_the_same_grid_and_sums_the_same_imatrix():
+    """w_q is made outside the compiled graph (TrainStep's begin), the imatrix sums in eager code: a
+    compiled layer computes and collects what the eager one does, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    x, g = torch.randn(2, 4, 256, generator=gen), torch.randn(2, 4, 64, generator=gen)
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(6)  # the bias
+        layer = ste.STELinear(256, 64, fmt="error-gguf", start=1, bits_per_weight=4.0)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(64, 256, generator=torch.Generator().manual_seed(5)))
+        forward = torch.compile(layer) if compiled else layer
+        for step in (0, 1):
+            with gaussws.TrainStep(layer, step):
+                y = forward(x)
+                y.backward(g)
+        results.append((y.detach(), layer.weight.grad, layer.imatrix.clone(), int(layer.ggml_type)))
+    (y, grad, imatrix, t), (y_c, grad_c, imatrix_c, t_c) = results
+    assert torch.equal(y, y_c) and torch.equal(grad, grad_c) and torch.equal(imatrix, imatrix_c) and t == t_c
+    assert torch.equal(imatrix, x.square().sum((0, 1))) and t != ste.UNCHOSEN
