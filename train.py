@@ -90,8 +90,8 @@ b_target = 4.0  # b_t that weight decay on b_i pulls toward (Eq. 11)
 recompute_w_hat = False  # keep no w_hat for the backward, make it again there: less memory, more time
 pqt_start = 0.0  # first step of the method (a fraction of max_iters if < 1); plain Linears before it; 0: every step
 fork_from = ""  # a bf16 run's ckpt.pt at a step <= pqt_start, same settings but the method: this phase run continues it
-target_format = ""  # format trained toward: ste's grid, or b_t's level for gaussws/diffq (phase_settings)
-bits_per_weight = 0.0  # with target_format auto-int / error-int: int2/int3/int4 per block at this mean; 0: no budget
+target_format = ""  # format trained toward (int3, mxfp4, q4_k, ...): ste's grid, or b_t's level for gaussws/diffq
+bits_per_weight = 0.0  # budget: auto-int/error-int mix int2-4 per block, auto-gguf/error-gguf GGML types per tensor
 ste_start = 0.0  # gaussws/diffq at a budget: first step of STE on the formats chosen then (as pqt_start); 0: none
 # optimizer
 optimizer = "adamw"  # "adamw" or "adam_mini"
