@@ -20,8 +20,9 @@ The other baseline, straight-through fake quantization (STE-QAT, "ste[...]"), is
 convert hands it the Linears that `ste[...]` names, so one method string chooses every method, and
 TrainStep runs its hook. Either method can start late (convert's `start`): the layers are plain
 nn.Linear until that step, so a run is the bf16 run up to there, then a PQT or STE phase with the same
-optimizer state. A PQT layer can end on a bit budget's per-block formats (convert's `ste_start`,
-ste.BlockFormats): its learned b_t rank the blocks, then STE finishes them.
+optimizer state. A PQT layer can end on a bit budget's per-block formats or per-tensor GGML types
+(convert's `ste_start`, ste.BlockFormats): its learned b_t rank the blocks (or tensors), then STE
+finishes them.
 
 See README.md.
 """
@@ -381,10 +382,11 @@ class TrainStep:
         micro-steps' dL/dw_hat.
       - per micro-step, for layers converted with recompute=True (no w_hat kept for the backward) and
         for sharded (FSDP) weights: every forward makes w_hat, every backward applies Eq. 4.
-    Layers whose phase starts after `step` are plain nn.Linear in it; STE layers (ste.py) take part
-    only so, and begin() runs the STE's hook, ste.before_step: the first step on a bit budget's
-    per-block formats (a layer's formats_from: ste_start, or an STE layer's start) chooses them for
-    all the model's budget layers together, unless they hold them already (a run resumed after it).
+    Layers whose phase starts after `step` are plain nn.Linear in it. STE layers (ste.py) make their
+    w_q in begin(), once for the step, and begin() runs the STE's hook, ste.before_step: the first step
+    on a bit budget's formats (per block or a GGML type per tensor; a layer's formats_from: ste_start,
+    or an STE layer's start) chooses them for all the model's budget layers together, unless they hold
+    them already (a run resumed after it); end() adds error-gguf's imatrix sums of the step.
     Leaving the block by an exception releases the step without touching any gradient. Opening a
     step while one is open, or a training-mode forward outside a step, raises.
     """

@@ -247,6 +247,13 @@ def rounding_error(name):
 
 # --- the layer's quantized weight: a format, a budget's per-block formats, or a GGML type ------------
 
+@torch.no_grad()
+def _collect(layer, x):
+    """Add the squares of a forward's inputs x (..., in) per input column to the layer's step sum."""
+    s = x.detach().float().square().reshape(-1, x.shape[-1]).sum(0)
+    layer._imatrix_step = s if layer._imatrix_step is None else layer._imatrix_step.add_(s)
+
+
 class BlockFormats:
     """What an nn.Linear trains on by STE, as a mixin (STELinear; gaussws.PQTLinear after its ste_start):
       - a budget's per-block formats: the uint8 buffer format_ids, one id of formats.FORMATS per 32x32
@@ -264,18 +271,20 @@ class BlockFormats:
     imatrix_from = None  # error-gguf: the first step whose input activations imatrix sums
     quantized = collecting = False  # whether this step trains on w_q, collects imatrix: _begin_formats sets them
     w_q = None  # step mode: this optimizer step's w_q, shared by its micro-steps
-    _fake_quantize = _fake_quantize_blocks = None  # made by _eager_fake_quantizers
+    _fake_quantize = _fake_quantize_blocks = _collect = None  # made by _eager_fake_quantizers
     _formats = _type = _imatrix_step = None
 
     @classmethod
     def _eager_fake_quantizers(cls):
         """fake_quantize and fake_quantize_blocks as torch.compile leaves them, eager inside a compiled
         model: fused, inductor keeps the BF16 scale in FP32 without rounding it (its
-        emulate_precision_casts is off), and the grid would not be export's. Made by the first layer
-        that fake-quantizes, not at import: importing torch._dynamo costs every process over a second."""
+        emulate_precision_casts is off), and the grid would not be export's; and imatrix's collection,
+        which updates the layer. Made by the first layer that fake-quantizes, not at import: importing
+        torch._dynamo costs every process over a second."""
         if BlockFormats._fake_quantize is None:
             BlockFormats._fake_quantize = staticmethod(torch.compiler.disable(fake_quantize))
             BlockFormats._fake_quantize_blocks = staticmethod(torch.compiler.disable(fake_quantize_blocks))
+            BlockFormats._collect = staticmethod(torch.compiler.disable(_collect))
 
     def _rows(self, w):
         """The weight as (out, in), rows along the input: a GGML type's blocks run along them."""
@@ -365,12 +374,9 @@ class BlockFormats:
                                f"(optimizer.step() belongs after the `with gaussws.TrainStep(...)` block)")
         return self.w_q
 
-    @torch.compiler.disable
-    @torch.no_grad()
     def collect(self, x):
         """Add the squares of the forward's inputs x (..., in) per input column to this step's sum."""
-        s = x.detach().float().square().reshape(-1, x.shape[-1]).sum(0)
-        self._imatrix_step = s if self._imatrix_step is None else self._imatrix_step.add_(s)
+        self._collect(self, x)
 
     @torch.no_grad()
     def _end_formats(self, keep=True):
