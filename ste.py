@@ -297,7 +297,6 @@ class BlockFormats:
         if fmt in GGUF_BUDGETS:
             self._init_ggml(UNCHOSEN, device)
             if fmt == "error-gguf":
-                check_budget(fmt, bits_per_weight, None, switch=self.formats_from)
                 self.imatrix_from = max(0, self.formats_from - IMATRIX_STEPS)
                 width = self._rows(self.weight).shape[1]
                 self.register_buffer("imatrix", torch.zeros(width, dtype=torch.float32, device=device))

@@ -530,3 +530,15 @@ def test_a_compiled_model_trains_on_the_same_grid_and_sums_the_same_imatrix():
     (y, grad, imatrix, t), (y_c, grad_c, imatrix_c, t_c) = results
     assert torch.equal(y, y_c) and torch.equal(grad, grad_c) and torch.equal(imatrix, imatrix_c) and t == t_c
     assert torch.equal(imatrix, x.square().sum((0, 1))) and t != ste.UNCHOSEN
+
+
+@pytest.mark.parametrize("name", ["auto", "error"])
+def test_sample_and_hf_read_a_gguf_budget_runs_checkpoint(budget_runs, name, tmp_path):
+    """sample.py rebuilds the run's model (its layers hold ggml_type and imatrix); hf.py writes its weights alone."""
+    import pretrained
+    import sample
+    model, ckpt = sample.load_checkpoint(str(budget_runs[name][0]), "cpu")
+    assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())
+    assert ggml_types(model.state_dict()) == ggml_types(ckpt["model"]) != {}
+    files, _ = pretrained.save_pretrained(ckpt["model_args"], ckpt["model"], str(tmp_path / "hf"))
+    assert "model.safetensors" in files
