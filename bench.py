@@ -22,19 +22,24 @@ settings, then per step train.py's own step (step.train_step): a gaussws.TrainSt
 grad_accum micro-steps of batch_size x block_size random tokens (forward and backward under BF16
 autocast), the gradient clipping, the check that loss and gradient norm are finite, the optimizer
 step and zero_grad. --recompute_w_hat=True converts as train.py does with it (w_hat made
-in every micro-step's forward and again in its backward). All methods run interleaved in one
-process: after `warmup` steps each, `rounds` rounds of one step per method. Reported: median
+in every micro-step's forward and again in its backward). An arm of --methods is a method string, or
+METHOD@FORMAT for the format it trains on (STE: ste[all]@q4_k, any of train.py's --target_format), or
+METHOD@BUDGET:BITS for a bit budget (ste[all]@error-gguf:4.5, gaussws[all]@auto-gguf:4.5): a budget's
+switch is at step 1 (an STE phase from there; error-gguf weights by step 0's activations), and the
+untimed steps up to it come first; the seconds of its choice are reported beside the table. All
+methods run interleaved in one process: after `warmup` steps each, `rounds` rounds of one step per
+method. Reported: median
 tokens/s; overhead_pct = median over rounds of 100 * (1 - tokens/s of the method / tokens/s of bf16
 in the same round), pairing the rounds so that drift in the machine's load cancels; pqt_share_pct
 (step mode) = median over rounds of 100 * (seconds in TrainStep's begin and end / the bf16 step of
-the round): the method's own work,
+the round): the method's own work (for the STE, the fake quantization of the step's w_q),
 timed apart from the matmuls and so far steadier than the overhead on a noisy machine.
 Memory, extra_bytes_per_param = (memory of the method - memory of bf16) / (number of weight elements
-in the method's PQT layers):
+in the method's PQT (or STE) layers):
   - CUDA: the allocator's peak during one optimizer step (torch.cuda.max_memory_allocated) above what
     was allocated before it;
   - CPU (no allocator statistics): the bytes held at the end of a micro-step's forward for its
-    backward: tensors autograd saves plus tensors PQT layers hold (w_hat, stored R), each storage
+    backward: tensors autograd saves plus tensors PQT and STE layers hold (w_hat, stored R, w_q), each storage
     counted once, parameters excluded. Under autocast bf16 also saves a BF16 copy of every weight
     for the backward, so a saved w_hat takes the place of that copy rather than adding to it.
 
@@ -71,6 +76,7 @@ import torch
 
 import gaussws
 import model as model_lib
+import ste
 from configurator import check_device, configure
 from kernels import BL
 from step import sync, train_step
@@ -240,7 +246,29 @@ def build_config(args):
 
 
 def pqt_weight_numel(model):
-    return sum(layer.weight.numel() for layer in gaussws.pqt_layers(model))
+    """Weight elements of the layers the method converted (PQT or STE)."""
+    return sum(layer.weight.numel() for layer in gaussws.method_layers(model))
+
+
+def parse_arm(spec, roles):
+    """An arm of --methods: (method, target_format, bits_per_weight) of 'METHOD', 'METHOD@FORMAT' or
+    'METHOD@BUDGET:BITS' (ste[all]@q4_k, ste[all]@error-gguf:4.5, gaussws[all]@auto-gguf:4.5); a
+    BenchError (one line) for what train.py would refuse."""
+    method, _, target = spec.partition("@")
+    fmt, _, bits = target.partition(":")
+    try:
+        kind, _ = gaussws.parse_method(method, roles)
+        budget = float(bits) if bits else 0.0
+        if fmt in ste.BUDGET_TARGETS:
+            ste.check_budget(fmt, budget, kind, switch=1)
+        elif fmt or kind == "ste":
+            ste.check_format(fmt)
+        if bits and fmt not in ste.BUDGET_TARGETS or kind == "bf16" and fmt:
+            raise ValueError(f"{fmt!r} takes no :BITS" if bits else "bf16 trains on no format")
+    except ValueError as e:
+        raise BenchError(f"--methods: arm {spec!r}: {e} (an arm is METHOD, METHOD@FORMAT or METHOD@BUDGET:BITS, "
+                         f"e.g. ste[all]@q4_k, ste[all]@error-gguf:4.5)") from None
+    return method, fmt, budget
 
 
 def _tensors(value):
@@ -255,20 +283,20 @@ def _tensors(value):
             yield from _tensors(v)
 
 
-def held_bytes(model, x, y, device):
+def held_bytes(model, x, y, device, step=0):
     """Bytes held for the backward of one micro-step: tensors autograd saves plus tensors PQT layers hold.
 
     Taken inside a gaussws.TrainStep as train.py takes a step, at the end of the forward, when all
     of it is held at once. Each storage counts once (a w_hat both saved and cached is one tensor);
     parameters and buffers are left out (they exist whether or not a backward follows).
     """
-    with gaussws.TrainStep(model, 0):
+    with gaussws.TrainStep(model, step):
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
                 _, loss = model(x, y)
         state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        held = [t for layer in gaussws.pqt_layers(model) for v in vars(layer).values() for t in _tensors(v)]
+        held = [t for layer in gaussws.method_layers(model) for v in vars(layer).values() for t in _tensors(v)]
         storages = {}
         for t in saved + held:
             s = t.untyped_storage()
@@ -290,12 +318,21 @@ STEP_SETTINGS = dict(optimizer="adamw", learning_rate=2e-3, beta1=0.9, beta2=0.9
 class Runner:
     """One method's model, optimizers and data; step() is one optimizer step as train.py takes it."""
 
-    def __init__(self, args, method):
-        self.method, self.device = method, args.device
+    def __init__(self, args, arm):
+        self.method, self.device = arm, args.device
         config = build_config(args)
+        method, fmt, budget = parse_arm(arm, model_lib.ROLES[config.arch].values())
+        # a budget chooses its formats at step 1 (error-gguf: from step 0's activations), before any timing
+        kind, _ = gaussws.parse_method(method, model_lib.ROLES[config.arch].values())
+        self.switch = 1 if fmt in ste.BUDGET_TARGETS else 0
+        phase = dict(start=self.switch) if kind == "ste" else dict(ste_start=self.switch)
         torch.manual_seed(args.seed)  # the same initial weights for every method: convert draws nothing
-        self.model = gaussws.convert(model_lib.GPT(config), method, model_lib.ROLES[config.arch], seed=args.seed,
-                                     recompute=args.recompute_w_hat)
+        try:
+            self.model = gaussws.convert(model_lib.GPT(config), method, model_lib.ROLES[config.arch], seed=args.seed,
+                                         recompute=args.recompute_w_hat, fmt=fmt, bits_per_weight=budget, **phase)
+        except ValueError as e:
+            raise BenchError(f"--methods: arm {arm!r}: {e}") from None
+        self.switch_seconds = None
         self.model.to(args.device).train()
         self.step_mode = not args.recompute_w_hat  # as gaussws.TrainStep chooses for unsharded weights
         self.forward = torch.compile(self.model) if args.compile else self.model
@@ -316,7 +353,15 @@ class Runner:
                    len(batches), forward=self.forward, grad_clip=STEP_SETTINGS["grad_clip"], timer=timer,
                    autocast=torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16))
         self.pqt_seconds = timer["pqt_s"]
+        if self.switch and self.step_count == self.switch:  # TrainStep's begin chose the budget's formats
+            self.switch_seconds = self.pqt_seconds
         self.step_count += 1
+
+    def past_switch(self, batches):
+        """Untimed steps up to and including a budget's switch, so that every timed step trains on the
+        formats it chose (the choice itself is switch_seconds)."""
+        while self.switch and self.step_count <= self.switch:
+            self.step(batches)
 
     def timed_step(self, batches):
         """Wall seconds of one step, the process's CPU seconds (CPU only), and on CUDA the allocator's peak
@@ -344,10 +389,7 @@ def run_train(args):
     methods = split_methods(args.methods)
     arch = build_config(args).arch
     for spec in methods:
-        try:
-            gaussws.parse_method(spec, model_lib.ROLES[arch].values())
-        except ValueError as e:
-            raise BenchError(str(e)) from None
+        parse_arm(spec, model_lib.ROLES[arch].values())
     if "bf16" not in methods:
         say("bench.py train: adding bf16, the baseline every overhead is measured against")
     methods = ["bf16"] + [m for m in dict.fromkeys(methods) if m != "bf16"]
@@ -370,10 +412,12 @@ def run_train(args):
     data = data.to(device)
     micro = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
 
+    for r in runners:
+        r.past_switch(micro[:1])
     memory = {}
     if torch.device(device).type != "cuda":
         for r in runners:
-            memory[r.method] = held_bytes(r.model, *micro[0], device)
+            memory[r.method] = held_bytes(r.model, *micro[0], device, step=r.step_count)
 
     records = []
     for accum in args.grad_accum:
@@ -403,7 +447,7 @@ def run_train(args):
                 "threads": torch.get_num_threads(),
                 "load_avg": load_avg(),
                 "step_s": seconds[r.method], "step_cpu_s": cpu_seconds[r.method], "pqt_s": pqt_seconds[r.method],
-                "memory_bytes": memory[r.method], "pqt_weight_params": n_pqt,
+                "memory_bytes": memory[r.method], "pqt_weight_params": n_pqt, "switch_s": r.switch_seconds,
                 "memory_measure": ("cuda_max_memory_allocated" if torch.device(device).type == "cuda"
                                    else "cpu_saved_for_backward"),
             })
@@ -446,6 +490,9 @@ def print_train_table(records, args):
                         + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu
                         + (share(r), f"{r['extra_bytes_per_param']:.3f}")
                         for r in records]))
+    for r in records:
+        if r["switch_s"] is not None and r["grad_accum"] == records[0]["grad_accum"]:
+            say(f"{r['method']}: the budget's choice at its switch (step 1, untimed) took {r['switch_s']:.2f} s")
 
 
 # --- gpu-check: the first GPU -----------------------------------------------------------------------

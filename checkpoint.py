@@ -70,6 +70,7 @@ import torch
 
 import gaussws
 from model import ModelConfig
+from ste import IMATRIX_STEPS
 from sharded import CRCS, HEADER, CheckpointError, load_sharded, save_sharded
 from sharded import load_model as load_sharded_model
 from util import atomic_open, first_line, fsync_dir, load_error, write_atomic
@@ -511,6 +512,7 @@ def read_fork(path, config):
     from 1 to this run's pqt_start, whose config equals this run's `config` but for FORK_FREE's keys.
     Until its switch a phase run is that run bit for bit, so continuing it gives the losses the whole
     phase run would have had, without training the shared steps again (study.py's deploy study).
+    An error-gguf run forks IMATRIX_STEPS or more before its switch: its imatrix sums those steps.
     load_state then loads it."""
     if not os.path.isfile(path):
         raise CheckpointError(f"fork_from={path!r}: expected the ckpt.pt file of a bf16 run (not a directory or a "
@@ -523,6 +525,13 @@ def read_fork(path, config):
     if not isinstance(step, int) or not 0 < step <= config["pqt_start"]:
         raise CheckpointError(f"fork_from={path!r} is at step {step}, pqt_start={config['pqt_start']:g}: a phase run "
                               f"forks from the bf16 run at a step from 1 to its switch")
+    switch = config["ste_start"] or config["method"].startswith("ste") and config["pqt_start"]
+    latest = max(0, int(switch) - IMATRIX_STEPS)  # error-gguf sums the activations of the steps from there
+    if config["target_format"] == "error-gguf" and switch and step > latest:
+        raise CheckpointError(f"fork_from={path!r} is at step {step}, and error-gguf sums the input activations of "
+                              f"the {IMATRIX_STEPS} steps before its switch at step {switch:g}, which a fork trains "
+                              f"only from there: " + (f"fork from a checkpoint at step {latest} or earlier" if latest
+                                                      else "train the run whole (without fork_from)"))
     diff = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in config.items()
             if k not in FORK_FREE and theirs.get(k) != v]
     if diff:

@@ -172,22 +172,33 @@ def dequantize_blocks(codes, scales, fmt):
 BUDGET_FORMATS = ("int2", "int3", "int4")  # what a bit budget mixes, one bit apart
 
 
+def greedy_upgrades(priority, cost, allowance):
+    """How many upgrades each item takes: item i's upgrade j (from its level j to j + 1) has priority
+    priority[i, j] and costs cost[i, j] (-inf and inf where an item has fewer upgrades). Upgrades are
+    made in descending priority (ties: item order, then upgrade order) while their cost fits what is
+    left of `allowance`, skipping those that do not fit; an item's upgrade never ranks above one before
+    it (its priority is the running minimum along the item's upgrades), nor is made without it.
+    Returns the levels (a long tensor, one per item)."""
+    k, u = priority.shape
+    priority = priority.double().cummin(dim=1).values.flatten()
+    order = torch.argsort(priority, descending=True, stable=True).tolist()
+    cost, levels, left = cost.double().flatten().tolist(), [0] * k, float(allowance)
+    for i in order:
+        item = i // u
+        if levels[item] == i % u and cost[i] <= left:
+            levels[item] += 1
+            left -= cost[i]
+    return torch.tensor(levels)
+
+
 def budget_bits(priority, weights, budget):
     """Element bits of each block for a mean of `budget` bits per weight (weights: how many each block
     holds). Every block starts at 2 bits; one-bit upgrades, priority[:, 0] for 2 -> 3 and [:, 1] for
-    3 -> 4, are made in descending priority (ties: block order) while the bits they add fit the
-    budget, skipping those that do not fit (a whole block after an edge one). A block's second upgrade
-    never ranks above its first, nor is made without it."""
-    priority = torch.stack([priority[:, 0], torch.minimum(priority[:, 0], priority[:, 1])], dim=1).flatten()
-    order = torch.argsort(priority, descending=True, stable=True).tolist()
-    size, bits = weights.double().tolist(), [2] * len(weights)
-    left = (budget - 2) * sum(size)
-    for i in order:
-        block = i // 2
-        if bits[block] == 2 + i % 2 and size[block] <= left:
-            bits[block] += 1
-            left -= size[block]
-    return torch.tensor(bits)
+    3 -> 4, are made by greedy_upgrades (descending priority, ties: block order) while the bits they
+    add fit the budget, skipping those that do not fit (a whole block after an edge one). A block's
+    second upgrade never ranks above its first, nor is made without it."""
+    weights = weights.double()
+    return 2 + greedy_upgrades(priority, weights[:, None].expand(-1, 2), (budget - 2) * weights.sum().item())
 
 
 def budget_format_ids(fmt_name, weights, b_t, budget):

@@ -20,8 +20,9 @@ The other baseline, straight-through fake quantization (STE-QAT, "ste[...]"), is
 convert hands it the Linears that `ste[...]` names, so one method string chooses every method, and
 TrainStep runs its hook. Either method can start late (convert's `start`): the layers are plain
 nn.Linear until that step, so a run is the bf16 run up to there, then a PQT or STE phase with the same
-optimizer state. A PQT layer can end on a bit budget's per-block formats (convert's `ste_start`,
-ste.BlockFormats): its learned b_t rank the blocks, then STE finishes them.
+optimizer state. A PQT layer can end on a bit budget's per-block formats or per-tensor GGML types
+(convert's `ste_start`, ste.BlockFormats): its learned b_t rank the blocks (or tensors), then STE
+finishes them.
 
 See README.md.
 """
@@ -208,9 +209,9 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
     one of two ways to make w_hat (see TrainStep); nothing else sets the layer's step state.
     Before optimizer step `start` (a PQT phase) the layer is dormant: exactly nn.Linear, and b_i
     gets no gradient, so AdamW leaves it as it is (it skips parameters without one).
-    From optimizer step `ste_start` (0: never) the layer trains by STE on per-block formats that the
-    bit budget (fmt "auto-int" ranks blocks by b_t, "error-int" by their own error; bits_per_weight)
-    chooses at that step (ste.BlockFormats); b_i gets no gradient from then on, so b_t stays as learned.
+    From optimizer step `ste_start` (0: never) the layer trains by STE on the per-block formats (or the
+    GGML type) that the bit budget (fmt "auto-int"/"auto-gguf" ranks by b_t, "error-int"/"error-gguf" by
+    error; bits_per_weight) chooses at that step (ste.BlockFormats); from then on b_i gets no gradient.
     Build one with convert(model, ...), or directly and then set_noise_seed(model, seed).
     """
 
@@ -235,7 +236,6 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         self.in_step = False
         self.start = int(start)  # the first optimizer step with noise
         self.active = self.start == 0  # whether this (or the last) step has noise: TrainStep sets it
-        self.quantized = False  # whether this (or the last) step trains on the chosen formats: TrainStep sets it
         self.w_hat = None  # step mode: this optimizer step's w_hat, shared by its micro-steps
         self._eq4 = None  # step mode: (max_bl, stored R, w's version) until the step ends
 
@@ -276,8 +276,10 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         if not self.in_step:
             raise RuntimeError("PQTLinear: a training-mode forward outside a step; run the step's forwards inside "
                                "`with gaussws.TrainStep(model, step):`, or call model.eval() for noise-free use")
-        if self.quantized:  # from ste_start: STE on the blocks' chosen formats
-            return self._matmul(x, self.weight_on_formats())
+        if self.collecting:  # error-gguf: the input activations of the steps before ste_start
+            self.collect(x)
+        if self.quantized:  # from ste_start: STE on the chosen formats (ste.BlockFormats)
+            return self._matmul(x, self.step_weight())
         if not self.active:  # before the phase: nn.Linear's forward
             return self._matmul(x, self.weight)
         if self.w_hat is not None:  # step mode: w_hat made once for the whole optimizer step
@@ -300,7 +302,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
     @torch.no_grad()
     def _begin(self, step):
         self.noise_seed.fill_(_step_seed(self.layer_seed, step))
-        self.quantized = self.formats_from is not None and step >= self.formats_from
+        self._begin_formats(step, self.formats_from is not None and step >= self.formats_from)
         self.in_step, self.active = True, step >= self.start and not self.quantized
         # Per micro-step when w_hat is recomputed to save its memory, or under FSDP, where the
         # weight is whole only inside the forward (a DTensor shard outside it).
@@ -316,6 +318,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
 
     @torch.no_grad()
     def _end(self, apply_eq4=True):
+        self._end_formats(apply_eq4)
         state, self._eq4, self.w_hat, self.in_step = self._eq4, None, None, False
         if state is None or not apply_eq4 or self.weight.grad is None:
             return
@@ -353,6 +356,9 @@ class PQTConv1D(PQTLinear):
     def _matmul(self, x, w):
         return F.linear(x, w.t(), self.bias)
 
+    def _rows(self, w):
+        return w.t()  # stored (in, out): the rows along the input, which a GGML type's blocks run along
+
 
 def _is_conv1d(module):
     """transformers' Conv1D (GPT-2), recognised without importing transformers."""
@@ -376,10 +382,11 @@ class TrainStep:
         micro-steps' dL/dw_hat.
       - per micro-step, for layers converted with recompute=True (no w_hat kept for the backward) and
         for sharded (FSDP) weights: every forward makes w_hat, every backward applies Eq. 4.
-    Layers whose phase starts after `step` are plain nn.Linear in it; STE layers (ste.py) take part
-    only so, and begin() runs the STE's hook, ste.before_step: the first step on a bit budget's
-    per-block formats (a layer's formats_from: ste_start, or an STE layer's start) chooses them for
-    all the model's budget layers together, unless they hold them already (a run resumed after it).
+    Layers whose phase starts after `step` are plain nn.Linear in it. STE layers (ste.py) make their
+    w_q in begin(), once for the step, and begin() runs the STE's hook, ste.before_step: the first step
+    on a bit budget's formats (per block or a GGML type per tensor; a layer's formats_from: ste_start,
+    or an STE layer's start) chooses them for all the model's budget layers together, unless they hold
+    them already (a run resumed after it); end() adds error-gguf's imatrix sums of the step.
     Leaving the block by an exception releases the step without touching any gradient. Opening a
     step while one is open, or a training-mode forward outside a step, raises.
     """
@@ -442,10 +449,11 @@ def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="
 
     method: "bf16" (nothing changes), or "gaussws[...]" / "diffq[...]" / "ste[...]" naming roles
     (parse_method). start: the first optimizer step with the method; the layers are plain nn.Linear
-    before it. fmt: the format STELinear trains on (ste.STE_FORMATS), or for ste "error-int" with
-    bits_per_weight: per block int2/int3/int4 chosen at `start`. PQT layers take their b_t from
-    b_init, b_target. ste_start (PQT only; 0: never): the first step of STE on per-block formats
-    chosen then by the budget (fmt "auto-int" or "error-int", bits_per_weight), after a PQT phase.
+    before it. fmt: the format STELinear trains on (ste.STE_FORMATS, ste.GGML_FORMATS), or for ste
+    "error-int" / "error-gguf" with bits_per_weight: per block int2/int3/int4, or a GGML type per
+    tensor, chosen at `start`; a width fmt cannot hold is refused (ste.check_layers). PQT layers take
+    their b_t from b_init, b_target. ste_start (PQT only; 0: never): the first step of STE on the
+    formats chosen then by the budget (fmt one of ste.BUDGET_TARGETS, bits_per_weight), after PQT.
     Call it after the model is built and initialised and before it is wrapped (DDP, FSDP, compile).
     The weights and biases are the same Parameters, so values, dtype and device are kept exactly,
     also on the meta device; b_i starts at 1 (b_t = b_init); nothing is drawn from torch's RNG, so
@@ -464,6 +472,8 @@ def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="
     if kind == "ste":
         return ste.convert(model, fmt, start=start, bits_per_weight=bits_per_weight,
                            takes=lambda name, _: name in taken)
+    ste.check_layers({name: tuple(m.weight.shape[::-1] if _is_conv1d(m) else m.weight.shape)
+                      for name, m in taken.items()}, fmt, bits_per_weight)  # a width fmt cannot hold: refused
     for name, module in taken.items():
         make = PQTConv1D.from_conv1d if _is_conv1d(module) else PQTLinear.from_linear
         model.set_submodule(name, make(module, method=kind, b_init=b_init, b_target=b_target, backend=backend,
@@ -523,19 +533,19 @@ def build_optimizers(model, optimizer="adamw", roles=None, *, lr, betas, weight_
 
 def load_weights(model, state_dict):
     """Load a state dict into a converted model: b_i the source lacks keep their fresh init (b_t =
-    b_init); b_i of layers the new method leaves plain are dropped; a budget's format_ids are never
-    taken (the new run chooses its own at its switch). Anything else must match, else ValueError
-    names what is missing and unexpected, or the shape that differs."""
+    b_init); b_i of layers the new method leaves plain are dropped; the STE's formats state (a budget's
+    choice, a GGML type, imatrix: ste.FORMAT_STATE) is never taken (the new run makes its own). Anything
+    else must match, else ValueError names what is missing and unexpected, or the shape that differs."""
     own = model.state_dict()
     state_dict = {k: v for k, v in state_dict.items() if (k in own or not k.endswith(".b_i"))
-                  and not k.endswith(".format_ids")}
+                  and not k.endswith(ste.FORMAT_STATE)}
     try:
         result = model.load_state_dict(state_dict, strict=False)
     except RuntimeError as e:  # a shape that differs is an error even when not strict
         if isinstance(e, torch.OutOfMemoryError):
             raise
         raise ValueError(load_error(e)) from None
-    missing = [k for k in result.missing_keys if not k.endswith((".b_i", ".format_ids"))]
+    missing = [k for k in result.missing_keys if not k.endswith((".b_i",) + ste.FORMAT_STATE)]
     if missing or result.unexpected_keys:
         raise ValueError(f"missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
 

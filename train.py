@@ -45,7 +45,6 @@ import progress
 import ste
 from configurator import ConfigError, configure
 from data import loader
-from kernels import BL
 from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
 from step import Diverging, NonFinite, check_sane, get_lr, schedule_notes, share_out, train_step
 from util import cli, git_commit, keep_freed_cpu_memory, machine
@@ -91,8 +90,8 @@ b_target = 4.0  # b_t that weight decay on b_i pulls toward (Eq. 11)
 recompute_w_hat = False  # keep no w_hat for the backward, make it again there: less memory, more time
 pqt_start = 0.0  # first step of the method (a fraction of max_iters if < 1); plain Linears before it; 0: every step
 fork_from = ""  # a bf16 run's ckpt.pt at a step <= pqt_start, same settings but the method: this phase run continues it
-target_format = ""  # format trained toward: ste's grid, or b_t's level for gaussws/diffq (phase_settings)
-bits_per_weight = 0.0  # with target_format auto-int / error-int: int2/int3/int4 per block at this mean; 0: no budget
+target_format = ""  # format trained toward (int3, mxfp4, q4_k, ...): ste's grid, or b_t's level for gaussws/diffq
+bits_per_weight = 0.0  # budget: auto-int/error-int mix int2-4 per block, auto-gguf/error-gguf GGML types per tensor
 ste_start = 0.0  # gaussws/diffq at a budget: first step of STE on the formats chosen then (as pqt_start); 0: none
 # optimizer
 optimizer = "adamw"  # "adamw" or "adam_mini"
@@ -179,27 +178,38 @@ def matched_b_t(method, name):
     """The b_t at which Eq. 3's PQN has the variance of format `name`'s rounding error, both relative to
     max_bl(|w|)^2:  E[R^2] * 4^(1 - b_t) = r,  so  b_t = 1 + log2(E[R^2] / r) / 2.
 
-    r is measured, with the STE's own grid (ste.fake_quantize), on a block holding the quantiles of
-    N(0, 1) (weights as initialised; no draw, so the level is a constant, rounded to 0.01). For int-b
-    the rounding error is close to uniform on one step max_bl / L (L = 2^(b-1) - 1) whatever the
-    weights, r = 1 / (12 L^2), which gives b_t = log2(L) + log2(48 E[R^2]) / 2: for gaussws int3
-    3.49, int4 4.71 (diffq 2.58, 3.81); int2, whose step is the whole block max, is where the two part
-    most. For the MX formats r depends on how the weights fill each binade, hence the measurement.
+    r is ste.rounding_error's, measured with the STE's own grid (ste.fake_quantize) on quantiles of
+    N(0, 1) (weights as initialised; no draw, so the level is a constant, rounded to 0.01): a 32x32
+    block of them for our formats, a 256x256 tile in a fixed pseudo-random order for llama.cpp's
+    (GGML) types, whose blocks run along rows. For int-b the rounding error is close to uniform on one
+    step max_bl / L (L = 2^(b-1) - 1) whatever the weights, r = 1 / (12 L^2), which gives b_t = log2(L)
+    + log2(48 E[R^2]) / 2: for gaussws int3 3.49, int4 4.71 (diffq 2.58, 3.81); int2, whose step is the
+    whole block max, is where the two part most. For the MX formats r depends on how the weights fill
+    each binade, and for the GGML types on their 32- or 16-weight sub-block scales, hence the
+    measurement. gaussws (diffq): q2_k 3.73 (2.83), q3_k 4.63 (3.73), q4_0 5.42 (4.52), q4_k 5.63
+    (4.73), q5_k 6.64 (5.73), q6_k 7.66 (6.75), q8_0 9.43 (8.52), mxfp4_row 5.00 (4.10): a row block's
+    scale follows its own 32 (or 16) weights, so the error relative to the 32x32 block max falls below
+    that of int-b at the same code bits (int4 4.71).
     """
     if method not in gaussws.R_SECOND_MOMENT:
         raise ValueError(f"matched_b_t: method {method!r} has no noise; expected gaussws or diffq")
-    i = torch.arange(BL * BL, dtype=torch.float64)
-    w = torch.special.ndtri((i + 0.5) / (BL * BL)).float().view(BL, BL)
-    r = (ste.fake_quantize(w, name).double() - w.double()).square().mean() / w.abs().max().double() ** 2
-    return round(1 + 0.5 * math.log2(gaussws.R_SECOND_MOMENT[method] / r.item()), 2)
+    return round(1 + 0.5 * math.log2(gaussws.R_SECOND_MOMENT[method] / ste.rounding_error(name)), 2)
 
 
-def budget_level(method, bits):
-    """The b_t level of a bit budget of `bits` element bits per weight (int2 to int4 mixed): matched_b_t
-    of int<bits>, and between the two ints around a fractional budget linearly (our choice)."""
-    low = min(math.floor(bits), 3)
-    a, b = matched_b_t(method, f"int{low}"), matched_b_t(method, f"int{low + 1}")
-    return round(a + (bits - low) * (b - a), 2)
+def budget_level(method, bits, fmt="auto-int"):
+    """The b_t level of a bit budget of `bits` bits per weight, linear in bits between the matched_b_t
+    of the two formats it mixes around it (our choice): for the int budgets int<b> at b element bits;
+    for the GGUF ones (fmt auto-gguf, error-gguf) the types of ste.GGUF_BUDGET_TYPES at their bits per
+    weight, scales included (Q2_K's level at 2.625, Q3_K's at 3.4375, ...)."""
+    if fmt in ste.GGUF_BUDGETS:
+        import ggml_quants
+        points = [(ggml_quants.bits_per_weight(ste.GGML_FORMATS[t]), t) for t in ste.GGUF_BUDGET_TYPES]
+    else:
+        points = [(b, f"int{b}") for b in (2, 3, 4)]
+    i = max(1, min(len(points) - 1, next((i for i, (b, _) in enumerate(points) if b > bits), len(points))))
+    (low, a), (high, b) = points[i - 1], points[i]
+    a, b = matched_b_t(method, a), matched_b_t(method, b)
+    return round(a + (bits - low) / (high - low) * (b - a), 2)
 
 
 def _start_step(key, value, max_iters, zero):
@@ -223,21 +233,22 @@ def _check_targets(kind, config):
                          f"gaussws[...], diffq[...] or ste[...]")
     if kind == "ste" and not fmt:
         raise ValueError(f"method ste[...] needs --target_format, the grid it trains on: one of "
-                         f"{', '.join(ste.STE_FORMATS)}")
+                         f"{', '.join(ste.STE_FORMATS + tuple(ste.GGML_FORMATS))}")
     if kind == "ste" and ste_value:
         raise ValueError(f"ste_start={ste_value:g} switches a gaussws[...] or diffq[...] run from PQT to STE; an "
                          f"ste[...] run is STE from pqt_start on: drop ste_start")
     if budget and fmt not in ste.BUDGET_TARGETS:
         raise ValueError(f"bits_per_weight={budget:g} is for target_format auto-int or error-int (int2/int3/int4 "
-                         f"per block at that mean), not target_format={fmt!r}")
+                         f"per block at that mean) or auto-gguf or error-gguf (a GGML type per tensor), not "
+                         f"target_format={fmt!r}")
     if fmt in ste.BUDGET_TARGETS:
         ste.check_budget(fmt, budget, kind)
     elif fmt:
         ste.check_format(fmt)
     if ste_value and fmt not in ste.BUDGET_TARGETS:
-        raise ValueError(f"ste_start={ste_value:g} trains on per-block formats a bit budget chooses at that step: "
-                         f"set target_format=auto-int or error-int and bits_per_weight (e.g. 3.0), not "
-                         f"target_format={fmt!r}")
+        raise ValueError(f"ste_start={ste_value:g} trains on per-block formats a bit budget chooses at that step, "
+                         f"or per-tensor GGML types: set target_format=auto-int, error-int, auto-gguf or error-gguf "
+                         f"and bits_per_weight (e.g. 3.0), not target_format={fmt!r}")
 
 
 def phase_settings(kind, config, explicit=()):
@@ -262,14 +273,19 @@ def phase_settings(kind, config, explicit=()):
     b_init = b_target would fix b_t (Eq. 11 then ignores b_i). AdamW moves b_i by about lr a step, so
     a phase spreads b_t by at most the sum of its lr times (b_init - b_target), and auto-int, which
     ranks an upgrade by b_t - bits, mixes formats at a whole budget (3.0) only where b_t spread > 1 bit.
+    A GGUF budget, auto-gguf or error-gguf with bits_per_weight from Q2_K's 2.625 to Q8_0's 8.5, gives
+    each Linear one GGML type (ste.gguf_types; ste: error-gguf only, chosen at pqt_start >= 1, after
+    some steps' input activations); its level is budget_level's between the types' matched levels.
     ste_start (gaussws, diffq with a budget; same forms as pqt_start, 0: none): from that step, after
-    pqt_start, STE on the per-block formats the budget chooses then (convert's `ste_start`).
+    pqt_start, STE on the formats the budget chooses then (convert's `ste_start`).
     """
     value, fmt, max_iters = config["pqt_start"], config["target_format"], config["max_iters"]
     ste_value, budget = config.get("ste_start", 0.0), config.get("bits_per_weight", 0.0)
     start = _start_step("pqt_start", value, max_iters, "the method from the first step")
     ste_start = _start_step("ste_start", ste_value, max_iters, "no STE phase")
     _check_targets(kind, config)
+    if fmt == "error-gguf" and (kind == "ste" or ste_start):
+        ste.check_budget(fmt, budget, kind, switch=start if kind == "ste" else ste_start)
     if ste_value and ste_start <= start:
         raise ValueError(f"ste_start={ste_value:g} (step {ste_start}) must come after pqt_start={value:g} (step "
                          f"{start}): PQT from pqt_start, STE from ste_start")
@@ -278,7 +294,7 @@ def phase_settings(kind, config, explicit=()):
         if "b_target" in explicit:
             raise ValueError(f"b_target={b_target:g} and target_format={fmt!r} both set the level b_t is pulled "
                              f"to; drop one")
-        b_target = budget_level(kind, budget) if budget else matched_b_t(kind, fmt)
+        b_target = budget_level(kind, budget, fmt) if budget else matched_b_t(kind, fmt)
         if start > 0 and "b_init" not in explicit:
             b_init = b_target + 1.0 if budget else b_target
     return {"pqt_start": float(start), "ste_start": float(ste_start), "b_init": b_init, "b_target": b_target}
@@ -321,7 +337,10 @@ def read_config(argv):
         try:  # a bad method or shape fails now, before data or checkpoints are touched
             kind, _ = gaussws.parse_method(c["method"], roles.values())
             c.update(phase_settings(kind, c, explicit))  # pqt_start as a step; b_t's level for target_format
-            ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
+            mconf = ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
+            if c["init_from"] in ("scratch", "resume"):  # the model is this shape: a width the format cannot hold
+                with torch.device("meta"):
+                    gaussws.convert(GPT(mconf), c["method"], roles, **method_args(c))
         except (ValueError, TypeError) as e:
             fail(str(e))
         c["lr_decay_iters"] = c["lr_decay_iters"] or c["max_iters"]
@@ -458,7 +477,10 @@ def build(c, explicit, proc, model_args, data_dir, meta):
     torch.manual_seed(c["seed"])
     mconf = ModelConfig(**model_args)
     roles = ROLES[mconf.arch]
-    raw_model = gaussws.convert(GPT(mconf), c["method"], roles, recompute=c["recompute_w_hat"], **method_args(c))
+    try:
+        raw_model = gaussws.convert(GPT(mconf), c["method"], roles, recompute=c["recompute_w_hat"], **method_args(c))
+    except ValueError as e:  # another run's (or a pretrained model's) shape: a width the format cannot hold
+        fail(str(e))
     if init_state is not None:
         try:
             gaussws.load_weights(raw_model, init_state)

@@ -14,6 +14,8 @@ import torch.nn as nn
 
 import bench
 import gaussws
+import ggml_quants as G
+import ste
 import train
 import util
 from conftest import ROOT
@@ -192,6 +194,42 @@ def test_held_bytes_of_one_layer_equals_independent_count(pqt):
         assert bench.held_bytes(OneLayer(layer), x, None, "cpu") == measured + 4000
 
 
+def test_an_ste_layer_holds_its_w_q_beside_what_autocast_keeps():
+    batch, n_in, n_out = 8, 256, 64
+    x = torch.randn(batch, n_in, requires_grad=True)
+    measured = bench.held_bytes(OneLayer(ste.STELinear(n_in, n_out, fmt="q4_k")), x, None, "cpu")
+    # BF16 copies of x and of w_q (autocast's casts), and the step's FP32 w_q the layer holds
+    assert measured == 2 * batch * n_in + 2 * n_out * n_in + 4 * n_out * n_in
+
+
+STE_TINY = [a for a in TINY if not a.startswith("--n_embd")] + ["--n_embd=256"]
+
+
+def test_ste_arms_time_steps_on_their_grids_after_a_budgets_switch(tmp_path, monkeypatch):
+    """Each arm trains on its format (one fake quantization per layer and step: w_q made once); a budget
+    chose its types at step 1, before any timed step, and its choice's seconds are reported."""
+    path = tmp_path / "train.json"
+    arms = ["ste[all]@q4_k", "ste[all]@error-gguf:4.5", "gaussws[all]@auto-gguf:3.5", "ste[all]@int3"]
+    bench.main(["train", f"--methods={','.join(arms)}", f"--json={path}"] + STE_TINY)
+    records = {r["method"]: r for r in json.loads(path.read_text())}
+    assert list(records) == ["bf16"] + arms
+    assert all(r["pqt_weight_params"] == 12 * 256 * 256 for m, r in records.items() if m != "bf16")
+    assert [m for m, r in records.items() if r["switch_s"] is not None] == arms[1:3]
+    assert all(r["extra_bytes_per_param"] > 0 and r["pqt_share_pct"] > 0 for m, r in records.items() if m != "bf16")
+    args = bench.parse_args(["train"] + STE_TINY)[1]
+    runner = bench.Runner(args, "ste[all]@error-gguf:4.5")
+    x = torch.randint(128, (2, 32))
+    runner.past_switch([(x, x)])
+    layers = gaussws.method_layers(runner.model)
+    assert runner.step_count == 2 and runner.switch_seconds > 0 and len(layers) == 4
+    assert all(layer.ggml() != ste.UNCHOSEN for layer in layers)
+    calls = []
+    fake_quantize = G.fake_quantize
+    monkeypatch.setattr(G, "fake_quantize", lambda *a, **k: calls.append(a[1]) or fake_quantize(*a, **k))
+    runner.step([(x, x), (x, x)])
+    assert sorted(int(t) for t in calls) == sorted(layer.ggml() for layer in layers)
+
+
 def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
     assert bench.STEP_SETTINGS.items() <= train.DEFAULTS.items()  # train.py's defaults
     convert = inspect.signature(gaussws.convert).parameters  # the method's settings: convert's, train.py's too
@@ -227,6 +265,13 @@ def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
     (["kernel", "--threads=-1"], "--threads=-1"),
     (["kernel", "--model=gpt2-124m"], "unknown config key 'model'"),
     (["train", "--methods=bf16,gaussws[qkv,nope]"], "no layer 'nope'"),
+    (["train", "--methods=ste[all]@q9"], "target format 'q9'"),
+    (["train", "--methods=ste[all]"], "target format ''"),
+    (["train", "--methods=ste[all]@q4_k:4"], "'q4_k' takes no :BITS"),
+    (["train", "--methods=ste[all]@auto-gguf:4"], "ranks tensors by their learned b_t"),
+    (["train", "--methods=ste[all]@error-gguf:9"], "bits_per_weight=9: expected 2.625"),
+    (["train", "--methods=ste[all]@error-gguf:x"], "could not convert"),
+    (["train", "--n_embd=96", "--n_head=2", "--methods=ste[all]@q4_k"], "has input width 96"),
     (["train", "--model=gpt5"], "expected one of gpt2-124m"),
     (["train", "--grad_accum=1,0"], "positive integers"),
     (["train", "--block_size=4096"], "exceeds the model's block_size"),
