@@ -7,13 +7,14 @@ batches against our model of the .safetensors export beside it (lowbit.load, FP3
 The file is verified first (its checksums, and that it was written from the .safetensors beside it:
 gguf_file.open_export); a damaged, foreign or mismatched file, a missing one or a directory is one
 line and exit status 1, and llama.cpp is not run. Then llama.cpp's logits are compared with the file's
-model computed with llama.cpp's roundings reproduced (gguf_file.LlamaCppArithmetic): beyond the bound
+model computed with llama.cpp's roundings reproduced (llama_tools.LlamaCppArithmetic): beyond the bound
 docs/GGUF.md derives, exit status 1. Needs llama-cpp-python (docs/GGUF.md).
 """
 import sys
 import time
 
 import gguf_file
+import llama_tools
 from configurator import configure
 from util import cli
 
@@ -30,7 +31,7 @@ def main(argv):
     cfg = dict(DEFAULTS)
     configure(cfg, argv)
     start = time.time()
-    r = gguf_file.check_llama_cpp(cfg["gguf"], cfg["eval_iters"], cfg["plain_cpu"])
+    r = llama_tools.check_llama_cpp(cfg["gguf"], cfg["eval_iters"], cfg["plain_cpu"])
     pct = lambda loss: f"{100 * (loss / r['val_loss'] - 1):+.4f}%"  # noqa: E731
     print(f"{cfg['gguf']}: {r['batches']} batches of train.py's evaluation, {r['tokens']:,} tokens "
           f"({time.time() - start:.0f} s)")
