@@ -43,11 +43,12 @@ import torch
 
 import checkpoint
 import gaussws
+import ggml_quants
 import lowbit
 from configurator import check_device, configure
 from data import loader
 from data.common import DataError, unusable_dir
-from formats import FORMATS, block_weights
+from formats import FORMATS, GGML_FORMATS, GGUF_BUDGETS, block_weights
 from lowbit import ExportError
 from model import GPT, ROLES, ModelConfig
 from util import cli, first_line, write_atomic
@@ -55,8 +56,10 @@ from util import cli, first_line, write_atomic
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
     out_dir="out",  # the run directory holding ckpt.pt
-    format="auto",  # an element format, auto, auto-int, error-int, or a comma list of them (each exported, evaluated)
-    bits_per_weight=0.0,  # auto-int, error-int: int2/int3/int4 at this mean element bits per weight (budget_bits)
+    format="auto",  # an element format, auto, auto-int, error-int, a GGML type (q4_0 ... q6_k, mxfp4_row), auto-gguf,
+    # error-gguf, or a comma list of them (each exported, evaluated)
+    bits_per_weight=0.0,  # auto-int, error-int: int2/int3/int4 at this mean (budget_bits); auto-gguf, error-gguf: the
+    # budget of GGML types per weight the run trained at
     layers="pqt",  # "pqt": the PQT (or STE) layers, every block Linear of a bf16 run; "all": every block Linear
     other_dtype="bfloat16",  # every tensor that is not quantized: "bfloat16" or "float32"
     export_dir="",  # where model-<format>.safetensors, bitwidths.json and bitwidths.png go; "" -> out_dir
@@ -104,14 +107,14 @@ def trained_layers(linears, b_t, pqt):
 
 
 def build_model(state_dict, arch_args):
-    """The model with the checkpoint's weights, b_i and format_ids aside: an eval-mode PQT or STE layer
-    is a plain Linear."""
+    """The model with the checkpoint's weights, b_i, format_ids and ggml_type aside: an eval-mode PQT or
+    STE layer is a plain Linear."""
     try:
         model = GPT(ModelConfig(**arch_args))
         result = model.load_state_dict(state_dict, strict=False)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ExportError(f"the checkpoint does not fit this project's model: {first_line(e)}")
-    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", ".format_ids"))]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", ".format_ids", ".ggml_type"))]
     if result.missing_keys or unexpected:
         raise ExportError(f"the checkpoint does not fit this project's model: missing {result.missing_keys[:3]}, "
                           f"unexpected {unexpected[:3]}")
@@ -223,12 +226,34 @@ def run_val_loss(config, meta, block_size, eval_iters, device):
 
 def parse_formats(spec):
     names = [s.strip() for s in str(spec).split(",") if s.strip()]
-    accepted = ["auto", "auto-int", "error-int"] + [f.name for f in FORMATS]
+    accepted = ["auto", "auto-int", "error-int", *(f.name for f in FORMATS), *GGML_FORMATS, *GGUF_BUDGETS]
     for name in names or [""]:
         if name not in accepted:
             raise ExportError(f"unknown format {name!r}; expected one of auto, auto-int, error-int, "
-                              f"{', '.join(f.name for f in FORMATS[:8])}, int2..int16, or a comma list of them")
+                              f"{', '.join(f.name for f in FORMATS[:8])}, int2..int16, llama.cpp's "
+                              f"{', '.join(GGML_FORMATS)}, {', '.join(GGUF_BUDGETS)}, or a comma list of them")
     return list(dict.fromkeys(names))
+
+
+def check_budget(formats, budget, spec):
+    """--bits_per_weight against the formats that take it: auto-int and error-int a mean of 2 to 4 element
+    bits, auto-gguf and error-gguf the budget (q2_k's to q8_0's bits) a run trained its GGML types at."""
+    ints, ggufs = [f for f in formats if f in ("auto-int", "error-int")], [f for f in formats if f in GGUF_BUDGETS]
+    if budget and not ints + ggufs:
+        raise ExportError(f"--bits_per_weight={budget:g} is for --format=auto-int or error-int (int2/int3/int4 per "
+                          f"block), or auto-gguf or error-gguf (a GGML type per weight), and --format={spec} has none")
+    if budget and ints and not 2 <= budget <= 4:
+        raise ExportError(f"--bits_per_weight={budget:g}: expected a mean of 2 to 4 element bits per weight (int2 to "
+                          f"int4), or 0 for no budget")
+    low, high = ggml_quants.bits_per_weight("q2_k"), ggml_quants.bits_per_weight("q8_0")
+    if budget and ggufs and not low <= budget <= high:
+        raise ExportError(f"--bits_per_weight={budget:g}: expected a mean of {low:g} (q2_k) to {high:g} (q8_0) bits "
+                          f"per weight for --format={ggufs[0]}")
+    if "error-int" in formats and not budget:
+        raise ExportError("--format=error-int mixes int2/int3/int4 at a budget: pass --bits_per_weight (e.g. 3.0)")
+    if ggufs and not budget:
+        raise ExportError(f"--format={ggufs[0]} writes the GGML types a run trained at a budget: pass that "
+                          f"--bits_per_weight (the run's own)")
 
 
 def check_args(cfg):
@@ -241,15 +266,7 @@ def check_args(cfg):
     if cfg["eval_iters"] < 0:
         raise ExportError(f"--eval_iters={cfg['eval_iters']}: expected >= 1 batches, or 0 for the run's own")
     check_device(cfg)
-    budget = cfg["bits_per_weight"]
-    if budget and not 2 <= budget <= 4:
-        raise ExportError(f"--bits_per_weight={budget:g}: expected a mean of 2 to 4 element bits per weight (int2 to "
-                          f"int4), or 0 for no budget")
-    if budget and not {"auto-int", "error-int"} & set(formats):
-        raise ExportError(f"--bits_per_weight={budget:g} is for --format=auto-int or error-int, and --format="
-                          f"{cfg['format']} has neither")
-    if "error-int" in formats and not budget:
-        raise ExportError("--format=error-int mixes int2/int3/int4 at a budget: pass --bits_per_weight (e.g. 3.0)")
+    check_budget(formats, cfg["bits_per_weight"], cfg["format"])
     check_json_path(cfg["json"])
     export_dir = cfg["export_dir"] or cfg["out_dir"]
     why = unusable_dir(export_dir)
@@ -379,6 +396,7 @@ def main(argv):
     ckpt, model, b_t, linears, quantized, notes = read_run(cfg, formats)
     config, pqt, state_dict = ckpt["config"], ckpt["pqt"], ckpt["model"]
     meta = read_meta(ckpt, cfg["evaluate"])
+    ggml = {f: lowbit.ggml_types(f, cfg["bits_per_weight"], state_dict, pqt, quantized, notes) for f in formats}
     gguf_plan = None
     if cfg["gguf"]:
         import gguf_file  # needs the gguf package, and only here
@@ -404,7 +422,7 @@ def main(argv):
     results = []
     for fmt_name in formats:
         chosen = lowbit.budget_formats(fmt_name, cfg["bits_per_weight"], model, state_dict, pqt, quantized, b_t, notes)
-        data, mix = lowbit.export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen)
+        data, mix = lowbit.export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen, ggml[fmt_name])
         result = dict(mix, path=paths[fmt_name] if cfg["save"] else None, file_bytes=len(data))
         if cfg["save"]:
             write_output(paths[fmt_name], data)  # atomic: a crash leaves no half-written model file
