@@ -5,9 +5,13 @@ with llama.cpp's own Python writer, the gguf package, and read back verified.
     report = gguf_file.write(plan, "mxfp4", data)    # model-mxfp4.gguf of an exported file's bytes
     reader = gguf_file.read("out/model-mxfp4.gguf")  # gguf's reader, after the checksums below
 
-Weights. A GGUF block is 32 consecutive weights of one row with one scale; ours is a 32x32 block
-with one scale, so each of its 32 rows becomes a GGUF block carrying the block's scale, and no value
-changes where the GGUF type can hold the element format: mxfp4 -> MXFP4 (codes and E8M0 scale
+Weights. A weight export.py quantized to one of llama.cpp's block types (formats.GGML_FORMATS: q4_0,
+q8_0, q4_k, q5_k, q3_k, q2_k, q6_k -> Q4_0 ... Q6_K, mxfp4_row -> MXFP4; auto-gguf and error-gguf one
+of them per weight) goes to GGUF as the .safetensors holds it: its GGML blocks' bytes, written raw
+(GGUFWriter.add_tensor's raw_dtype), never quantized again, so the two files hold the same bytes.
+For our 32x32 formats: a GGUF block is 32 consecutive weights of one row with one scale; ours is a
+32x32 block with one scale, so each of its 32 rows becomes a GGUF block carrying the block's scale,
+and no value changes where the GGUF type can hold the element format: mxfp4 -> MXFP4 (codes and E8M0 scale
 copied), int2..int4 -> Q4_0 and int5..int8, mxfp6_e2m3 -> Q8_0 (our BF16 scale is an FP16 value
 from 2^-17 to 65280), bf16, fp32 -> BF16, F32. GGUF has no FP6/FP8 element types: mxfp6_e3m2 and
 mxfp8 go to Q8_0, fp16 and int9..int16 to F16 or BF16 (the smaller error), rounded by gguf's own
@@ -353,7 +357,10 @@ def tensors_of(data):
             continue  # GPT2's head is its embedding: llama.cpp reads token_embd when output is absent
         w = value.double().numpy()
         quantized = key in info["quantized"]
-        if quantized:
+        if key in info["ggml_types"]:  # the .safetensors' GGML blocks, written as they are
+            qtype, blob = Q[info["ggml_types"][key]], raw[key + ".ggml"].numpy()
+            back = gguf.quants.dequantize(blob, qtype).reshape(w.shape)
+        elif quantized:
             qtype, blob, back = choose(w, block_layout(raw, key, *w.shape))
         elif w.ndim == 1:  # norms and biases: F32, as llama.cpp's converter writes every 1-D tensor
             qtype, blob, back = Q.F32, w.astype(np.float32), w.astype(np.float32)
