@@ -21,6 +21,7 @@ from data import loader
 
 Q = gguf_file.Q
 QK = gguf_file.QK
+QK_K = 256  # values per Q8_K block: the activations against a K-quant weight
 
 
 # --- llama.cpp's arithmetic, in our code -----------------------------------------------------------
@@ -34,9 +35,24 @@ def _q8_0(x):
     return (q * (amax / 127).half().float()).flatten(-2).type_as(x)
 
 
-# How llama.cpp's CPU matmul rounds the activations against a weight of each type (its vec_dot_type).
-ACTIVATIONS = {Q.Q4_0: _q8_0, Q.Q8_0: _q8_0, Q.MXFP4: _q8_0, Q.BF16: lambda x: x.bfloat16().type_as(x),
-               Q.F16: lambda x: x.half().type_as(x), Q.F32: lambda x: x}
+def _q8_k(x):
+    """x as llama.cpp's CPU matmul reads it against a K-quant weight (Q2_K ... Q6_K): Q8_K per 256 values
+    of a row (quantize_row_q8_K_ref, which x86 uses too): iscale = -127 / the value of largest magnitude,
+    q = x * iscale rounded half to even (nearest_int; the product rounded to FP32 first: ggml-base has no
+    FMA), at most 127, and the FP32 scale d = 1 / iscale; an all-zero block stays 0. Which of +a and -a is
+    the largest does not matter: both give the same values."""
+    v = x.float().unflatten(-1, (-1, QK_K))
+    top = v.gather(-1, v.abs().argmax(-1, keepdim=True))
+    iscale = -127 / torch.where(top != 0, top, 1.0)
+    q = torch.round(v * iscale).clamp_(max=127)
+    return torch.where(top != 0, q * (1 / iscale), 0.0).flatten(-2).type_as(x)
+
+
+# How llama.cpp's CPU matmul rounds the activations against a weight of each type (its vec_dot_type,
+# ggml-cpu.c's type_traits_cpu).
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+ACTIVATIONS = {Q.Q4_0: _q8_0, Q.Q8_0: _q8_0, Q.MXFP4: _q8_0, **dict.fromkeys(K_QUANTS, _q8_k),
+               Q.BF16: lambda x: x.bfloat16().type_as(x), Q.F16: lambda x: x.half().type_as(x), Q.F32: lambda x: x}
 
 
 def _fp16_gelu(x):
