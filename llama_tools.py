@@ -2,15 +2,20 @@
 roundings reproduced in our code, and the check of llama.cpp's logits and val loss against ours.
 
     llm = llama_tools.llama_cpp_model("out/model-mxfp4.gguf", n_ctx=64)   # llama-cpp-python's Llama
+    llama_tools.llama_quantize("out/model-fp32.gguf", "out/q4_k_m.gguf", "Q4_K_M", pure=False)   # llama.cpp's own
     with llama_tools.LlamaCppArithmetic(file_model, path):   # our model, computed as llama.cpp rounds
         logits = file_model(x, y)[0]
     r = llama_tools.check_llama_cpp("out/model-mxfp4.gguf")   # export_gguf.py's check
 
 The file itself (its tensors, checksums, reader, the file's model) is gguf_file.py's. docs/GGUF.md
-derives the bound check_llama_cpp holds llama.cpp's logits to.
+derives the bound check_llama_cpp holds llama.cpp's logits to. llama.cpp's command-line tools
+(llama-quantize, llama-imatrix) are found in the directory $LLAMA_CPP_BIN names, else on PATH.
 """
 import importlib.util
 import math
+import os
+import shutil
+import subprocess
 
 import numpy as np
 import torch
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 
 import gguf_file
 from data import loader
+from gguf_file import GGUFError
 
 Q = gguf_file.Q
 QK = gguf_file.QK
@@ -86,8 +92,8 @@ class LlamaCppArithmetic(torch.overrides.TorchFunctionMode):
         names = gguf_file.gguf_names(model.config)  # GPT2's head is its embedding: one parameter, token_embd's type
         unknown = sorted({t.name for t in types.values()} - {t.name for t in ACTIVATIONS})
         if unknown:
-            raise gguf_file.GGUFError(f"{path} holds {', '.join(unknown)} tensors, whose activations llama.cpp rounds in a way "
-                            f"this check does not reproduce (gguf_file.ACTIVATIONS)")
+            raise GGUFError(f"{path} holds {', '.join(unknown)} tensors, whose activations llama.cpp rounds in a way "
+                            f"this check does not reproduce (llama_tools.ACTIVATIONS)")
         self.rounding = {id(p): ACTIVATIONS[types[names[k]]] for k, p in model.named_parameters()
                          if p.dim() == 2 and names.get(k) in types}
 
@@ -144,7 +150,7 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
     derives it). The file is verified, and shown to be of that export, first."""
     model, info = gguf_file.open_export(path)
     if importlib.util.find_spec("llama_cpp") is None:
-        raise gguf_file.GGUFError("llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp "
+        raise GGUFError("llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp "
                         "from source, minutes)")
     batches = _eval_batches(model, info, eval_iters)
     file_model = gguf_file.model_from_gguf(path, info["model_args"])
@@ -172,3 +178,33 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
                 max_logit_difference=worst["ours"], max_logit_difference_file=worst["file"],
                 max_logit_difference_arithmetic=worst["arithmetic"], rounding_effect=worst["rounding"],
                 within_bound=worst["file"] <= 2 * worst["rounding"], max_logit=top, same_next_token=same / n)
+
+
+# --- llama.cpp's command-line tools ------------------------------------------------------------------
+
+def llama_cpp_tool(name):
+    """The path of llama.cpp's command-line tool `name` (llama-quantize, llama-imatrix, llama-perplexity):
+    in the directory $LLAMA_CPP_BIN names, else on PATH; None where it is in neither."""
+    folder = os.environ.get("LLAMA_CPP_BIN")
+    if folder:
+        path = os.path.join(folder, name)
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    return shutil.which(name)
+
+
+def llama_quantize(src, dst, qtype, pure=True, keep="bf16", imatrix=None):
+    """llama-quantize of the GGUF file src into dst in qtype (its name for a type or a mix: Q4_0, Q4_K_M,
+    ...): every other 2-D weight in that type where pure (--pure: no K-quant mixture), the token embeddings
+    and the head in `keep` (as export.py keeps them, so that files compare by their block Linears), with
+    the importance matrix at imatrix where given. GGUFError (one line) where the tool is absent or fails."""
+    tool = llama_cpp_tool("llama-quantize")
+    if tool is None:
+        raise GGUFError("llama-quantize not found: build llama.cpp's tools (cmake -B build && cmake --build build "
+                        "--target llama-quantize) and set LLAMA_CPP_BIN to build/bin, or put them on PATH")
+    args = [tool, *(["--pure"] if pure else []), "--token-embedding-type", keep, "--output-tensor-type", keep,
+            *(["--imatrix", str(imatrix)] if imatrix else []), str(src), str(dst), qtype]
+    run = subprocess.run(args, capture_output=True, text=True)
+    if run.returncode != 0:
+        last = (run.stderr.strip().splitlines() or ["no message"])[-1]
+        raise GGUFError(f"llama-quantize {qtype} of {src} failed (exit status {run.returncode}): {last}")
+    return dst
