@@ -32,12 +32,18 @@ QK_K = 256  # values per Q8_K block: the activations against a K-quant weight
 
 # --- llama.cpp's arithmetic, in our code -----------------------------------------------------------
 
+def _divide(a, t):
+    """The number a divided by each value of t, correctly rounded in FP32 as C's a / t (torch computes a / t
+    as a times t's reciprocal, two roundings)."""
+    return torch.full_like(t, a) / t
+
+
 def _q8_0(x):
     """x as llama.cpp's CPU matmul reads it against a Q4_0, Q8_0 or MXFP4 weight: Q8_0 per 32 values of
     a row, d = amax / 127 stored in FP16 and q = x * (127 / amax) rounded half to even (quantize_row_q8_0)."""
     v = x.float().unflatten(-1, (-1, QK))
     amax = v.abs().amax(-1, keepdim=True)
-    q = torch.round(v * torch.where(amax > 0, 127 / torch.where(amax > 0, amax, 1.0), 0.0))
+    q = torch.round(v * torch.where(amax > 0, _divide(127, torch.where(amax > 0, amax, 1.0)), 0.0))
     return (q * (amax / 127).half().float()).flatten(-2).type_as(x)
 
 
@@ -49,9 +55,9 @@ def _q8_k(x):
     the largest does not matter: both give the same values."""
     v = x.float().unflatten(-1, (-1, QK_K))
     top = v.gather(-1, v.abs().argmax(-1, keepdim=True))
-    iscale = -127 / torch.where(top != 0, top, 1.0)
-    q = torch.round(v * iscale).clamp_(max=127)
-    return torch.where(top != 0, q * (1 / iscale), 0.0).flatten(-2).type_as(x)
+    iscale = _divide(-127, torch.where(top != 0, top, 1.0))
+    q = torch.round(v * iscale).clamp_(max=127).add_(0.0)  # -0 + 0 = +0: the integer code 0, as ggml's int8
+    return torch.where(top != 0, q * _divide(1, iscale), 0.0).flatten(-2).type_as(x)
 
 
 # How llama.cpp's CPU matmul rounds the activations against a weight of each type (its vec_dot_type,
