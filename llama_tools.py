@@ -152,8 +152,10 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
     the file's .safetensors (FP32, "ours"), model_from_gguf's (the file's weights and llama.cpp's GELU,
     "file") and the latter with llama.cpp's roundings (LlamaCppArithmetic, "arithmetic"). Returns their
     val losses, the largest logit differences, the effect of llama.cpp's roundings (max |arithmetic -
-    file|) and within_bound: llama.cpp's logits within twice that effect of the file's model's (docs/GGUF.md
-    derives it). The file is verified, and shown to be of that export, first."""
+    file|), within_bound: llama.cpp's logits within twice that effect of the file's model's (docs/GGUF.md
+    derives it), and the RMS of llama.cpp's logits less the file's model's and less its arithmetic's (how
+    much of the difference the reproduced roundings account for). The file is verified, and shown to be
+    of that export, first."""
     model, info = gguf_file.open_export(path)
     if importlib.util.find_spec("llama_cpp") is None:
         raise GGUFError("llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp "
@@ -164,6 +166,7 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
     llm = llama_cpp_model(path, model.config.block_size, plain_cpu)
     nll = dict(ours=0.0, file=0.0, arithmetic=0.0, llama_cpp=0.0)
     worst = dict(ours=0.0, file=0.0, arithmetic=0.0, rounding=0.0)
+    squares = dict(file=0.0, arithmetic=0.0)
     top = same = n = 0
     for x, y in batches:
         with arithmetic:
@@ -176,14 +179,18 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
                 nll[name] += F.cross_entropy(logits, target, reduction="sum").item()
                 if name in worst:
                     worst[name] = max(worst[name], (theirs - logits).abs().max().item())
+                if name in squares:
+                    squares[name] += (theirs - logits).square().sum().item()
             worst["rounding"] = max(worst["rounding"], (rounded[b] - exact).abs().max().item())
             top, n = max(top, ours.abs().max().item()), n + len(target)
             same += (theirs.argmax(-1) == ours.argmax(-1)).sum().item()
+    rms = {name: math.sqrt(total / (n * model.config.vocab_size)) for name, total in squares.items()}
     return dict(batches=len(batches), tokens=n, val_loss=nll["ours"] / n, val_loss_llama_cpp=nll["llama_cpp"] / n,
                 val_loss_file=nll["file"] / n, val_loss_arithmetic=nll["arithmetic"] / n,
                 max_logit_difference=worst["ours"], max_logit_difference_file=worst["file"],
                 max_logit_difference_arithmetic=worst["arithmetic"], rounding_effect=worst["rounding"],
-                within_bound=worst["file"] <= 2 * worst["rounding"], max_logit=top, same_next_token=same / n)
+                within_bound=worst["file"] <= 2 * worst["rounding"], max_logit=top, same_next_token=same / n,
+                rms_logit_difference_file=rms["file"], rms_logit_difference_arithmetic=rms["arithmetic"])
 
 
 # --- llama.cpp's command-line tools ------------------------------------------------------------------
