@@ -4,6 +4,7 @@
     python export.py --out_dir=out --format=auto,auto-int,mxfp8_e4m3,mxfp6_e3m2,mxfp4,int4,int3
     python export.py --out_dir=out --format=auto-int,error-int,int3 --bits_per_weight=3.0   # mixed int2/3/4
     python export.py --out_dir=out --format=auto,int4 --json=out/export.json   # also the summary as JSON
+    python export.py --out_dir=out --format=q4_k,q3_k --gguf=True   # llama.cpp's types, the .gguf beside
 
 Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoint.read) and
 1. reports the learned bitwidths b_t (one per 32x32 block, Eq. 11) per layer role and overall, as
@@ -12,10 +13,13 @@ Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoi
 2. quantizes every 32x32 block of the PQT layers to one element format with one shared scale
    (OCP Microscaling (MX) v1.0), either the same format for all blocks or, with `auto`/`auto-int`,
    the format that the block's own b_t asks for, or, with --bits_per_weight, int2/int3/int4 at that
-   mean ranked by b_t (auto-int) or by each block's own error (error-int); writes
-   model-<format>.safetensors: packed element codes, scales, per-block format ids, what it takes
-   to rebuild the model (no pickle) and the SHA-256 of every tensor and of the metadata, which
-   load checks before it rebuilds anything (the file: lowbit.py);
+   mean ranked by b_t (auto-int) or by each block's own error (error-int); or puts each weight whole
+   on one of llama.cpp's block types (q4_0, q8_0, q4_k, q5_k, q3_k, q2_k, q6_k, mxfp4_row: their GGML
+   blocks, the bytes a GGUF file holds; auto-gguf, error-gguf at --bits_per_weight: the type each
+   weight of a run that trained at that budget trained on); writes model-<format>.safetensors: packed
+   element codes, scales, per-block format ids or GGML blocks, what it takes to rebuild the model (no
+   pickle) and the SHA-256 of every tensor and of the metadata, which load checks before it rebuilds
+   anything (the file: lowbit.py);
 3. evaluates the val loss of each exported model on train.py's fixed evaluation batches, beside
    the loss of the checkpoint's own (unquantized) weights;
 4. with --gguf=True, writes model-<format>.gguf beside each file, for llama.cpp (gguf_file.py,
@@ -30,7 +34,10 @@ which is plain post-training quantization, the baseline PQT competes with; an ST
 the layers it trained on a format's grid quantized, which give back its trained weights when the
 format is its target_format. A run that trained by STE on a bit budget's per-block formats (target
 auto-int or error-int) keeps them: exported at its own target_format and --bits_per_weight, each
-block takes the format it trained on, and the file holds the trained weights.
+block takes the format it trained on, and the file holds the trained weights. The same holds for
+llama.cpp's types (ggml_quants.py): an STE run on one exports to it as trained, and a run that trained
+one type per weight at a budget (its <layer>.ggml_type) exports with --format=auto-gguf or error-gguf
+at its --bits_per_weight; a width a type's blocks do not divide is one line, before anything is written.
 """
 import io
 import json
@@ -56,10 +63,8 @@ from util import cli, first_line, write_atomic
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
     out_dir="out",  # the run directory holding ckpt.pt
-    format="auto",  # an element format, auto, auto-int, error-int, a GGML type (q4_0 ... q6_k, mxfp4_row), auto-gguf,
-    # error-gguf, or a comma list of them (each exported, evaluated)
-    bits_per_weight=0.0,  # auto-int, error-int: int2/int3/int4 at this mean (budget_bits); auto-gguf, error-gguf: the
-    # budget of GGML types per weight the run trained at
+    format="auto",  # one or a comma list: mxfp4 ... int16, auto, auto-int, error-int, q4_0 ... mxfp4_row, auto-gguf...
+    bits_per_weight=0.0,  # auto-int, error-int: int2/int3/int4 at this mean; auto-gguf, error-gguf: the run's own
     layers="pqt",  # "pqt": the PQT (or STE) layers, every block Linear of a bf16 run; "all": every block Linear
     other_dtype="bfloat16",  # every tensor that is not quantized: "bfloat16" or "float32"
     export_dir="",  # where model-<format>.safetensors, bitwidths.json and bitwidths.png go; "" -> out_dir

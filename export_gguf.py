@@ -43,6 +43,8 @@ def main(argv):
           f"the effect of llama.cpp's roundings, {2 * r['rounding_effect']:.2e}), to the file's model with them "
           f"{r['max_logit_difference_arithmetic']:.2e}; the same next token as ours at "
           f"{100 * r['same_next_token']:.2f}% of positions")
+    print(f"RMS of llama.cpp's logits less the file's model's {r['rms_logit_difference_file']:.2e}, less its "
+          f"arithmetic's {r['rms_logit_difference_arithmetic']:.2e}")
     if not r["within_bound"]:
         raise gguf_file.GGUFError(f"llama.cpp's logits differ from the file's model's by "
                                   f"{r['max_logit_difference_file']:.3e}, more than twice the effect of its own "
