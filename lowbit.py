@@ -19,8 +19,9 @@ gguf's dequantizer (llama.cpp's Python reference, bit for bit ggml_quants.dequan
 load refuses in one line (ExportError) a file that is damaged (a checksum differs), malformed (a
 tensor of the wrong size for its blocks or its GGML type, a format id or GGML type the file does not
 name, model_args the model does not know), of another tool or of an older export.py (no checksums:
-export the run again), and a model that rebuilds non-finite. The element formats and their 32x32 block operations are
-formats.py's; sample.py, hf.py and the GGUF writer (gguf_file.py) read files through load/rebuild.
+export the run again), and a model that rebuilds non-finite. The element formats and their 32x32
+block operations are formats.py's; sample.py, hf.py and the GGUF writer (gguf_file.py) read files
+through load/rebuild.
 """
 import hashlib
 import json
@@ -291,9 +292,9 @@ def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen=
         seen.add(value.data_ptr())
         layer = key[:-len(".weight")]
         if key.endswith(".weight") and layer in quantized:
-            ggml_type = (ggml or {}).get(layer)
-            ids = None if ggml_type else chosen[layer] if chosen else format_ids_for(layer, fmt_name, b_t.get(layer),
-                                                                                     value.shape)
+            ggml_type, ids = (ggml or {}).get(layer), None
+            if ggml_type is None:
+                ids = chosen[layer] if chosen else format_ids_for(layer, fmt_name, b_t.get(layer), value.shape)
             parts, counts = _quantized_parts(key, value, ids, ggml_type)
             tensors.update({f"{key}.{suffix}": t for suffix, t in parts.items()})
             quantized_bytes += sum(t.numel() * t.element_size() for t in parts.values())
