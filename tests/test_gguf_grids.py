@@ -387,6 +387,28 @@ def q4_k(tmp_path_factory):
 UP = "transformer.h.0.mlp.c_fc.weight"  # 1024 rows of 256 weights: one Q4_K block of 144 bytes a row
 
 
+def test_sample_py_generates_from_a_file_of_a_llama_cpp_type(q4_k, capsys):
+    """sample.py reads model-q4_k.safetensors through lowbit.load, and decodes greedily as the model of the
+    master weights does with its block Linears fake-quantized to Q4_K and the rest in BF16 (export's
+    other_dtype), decoded here by hand."""
+    import sample
+    from model import GPT, ModelConfig
+    sample.main([f"--init_from={q4_k / 'model-q4_k.safetensors'}", "--start=def ", "--num_samples=1",
+                 "--max_new_tokens=8", "--temperature=0.0", "--device=cpu"])
+    text = capsys.readouterr().out.split("\n---------------")[0]
+    master = torch.load(q4_k / "ckpt.pt", weights_only=True)["model"]
+    quantized = block_linears(master)
+    model = GPT(ModelConfig(**ARCHS["gpt2"])).eval()
+    model.load_state_dict({k: ggml_quants.fake_quantize(v.float(), "q4_k") if k in quantized else v.bfloat16().float()
+                           for k, v in master.items()})
+    idx = torch.tensor([list(b"def ")])
+    for _ in range(8):
+        with torch.no_grad():
+            logits, _ = model(idx)
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert text == bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+
+
 def nan_scale(t):
     t = t.clone()
     t[0, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # the first block's d: FP16 NaN
