@@ -644,7 +644,7 @@ def summary(tensors, path, safetensors_bits):
 
 def describe(report):
     """The report as lines for the terminal."""
-    lines = [f"wrote {report['path']} ({report['file_bytes'] / 1e6:.3f} MB, {report['bits_per_parameter']:.2f} "
+    lines = [f"wrote {report['path']} ({report['file_bytes']:,} bytes, {report['bits_per_parameter']:.2f} "
              f"bits per parameter): " + ", ".join(f"{n} {t}" for t, n in report["types"].items())]
     if report["bits_per_weight"] is not None:
         lines.append(f"the quantized Linears: {report['bits_per_weight']:.3f} bits per weight "
