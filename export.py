@@ -4,6 +4,7 @@
     python export.py --out_dir=out --format=auto,auto-int,mxfp8_e4m3,mxfp6_e3m2,mxfp4,int4,int3
     python export.py --out_dir=out --format=auto-int,error-int,int3 --bits_per_weight=3.0   # mixed int2/3/4
     python export.py --out_dir=out --format=auto,int4 --json=out/export.json   # also the summary as JSON
+    python export.py --out_dir=out --format=q4_k,q3_k --gguf=True   # llama.cpp's types, the .gguf beside
 
 Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoint.read) and
 1. reports the learned bitwidths b_t (one per 32x32 block, Eq. 11) per layer role and overall, as
@@ -12,10 +13,13 @@ Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoi
 2. quantizes every 32x32 block of the PQT layers to one element format with one shared scale
    (OCP Microscaling (MX) v1.0), either the same format for all blocks or, with `auto`/`auto-int`,
    the format that the block's own b_t asks for, or, with --bits_per_weight, int2/int3/int4 at that
-   mean ranked by b_t (auto-int) or by each block's own error (error-int); writes
-   model-<format>.safetensors: packed element codes, scales, per-block format ids, what it takes
-   to rebuild the model (no pickle) and the SHA-256 of every tensor and of the metadata, which
-   load checks before it rebuilds anything (the file: lowbit.py);
+   mean ranked by b_t (auto-int) or by each block's own error (error-int); or puts each weight whole
+   on one of llama.cpp's block types (q4_0, q8_0, q4_k, q5_k, q3_k, q2_k, q6_k, mxfp4_row: their GGML
+   blocks, the bytes a GGUF file holds; auto-gguf, error-gguf at --bits_per_weight: the type each
+   weight of a run that trained at that budget trained on); writes model-<format>.safetensors: packed
+   element codes, scales, per-block format ids or GGML blocks, what it takes to rebuild the model (no
+   pickle) and the SHA-256 of every tensor and of the metadata, which load checks before it rebuilds
+   anything (the file: lowbit.py);
 3. evaluates the val loss of each exported model on train.py's fixed evaluation batches, beside
    the loss of the checkpoint's own (unquantized) weights;
 4. with --gguf=True, writes model-<format>.gguf beside each file, for llama.cpp (gguf_file.py,
@@ -30,7 +34,10 @@ which is plain post-training quantization, the baseline PQT competes with; an ST
 the layers it trained on a format's grid quantized, which give back its trained weights when the
 format is its target_format. A run that trained by STE on a bit budget's per-block formats (target
 auto-int or error-int) keeps them: exported at its own target_format and --bits_per_weight, each
-block takes the format it trained on, and the file holds the trained weights.
+block takes the format it trained on, and the file holds the trained weights. The same holds for
+llama.cpp's types (ggml_quants.py): an STE run on one exports to it as trained, and a run that trained
+one type per weight at a budget (its <layer>.ggml_type) exports with --format=auto-gguf or error-gguf
+at its --bits_per_weight; a width a type's blocks do not divide is one line, before anything is written.
 """
 import io
 import json
@@ -43,11 +50,12 @@ import torch
 
 import checkpoint
 import gaussws
+import ggml_quants
 import lowbit
 from configurator import check_device, configure
 from data import loader
 from data.common import DataError, unusable_dir
-from formats import FORMATS, block_weights
+from formats import FORMATS, GGML_FORMATS, GGUF_BUDGETS, block_weights
 from lowbit import ExportError
 from model import GPT, ROLES, ModelConfig
 from util import cli, first_line, write_atomic
@@ -55,8 +63,8 @@ from util import cli, first_line, write_atomic
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
     out_dir="out",  # the run directory holding ckpt.pt
-    format="auto",  # an element format, auto, auto-int, error-int, or a comma list of them (each exported, evaluated)
-    bits_per_weight=0.0,  # auto-int, error-int: int2/int3/int4 at this mean element bits per weight (budget_bits)
+    format="auto",  # one or a comma list: mxfp4 ... int16, auto, auto-int, error-int, q4_0 ... mxfp4_row, auto-gguf...
+    bits_per_weight=0.0,  # auto-int, error-int: int2/int3/int4 at this mean; auto-gguf, error-gguf: the run's own
     layers="pqt",  # "pqt": the PQT (or STE) layers, every block Linear of a bf16 run; "all": every block Linear
     other_dtype="bfloat16",  # every tensor that is not quantized: "bfloat16" or "float32"
     export_dir="",  # where model-<format>.safetensors, bitwidths.json and bitwidths.png go; "" -> out_dir
@@ -104,14 +112,14 @@ def trained_layers(linears, b_t, pqt):
 
 
 def build_model(state_dict, arch_args):
-    """The model with the checkpoint's weights, b_i and format_ids aside: an eval-mode PQT or STE layer
-    is a plain Linear."""
+    """The model with the checkpoint's weights, b_i, format_ids and ggml_type aside: an eval-mode PQT or
+    STE layer is a plain Linear."""
     try:
         model = GPT(ModelConfig(**arch_args))
         result = model.load_state_dict(state_dict, strict=False)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ExportError(f"the checkpoint does not fit this project's model: {first_line(e)}")
-    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", ".format_ids"))]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", ".format_ids", ".ggml_type"))]
     if result.missing_keys or unexpected:
         raise ExportError(f"the checkpoint does not fit this project's model: missing {result.missing_keys[:3]}, "
                           f"unexpected {unexpected[:3]}")
@@ -223,12 +231,34 @@ def run_val_loss(config, meta, block_size, eval_iters, device):
 
 def parse_formats(spec):
     names = [s.strip() for s in str(spec).split(",") if s.strip()]
-    accepted = ["auto", "auto-int", "error-int"] + [f.name for f in FORMATS]
+    accepted = ["auto", "auto-int", "error-int", *(f.name for f in FORMATS), *GGML_FORMATS, *GGUF_BUDGETS]
     for name in names or [""]:
         if name not in accepted:
             raise ExportError(f"unknown format {name!r}; expected one of auto, auto-int, error-int, "
-                              f"{', '.join(f.name for f in FORMATS[:8])}, int2..int16, or a comma list of them")
+                              f"{', '.join(f.name for f in FORMATS[:8])}, int2..int16, llama.cpp's "
+                              f"{', '.join(GGML_FORMATS)}, {', '.join(GGUF_BUDGETS)}, or a comma list of them")
     return list(dict.fromkeys(names))
+
+
+def check_budget(formats, budget, spec):
+    """--bits_per_weight against the formats that take it: auto-int and error-int a mean of 2 to 4 element
+    bits, auto-gguf and error-gguf the budget (q2_k's to q8_0's bits) a run trained its GGML types at."""
+    ints, ggufs = [f for f in formats if f in ("auto-int", "error-int")], [f for f in formats if f in GGUF_BUDGETS]
+    if budget and not ints + ggufs:
+        raise ExportError(f"--bits_per_weight={budget:g} is for --format=auto-int or error-int (int2/int3/int4 per "
+                          f"block), or auto-gguf or error-gguf (a GGML type per weight), and --format={spec} has none")
+    if budget and ints and not 2 <= budget <= 4:
+        raise ExportError(f"--bits_per_weight={budget:g}: expected a mean of 2 to 4 element bits per weight (int2 to "
+                          f"int4), or 0 for no budget")
+    low, high = ggml_quants.bits_per_weight("q2_k"), ggml_quants.bits_per_weight("q8_0")
+    if budget and ggufs and not low <= budget <= high:
+        raise ExportError(f"--bits_per_weight={budget:g}: expected a mean of {low:g} (q2_k) to {high:g} (q8_0) bits "
+                          f"per weight for --format={ggufs[0]}")
+    if "error-int" in formats and not budget:
+        raise ExportError("--format=error-int mixes int2/int3/int4 at a budget: pass --bits_per_weight (e.g. 3.0)")
+    if ggufs and not budget:
+        raise ExportError(f"--format={ggufs[0]} writes the GGML types a run trained at a budget: pass that "
+                          f"--bits_per_weight (the run's own)")
 
 
 def check_args(cfg):
@@ -241,15 +271,7 @@ def check_args(cfg):
     if cfg["eval_iters"] < 0:
         raise ExportError(f"--eval_iters={cfg['eval_iters']}: expected >= 1 batches, or 0 for the run's own")
     check_device(cfg)
-    budget = cfg["bits_per_weight"]
-    if budget and not 2 <= budget <= 4:
-        raise ExportError(f"--bits_per_weight={budget:g}: expected a mean of 2 to 4 element bits per weight (int2 to "
-                          f"int4), or 0 for no budget")
-    if budget and not {"auto-int", "error-int"} & set(formats):
-        raise ExportError(f"--bits_per_weight={budget:g} is for --format=auto-int or error-int, and --format="
-                          f"{cfg['format']} has neither")
-    if "error-int" in formats and not budget:
-        raise ExportError("--format=error-int mixes int2/int3/int4 at a budget: pass --bits_per_weight (e.g. 3.0)")
+    check_budget(formats, cfg["bits_per_weight"], cfg["format"])
     check_json_path(cfg["json"])
     export_dir = cfg["export_dir"] or cfg["out_dir"]
     why = unusable_dir(export_dir)
@@ -379,6 +401,7 @@ def main(argv):
     ckpt, model, b_t, linears, quantized, notes = read_run(cfg, formats)
     config, pqt, state_dict = ckpt["config"], ckpt["pqt"], ckpt["model"]
     meta = read_meta(ckpt, cfg["evaluate"])
+    ggml = {f: lowbit.ggml_types(f, cfg["bits_per_weight"], state_dict, pqt, quantized, notes) for f in formats}
     gguf_plan = None
     if cfg["gguf"]:
         import gguf_file  # needs the gguf package, and only here
@@ -404,7 +427,7 @@ def main(argv):
     results = []
     for fmt_name in formats:
         chosen = lowbit.budget_formats(fmt_name, cfg["bits_per_weight"], model, state_dict, pqt, quantized, b_t, notes)
-        data, mix = lowbit.export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen)
+        data, mix = lowbit.export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen, ggml[fmt_name])
         result = dict(mix, path=paths[fmt_name] if cfg["save"] else None, file_bytes=len(data))
         if cfg["save"]:
             write_output(paths[fmt_name], data)  # atomic: a crash leaves no half-written model file

@@ -7,13 +7,14 @@ batches against our model of the .safetensors export beside it (lowbit.load, FP3
 The file is verified first (its checksums, and that it was written from the .safetensors beside it:
 gguf_file.open_export); a damaged, foreign or mismatched file, a missing one or a directory is one
 line and exit status 1, and llama.cpp is not run. Then llama.cpp's logits are compared with the file's
-model computed with llama.cpp's roundings reproduced (gguf_file.LlamaCppArithmetic): beyond the bound
+model computed with llama.cpp's roundings reproduced (llama_tools.LlamaCppArithmetic): beyond the bound
 docs/GGUF.md derives, exit status 1. Needs llama-cpp-python (docs/GGUF.md).
 """
 import sys
 import time
 
 import gguf_file
+import llama_tools
 from configurator import configure
 from util import cli
 
@@ -30,7 +31,7 @@ def main(argv):
     cfg = dict(DEFAULTS)
     configure(cfg, argv)
     start = time.time()
-    r = gguf_file.check_llama_cpp(cfg["gguf"], cfg["eval_iters"], cfg["plain_cpu"])
+    r = llama_tools.check_llama_cpp(cfg["gguf"], cfg["eval_iters"], cfg["plain_cpu"])
     pct = lambda loss: f"{100 * (loss / r['val_loss'] - 1):+.4f}%"  # noqa: E731
     print(f"{cfg['gguf']}: {r['batches']} batches of train.py's evaluation, {r['tokens']:,} tokens "
           f"({time.time() - start:.0f} s)")
@@ -42,6 +43,8 @@ def main(argv):
           f"the effect of llama.cpp's roundings, {2 * r['rounding_effect']:.2e}), to the file's model with them "
           f"{r['max_logit_difference_arithmetic']:.2e}; the same next token as ours at "
           f"{100 * r['same_next_token']:.2f}% of positions")
+    print(f"RMS of llama.cpp's logits less the file's model's {r['rms_logit_difference_file']:.2e}, less its "
+          f"arithmetic's {r['rms_logit_difference_arithmetic']:.2e}")
     if not r["within_bound"]:
         raise gguf_file.GGUFError(f"llama.cpp's logits differ from the file's model's by "
                                   f"{r['max_logit_difference_file']:.3e}, more than twice the effect of its own "

@@ -5,6 +5,9 @@ export.py writes weights in them; ste.py's STE trains on the same grids, with th
 (ste.fake_quantize), so a model trained with it exports as it was trained, and a run that trains
 on a budget's per-block formats chooses them with the function export.py uses (budget_format_ids).
 Both import this file and neither imports the other. The grids and codes are exact in float64.
+
+llama.cpp's block types are export formats too (GGML_FORMATS): their grids, codes and bytes are
+ggml_quants.py's, and a weight takes one of them whole, blocks along its rows, not one per 32x32 block.
 """
 from dataclasses import dataclass
 
@@ -55,6 +58,13 @@ FORMATS = [
     _fp("fp32", 8, 23, 127, 3.4028234663852886e38, scaled=False),
 ] + [Format(f"int{b}", "int", b) for b in range(2, 17)]
 BY_NAME = {f.name: i for i, f in enumerate(FORMATS)}
+
+# llama.cpp's block types (ggml_quants.py) as formats of a whole weight: our name -> the GGML type's.
+# mxfp4_row is GGUF's MXFP4, one E8M0 scale per 32 weights of a row; mxfp4 above is our 32x32 block.
+GGML_FORMATS = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q3_k": "Q3_K", "q2_k": "Q2_K",
+                "q6_k": "Q6_K", "mxfp4_row": "MXFP4"}
+GGML_NAMES = {t: name for name, t in GGML_FORMATS.items()}
+GGUF_BUDGETS = ("auto-gguf", "error-gguf")  # one GGML type per weight at a mean bits per weight: by b_t, by error
 
 
 def pow2(k):

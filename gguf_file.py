@@ -4,11 +4,14 @@ with llama.cpp's own Python writer, the gguf package, and read back verified.
     plan = gguf_file.plan(model, quantized, meta, run_config, formats, export_dir, cfg)  # before writing
     report = gguf_file.write(plan, "mxfp4", data)    # model-mxfp4.gguf of an exported file's bytes
     reader = gguf_file.read("out/model-mxfp4.gguf")  # gguf's reader, after the checksums below
-    gguf_file.check_llama_cpp("out/model-mxfp4.gguf")  # llama.cpp against lowbit.load (export_gguf.py)
 
-Weights. A GGUF block is 32 consecutive weights of one row with one scale; ours is a 32x32 block
-with one scale, so each of its 32 rows becomes a GGUF block carrying the block's scale, and no value
-changes where the GGUF type can hold the element format: mxfp4 -> MXFP4 (codes and E8M0 scale
+Weights. A weight export.py quantized to one of llama.cpp's block types (formats.GGML_FORMATS: q4_0,
+q8_0, q4_k, q5_k, q3_k, q2_k, q6_k -> Q4_0 ... Q6_K, mxfp4_row -> MXFP4; auto-gguf and error-gguf one
+of them per weight) goes to GGUF as the .safetensors holds it: its GGML blocks' bytes, written raw
+(GGUFWriter.add_tensor's raw_dtype), never quantized again, so the two files hold the same bytes.
+For our 32x32 formats: a GGUF block is 32 consecutive weights of one row with one scale; ours is a
+32x32 block with one scale, so each of its 32 rows becomes a GGUF block carrying the block's scale,
+and no value changes where the GGUF type can hold the element format: mxfp4 -> MXFP4 (codes and E8M0 scale
 copied), int2..int4 -> Q4_0 and int5..int8, mxfp6_e2m3 -> Q8_0 (our BF16 scale is an FP16 value
 from 2^-17 to 65280), bf16, fp32 -> BF16, F32. GGUF has no FP6/FP8 element types: mxfp6_e3m2 and
 mxfp8 go to Q8_0, fp16 and int9..int16 to F16 or BF16 (the smaller error), rounded by gguf's own
@@ -24,7 +27,8 @@ Checksums (docs/GGUF.md): pqt.gguf_export, pqt.sha256.<tensor> (each tensor's by
 pqt.header_sha256 (every byte before the tensor data, its own digits read as zeros) and SOURCE_KEYS
 (what identifies the .safetensors export it was written from). read() checks a file before anything
 uses it, open_export() against the export beside it: a damaged, foreign or mismatched file is one
-line (GGUFError). LlamaCppArithmetic reproduces llama.cpp's roundings, which bound its logits.
+line (GGUFError). Running llama.cpp on a file, and its roundings reproduced in our code:
+llama_tools.py.
 
 Architectures: gpt2 and llama of llama.cpp. Our Llama2 already orders each head's query and key
 rows in adjacent pairs, as Meta's checkpoints and llama.cpp's rotary embedding do (llama.cpp's
@@ -40,21 +44,17 @@ end-of-sequence token (NUL for the bytes, which have none); no BOS is added: the
 """
 import contextlib
 import hashlib
-import importlib.util
 import json
-import math
 import os
 from dataclasses import dataclass
 
 import gguf
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import lowbit
 import tokenizer
 from configurator import ConfigError
-from data import loader
 from formats import FORMATS
 from model import GPT, ModelConfig
 from util import UserError, commit, first_line, temp_path
@@ -357,7 +357,10 @@ def tensors_of(data):
             continue  # GPT2's head is its embedding: llama.cpp reads token_embd when output is absent
         w = value.double().numpy()
         quantized = key in info["quantized"]
-        if quantized:
+        if key in info["ggml_types"]:  # the .safetensors' GGML blocks, written as they are
+            qtype, blob = Q[info["ggml_types"][key]], raw[key + ".ggml"].numpy()
+            back = gguf.quants.dequantize(blob, qtype).reshape(w.shape)
+        elif quantized:
             qtype, blob, back = choose(w, block_layout(raw, key, *w.shape))
         elif w.ndim == 1:  # norms and biases: F32, as llama.cpp's converter writes every 1-D tensor
             qtype, blob, back = Q.F32, w.astype(np.float32), w.astype(np.float32)
@@ -641,7 +644,7 @@ def summary(tensors, path, safetensors_bits):
 
 def describe(report):
     """The report as lines for the terminal."""
-    lines = [f"wrote {report['path']} ({report['file_bytes'] / 1e6:.3f} MB, {report['bits_per_parameter']:.2f} "
+    lines = [f"wrote {report['path']} ({report['file_bytes']:,} bytes, {report['bits_per_parameter']:.2f} "
              f"bits per parameter): " + ", ".join(f"{n} {t}" for t, n in report["types"].items())]
     if report["bits_per_weight"] is not None:
         lines.append(f"the quantized Linears: {report['bits_per_weight']:.3f} bits per weight "
@@ -660,138 +663,3 @@ def describe(report):
         lines.append(f"its val loss {report['val_loss']:.4f}, the exported model's {report['val_loss_exported']:.4f} "
                      f"({100 * (report['val_loss'] / report['val_loss_exported'] - 1):+.3f}%)")
     return lines
-
-
-# --- llama.cpp's arithmetic, in our code -----------------------------------------------------------
-
-def _q8_0(x):
-    """x as llama.cpp's CPU matmul reads it against a Q4_0, Q8_0 or MXFP4 weight: Q8_0 per 32 values of
-    a row, d = amax / 127 stored in FP16 and q = x * (127 / amax) rounded half to even (quantize_row_q8_0)."""
-    v = x.float().unflatten(-1, (-1, QK))
-    amax = v.abs().amax(-1, keepdim=True)
-    q = torch.round(v * torch.where(amax > 0, 127 / torch.where(amax > 0, amax, 1.0), 0.0))
-    return (q * (amax / 127).half().float()).flatten(-2).type_as(x)
-
-
-# How llama.cpp's CPU matmul rounds the activations against a weight of each type (its vec_dot_type).
-ACTIVATIONS = {Q.Q4_0: _q8_0, Q.Q8_0: _q8_0, Q.MXFP4: _q8_0, Q.BF16: lambda x: x.bfloat16().type_as(x),
-               Q.F16: lambda x: x.half().type_as(x), Q.F32: lambda x: x}
-
-
-def _fp16_gelu(x):
-    """ggml's GELU: the tanh GELU of x rounded to FP16, read from a table of FP16 values; x past +-10 as is, 0."""
-    h = x.half().float()
-    y = (0.5 * h * (1 + torch.tanh(0.7978845608028654 * h * (1 + 0.044715 * h * h)))).half().type_as(x)
-    return torch.where(x >= 10, x, torch.where(x <= -10, torch.zeros_like(x), y))
-
-
-def _fp16_attention(q, k, v, is_causal=True, enable_gqa=False, **_):
-    """Attention as llama.cpp's (without flash attention): K and V in its FP16 cache, Q rounded to FP16 for
-    the K dot products, the softmax in FP32, its probabilities rounded to FP16 for the V dot products."""
-    q, k, v = (t.half().float() for t in (q, k, v))
-    if enable_gqa:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if is_causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    return s.softmax(-1).half().float() @ v
-
-
-class LlamaCppArithmetic(torch.overrides.TorchFunctionMode):
-    """Our model computed with llama.cpp's CPU roundings (with model_from_gguf's model: its weights and
-    GELU): each Linear's input rounded as llama.cpp rounds it against the weight's GGUF type (ACTIVATIONS),
-    the FP16 GELU table, FP16 attention. What remains between llama.cpp's logits and these is FP32
-    summation order, which can put a rounded value on the other side of a rounding boundary."""
-
-    def __init__(self, model, path):
-        super().__init__()
-        types = {t.name: t.tensor_type for t in read(path).tensors}
-        names = gguf_names(model.config)  # GPT2's head is its embedding: one parameter, token_embd's type
-        unknown = sorted({t.name for t in types.values()} - {t.name for t in ACTIVATIONS})
-        if unknown:
-            raise GGUFError(f"{path} holds {', '.join(unknown)} tensors, whose activations llama.cpp rounds in a way "
-                            f"this check does not reproduce (gguf_file.ACTIVATIONS)")
-        self.rounding = {id(p): ACTIVATIONS[types[names[k]]] for k, p in model.named_parameters()
-                         if p.dim() == 2 and names.get(k) in types}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            return func(self.rounding[id(w)](x), w, *args[2:], **kwargs)
-        if func is F.gelu:
-            return _fp16_gelu(args[0])
-        if func is F.scaled_dot_product_attention:
-            return _fp16_attention(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-# --- llama.cpp itself (optional: llama-cpp-python) ----------------------------------------------------
-
-def llama_cpp_model(path, n_ctx, plain_cpu=False):
-    """llama-cpp-python's Llama of a GGUF file, logits at every position; plain_cpu: without llama.cpp's
-    extra buffer types (the AMX tile kernels for Q4_0/Q8_0 die at ldtilecfg in some virtual machines),
-    which llama-cpp-python's Llama does not pass on, so its default model parameters are wrapped."""
-    import llama_cpp
-    import llama_cpp.llama_cpp as api
-    defaults = api.llama_model_default_params
-
-    def plain():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-    api.llama_model_default_params = plain if plain_cpu else defaults
-    try:
-        return llama_cpp.Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False)
-    finally:
-        api.llama_model_default_params = defaults
-
-
-def _eval_batches(model, info, eval_iters):
-    """train.py's evaluation batches (x, y) of the export's run (its dataset, seed, batch size)."""
-    config = info["config"]
-    directory = loader.data_dir(config["dataset"])
-    data = loader.open_split(directory, "val", loader.read_meta(directory), model.config.block_size)
-    return [loader.eval_batch(data, "val", k, seed=config["seed"], batch_size=config["batch_size"],
-                              block_size=model.config.block_size, device="cpu")
-            for k in range(eval_iters or config["eval_iters"])]
-
-
-@torch.no_grad()
-def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
-    """llama.cpp's logits for train.py's evaluation batches against three models of ours: lowbit.load's of
-    the file's .safetensors (FP32, "ours"), model_from_gguf's (the file's weights and llama.cpp's GELU,
-    "file") and the latter with llama.cpp's roundings (LlamaCppArithmetic, "arithmetic"). Returns their
-    val losses, the largest logit differences, the effect of llama.cpp's roundings (max |arithmetic -
-    file|) and within_bound: llama.cpp's logits within twice that effect of the file's model's (docs/GGUF.md
-    derives it). The file is verified, and shown to be of that export, first."""
-    model, info = open_export(path)
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise GGUFError("llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp "
-                        "from source, minutes)")
-    batches = _eval_batches(model, info, eval_iters)
-    file_model = model_from_gguf(path, info["model_args"])
-    arithmetic = LlamaCppArithmetic(file_model, path)
-    llm = llama_cpp_model(path, model.config.block_size, plain_cpu)
-    nll = dict(ours=0.0, file=0.0, arithmetic=0.0, llama_cpp=0.0)
-    worst = dict(ours=0.0, file=0.0, arithmetic=0.0, rounding=0.0)
-    top = same = n = 0
-    for x, y in batches:
-        with arithmetic:
-            rounded = file_model(x, y)[0]
-        for b, (ours, exact, target) in enumerate(zip(model(x, y)[0], file_model(x, y)[0], y)):
-            llm.reset()
-            llm.eval(x[b].tolist())
-            theirs = torch.tensor(np.array(llm.scores[:len(target)]), dtype=torch.float32)
-            for name, logits in (("ours", ours), ("file", exact), ("arithmetic", rounded[b]), ("llama_cpp", theirs)):
-                nll[name] += F.cross_entropy(logits, target, reduction="sum").item()
-                if name in worst:
-                    worst[name] = max(worst[name], (theirs - logits).abs().max().item())
-            worst["rounding"] = max(worst["rounding"], (rounded[b] - exact).abs().max().item())
-            top, n = max(top, ours.abs().max().item()), n + len(target)
-            same += (theirs.argmax(-1) == ours.argmax(-1)).sum().item()
-    return dict(batches=len(batches), tokens=n, val_loss=nll["ours"] / n, val_loss_llama_cpp=nll["llama_cpp"] / n,
-                val_loss_file=nll["file"] / n, val_loss_arithmetic=nll["arithmetic"] / n,
-                max_logit_difference=worst["ours"], max_logit_difference_file=worst["file"],
-                max_logit_difference_arithmetic=worst["arithmetic"], rounding_effect=worst["rounding"],
-                within_bound=worst["file"] <= 2 * worst["rounding"], max_logit=top, same_next_token=same / n)

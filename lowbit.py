@@ -9,13 +9,19 @@ the metadata's "formats"), W.<format>.codes (that format's element codes, packed
 blocks in row-major order) and W.<format>.scales (E8M0 bytes, or BF16 for integers); every other
 tensor under its own name; metadata with the architecture, the PQT settings, the format and its
 mix, the training config, the dataset's meta.json and the SHA-256 of every tensor and of the
-metadata (no pickle).
+metadata (no pickle). A weight in one of llama.cpp's block types (formats.GGML_FORMATS: q4_0 ...
+q6_k, mxfp4_row) is instead one tensor, W.ggml: its blocks' bytes as GGML stores them, uint8 (rows,
+bytes per row) (ggml_quants.pack of ggml_quants.quantize), the bytes a GGUF file of it holds; its type
+is in the metadata's "ggml_types" ({W: "Q4_K"}), and such a file has export version 3 ("pqt_export"),
+which an export.py that reads only version 2 refuses in one line. load rebuilds those weights with
+gguf's dequantizer (llama.cpp's Python reference, bit for bit ggml_quants.dequantize's values).
 
 load refuses in one line (ExportError) a file that is damaged (a checksum differs), malformed (a
-tensor of the wrong size for its blocks, a format id the file does not name, model_args the model
-does not know), of another tool or of an older export.py (no checksums: export the run again),
-and a model that rebuilds non-finite. The element formats and their 32x32 block operations are
-formats.py's; sample.py, hf.py and the GGUF writer (gguf_file.py) read files through load/rebuild.
+tensor of the wrong size for its blocks or its GGML type, a format id or GGML type the file does not
+name, model_args the model does not know), of another tool or of an older export.py (no checksums:
+export the run again), and a model that rebuilds non-finite. The element formats and their 32x32
+block operations are formats.py's; sample.py, hf.py and the GGUF writer (gguf_file.py) read files
+through load/rebuild.
 """
 import hashlib
 import json
@@ -24,10 +30,12 @@ from dataclasses import fields
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 
+import ggml_quants
 import ste
-from formats import (BY_NAME, FORMATS, block_weights, budget_format_ids, dequantize_blocks, from_blocks,
-                     quantize_blocks, to_blocks)
+from formats import (BY_NAME, FORMATS, GGML_FORMATS, GGML_NAMES, GGUF_BUDGETS, block_weights, budget_format_ids,
+                     dequantize_blocks, from_blocks, quantize_blocks, to_blocks)
 from kernels import BL
 from model import GPT, ModelConfig
 from util import UserError, first_line
@@ -110,6 +118,69 @@ def budget_formats(fmt_name, budget, model, state_dict, pqt, quantized, b_t, not
     return budget_format_ids(fmt_name, weights, b_t, budget)
 
 
+# --- which GGML type a weight takes (the types themselves: ggml_quants.py) ----------------------
+
+def trained_ggml_types(state_dict, pqt, quantized, fmt_name, budget):
+    """{layer: GGML type name} a run trained on at a bit budget of one type per weight (auto-gguf,
+    error-gguf): the type saved beside each weight (<layer>.ggml_type, gguf's GGMLQuantizationType value,
+    ste.UNCHOSEN before its switch), when the run trained --format at --bits_per_weight. Else ExportError:
+    what to train (the types are chosen in training, from what export has no more: b_t's history, the
+    activations)."""
+    found = {k[:-len(".ggml_type")]: int(v) for k, v in state_dict.items() if k.endswith(".ggml_type")}
+    asked = f"--format={fmt_name} --bits_per_weight={budget:g} writes the GGML type each weight trained on"
+    target, trained_budget = pqt.get("target_format"), pqt.get("bits_per_weight")
+    if target in GGUF_BUDGETS and (target, trained_budget) != (fmt_name, budget):
+        raise ExportError(f"{asked}, and this run trained {target} at {trained_budget:g} bits per weight: export it "
+                          f"with --format={target} --bits_per_weight={trained_budget:g}")
+    missing = [k for k in quantized if k not in found]
+    if target != fmt_name or missing:
+        raise ExportError(f"{asked}, and {'this run' if target != fmt_name else missing[0]} trained none (method "
+                          f"{pqt.get('method')!r}, target_format {target or 'none'!r}): train a run with "
+                          f"--target_format={fmt_name} --bits_per_weight={budget:g}, or export one type for every "
+                          f"weight (--format={', '.join(GGML_FORMATS)})")
+    unchosen = [k for k in quantized if found[k] == ste.UNCHOSEN]
+    if unchosen:
+        raise ExportError(f"{asked}, and this checkpoint was saved before the run chose them (step "
+                          f"{pqt.get('ste_start') or pqt.get('pqt_start'):.0f}; {unchosen[0]}.ggml_type unchosen): "
+                          f"export a later checkpoint of the run")
+    known = {int(ggml_quants.ggml_type(t)): t for t in GGML_FORMATS.values()}
+    odd = [k for k in quantized if found[k] not in known]
+    if odd:
+        raise ExportError(f"{odd[0]}.ggml_type is {found[odd[0]]}, none of llama.cpp's types export writes "
+                          f"({', '.join(f'{t} {v}' for v, t in known.items())}): the checkpoint is damaged or foreign")
+    return {k: known[found[k]] for k in quantized}
+
+
+def _type_name(value):
+    return ggml_quants.T(value).name if value in set(ggml_quants.T) else str(value)
+
+
+def ggml_types(fmt_name, budget, state_dict, pqt, quantized, notes):
+    """{layer: GGML type name} of --format fmt_name: a GGML format's one type for every quantized layer, or
+    the types an auto-gguf / error-gguf run trained on (a note says so); None for the 32x32 formats.
+    A weight whose rows (its input width) the type's blocks do not divide is one line (ExportError)."""
+    if fmt_name in GGML_FORMATS:
+        types = {k: GGML_FORMATS[fmt_name] for k in quantized}
+        trained = {int(v) for k, v in state_dict.items() if k.endswith(".ggml_type") and k[:-len(".ggml_type")]
+                   in quantized} - {int(ggml_quants.ggml_type(types[k])) for k in quantized} - {ste.UNCHOSEN}
+        if trained:
+            notes.append(f"the run trained on other GGML types ({', '.join(_type_name(v) for v in sorted(trained))}): "
+                         f"--format={fmt_name} quantizes its master weights afresh, as a post-training quantization")
+    elif fmt_name in GGUF_BUDGETS:
+        types = trained_ggml_types(state_dict, pqt, quantized, fmt_name, budget)
+        notes.append(f"{fmt_name} at {budget:g} bits per weight: the GGML type each weight trained on, chosen at the "
+                     f"run's step {pqt.get('ste_start') or pqt.get('pqt_start'):.0f}")
+    else:
+        return None
+    for layer, t in types.items():
+        n, size = state_dict[layer + ".weight"].shape[1], ggml_quants.block_size(t)
+        if n % size:
+            raise ExportError(f"--format={fmt_name}: {layer}.weight has rows of {n} weights (its input width), and "
+                              f"{t} blocks rows of a multiple of {size}: export q4_0, q8_0 or mxfp4_row (32), or a "
+                              f"model whose Linears read widths of a multiple of {size}")
+    return types
+
+
 # --- 32x32 blocks and bit packing ----------------------------------------------------------------
 
 
@@ -130,13 +201,17 @@ def unpack(packed, bits, count):
     return torch.from_numpy(codes)
 
 
+def _check_finite(name, w):
+    if not torch.isfinite(w).all():
+        raise ExportError(f"{name} holds {int((~torch.isfinite(w)).sum())} non-finite values (NaN or Inf); "
+                          f"a non-finite model cannot be exported: export an earlier checkpoint")
+
+
 def quantize_weight(name, w, format_ids):
     """A weight (m, n) and the format id of each 32x32 block -> the file's tensors for it, by suffix:
     "format" (uint8 ids, (ceil(m/32), ceil(n/32))) and, per format used, "<format>.codes" (its blocks'
     codes, packed in block order, only the real elements of edge blocks) and "<format>.scales"."""
-    if not torch.isfinite(w).all():
-        raise ExportError(f"{name} holds {int((~torch.isfinite(w)).sum())} non-finite values (NaN or Inf); "
-                          f"a non-finite model cannot be exported: export an earlier checkpoint")
+    _check_finite(name, w)
     blocks, real = to_blocks(w.double()), to_blocks(torch.ones(w.shape, dtype=torch.bool))
     ids = format_ids.flatten()
     out = {"format": format_ids.to(torch.uint8).contiguous()}
@@ -163,16 +238,51 @@ def dequantize_weight(tensors, m, n):
     return from_blocks(blocks, m, n).float()
 
 
+def quantize_ggml(name, w, type_name):
+    """A weight (m, n) in one GGML type -> the file's tensor for it: "ggml", the type's blocks as llama.cpp
+    stores them (uint8 (m, bytes per row): ggml_quants.pack of ggml_quants.quantize's codes and scales)."""
+    _check_finite(name, w)
+    try:
+        return {"ggml": torch.from_numpy(ggml_quants.pack(ggml_quants.quantize(w.float(), type_name), type_name))}
+    except ggml_quants.QuantError as e:
+        raise ExportError(f"{name}: {e}") from None
+
+
+def dequantize_ggml(blocks, type_name):
+    """The float32 weight (m, n) of a GGML type's blocks (uint8 (m, bytes per row)): gguf's dequantizer,
+    llama.cpp's Python reference, which gives ggml_quants.dequantize's values bit for bit."""
+    import gguf
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), ggml_quants.ggml_type(type_name)).copy())
+
+
 # --- the exported file -------------------------------------------------------------------------
 
 EXPORT_VERSION = "2"  # the file's "pqt_export"; "1": an older export.py, which recorded no checksums
+GGML_VERSION = "3"  # a file with weights in GGML types ("ggml_types"), which an export.py of version 2 cannot read
 INFO_KEYS = ("model_args", "pqt", "formats", "quantized", "mix", "config", "meta", "iter_num")  # JSON in the metadata
 
 
-def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen=None):
+def _format_order(name):
+    """The 32x32 formats in FORMATS' order, then the GGML formats in GGML_FORMATS'."""
+    return BY_NAME[name] if name in BY_NAME else len(FORMATS) + list(GGML_FORMATS).index(name)
+
+
+def _quantized_parts(key, value, ids, ggml_type):
+    """(the file's tensors of a quantized weight by suffix, {format: weights in it}): one GGML type (ggml_type)
+    or the format ids of its 32x32 blocks."""
+    w = value.detach().float().cpu()
+    if ggml_type is not None:
+        return quantize_ggml(key, w, ggml_type), {GGML_NAMES[ggml_type]: w.numel()}
+    counts, flat = block_weights(*value.shape).flatten(), ids.flatten()
+    return quantize_weight(key, w, ids), {FORMATS[fid].name: int(counts[flat == fid].sum().item())
+                                          for fid in flat.unique().tolist()}
+
+
+def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen=None, ggml=None):
     """The safetensors file (bytes) of `model` with the weights of `quantized` ({module path: role})
     quantized per block, and its mix: share of quantized weights per format and bits per weight.
-    chosen: {layer: format ids} made beforehand (a bit budget's), instead of format_ids_for's."""
+    chosen: {layer: format ids} made beforehand (a bit budget's), instead of format_ids_for's; ggml:
+    {layer: GGML type name} (ggml_types), each of those weights in its one type."""
     from safetensors.torch import save
     tensors, seen, shapes = {}, set(), {}
     weights_by_format, quantized_bytes = {}, 0
@@ -182,24 +292,26 @@ def export_bytes(model, quantized, b_t, fmt_name, other_dtype, metadata, chosen=
         seen.add(value.data_ptr())
         layer = key[:-len(".weight")]
         if key.endswith(".weight") and layer in quantized:
-            ids = chosen[layer] if chosen else format_ids_for(layer, fmt_name, b_t.get(layer), value.shape)
-            parts = quantize_weight(key, value.detach().float().cpu(), ids)
+            ggml_type, ids = (ggml or {}).get(layer), None
+            if ggml_type is None:
+                ids = chosen[layer] if chosen else format_ids_for(layer, fmt_name, b_t.get(layer), value.shape)
+            parts, counts = _quantized_parts(key, value, ids, ggml_type)
             tensors.update({f"{key}.{suffix}": t for suffix, t in parts.items()})
             quantized_bytes += sum(t.numel() * t.element_size() for t in parts.values())
             shapes[key] = list(value.shape)
-            counts = block_weights(*value.shape).flatten()
-            for fid in ids.flatten().unique().tolist():
-                weights_by_format[FORMATS[fid].name] = (weights_by_format.get(FORMATS[fid].name, 0)
-                                                        + int(counts[ids.flatten() == fid].sum().item()))
+            for name, count in counts.items():
+                weights_by_format[name] = weights_by_format.get(name, 0) + count
         else:
             tensors[key] = value.detach().to(other_dtype).cpu().contiguous()
     n = sum(weights_by_format.values())
     mix = dict(format=fmt_name, quantized_weights=n, quantized_bytes=quantized_bytes,
                bits_per_weight=8 * quantized_bytes / n if n else None,
-               share={f: c / n for f, c in sorted(weights_by_format.items(), key=lambda fc: BY_NAME[fc[0]])})
+               share={f: c / n for f, c in sorted(weights_by_format.items(), key=lambda fc: _format_order(fc[0]))})
     metadata = {**metadata, "pqt_export": EXPORT_VERSION, "format": fmt_name,
                 "formats": json.dumps([f.name for f in FORMATS]), "quantized": json.dumps(shapes),
                 "mix": json.dumps(mix)}
+    if ggml:
+        metadata.update(pqt_export=GGML_VERSION, ggml_types=json.dumps({k + ".weight": t for k, t in ggml.items()}))
     metadata["sha256"] = checksums(tensors, metadata)
     return save(tensors, metadata=metadata), mix
 
@@ -237,9 +349,9 @@ def _header(data, where):
     if metadata["pqt_export"] == "1" and "sha256" not in metadata:
         raise ExportError(f"{where} was written by an older export.py that recorded no checksums, so it cannot be "
                           f"verified; export the run again (python export.py --out_dir=RUN --format=...)")
-    if metadata["pqt_export"] != EXPORT_VERSION:
+    if metadata["pqt_export"] not in (EXPORT_VERSION, GGML_VERSION):
         raise ExportError(f"{where} has export version {metadata['pqt_export']!r}; this export.py reads "
-                          f"{EXPORT_VERSION!r}: export the run again with this export.py")
+                          f"{EXPORT_VERSION!r} and {GGML_VERSION!r}: export the run again with this export.py")
     return header, metadata
 
 
@@ -293,7 +405,29 @@ def _info(metadata, where):
     unknown = sorted(set(info["model_args"]) - {f.name for f in fields(ModelConfig)})
     if unknown:
         raise ExportError(f"{where}: model_args has keys this project's model does not know: {unknown}")
+    info["ggml_types"] = _ggml_types_entry(metadata, where)
     return info
+
+
+def _ggml_types_entry(metadata, where):
+    """The metadata's "ggml_types", {weight: GGML type name}, which a file of GGML_VERSION has ({} before)."""
+    if metadata["pqt_export"] != GGML_VERSION:
+        return {}
+    try:
+        types = json.loads(metadata["ggml_types"])
+    except KeyError:
+        raise ExportError(f"{where} lacks the metadata entry 'ggml_types' export.py writes; export the run again") \
+            from None
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"{where}: metadata entry 'ggml_types' is not JSON ({e}); export the run again") from None
+    if not isinstance(types, dict) or not types:
+        raise ExportError(f"{where}: metadata entry 'ggml_types' is not the weights' GGML types export.py writes; "
+                          f"export the run again")
+    odd = sorted({str(t) for t in types.values()} - set(GGML_FORMATS.values()))
+    if odd:
+        raise ExportError(f"{where}: ggml_types names {odd[0]!r}, none of the GGML types export.py writes "
+                          f"({', '.join(GGML_FORMATS.values())})")
+    return types
 
 
 def _reference(info, where):
@@ -341,15 +475,36 @@ def _check_quantized(tensors, key, shape, n_formats, where):
     return names
 
 
+def _check_ggml(tensors, key, shape, type_name, where):
+    """The name of a GGML-typed weight's one tensor, checked against its shape and type."""
+    t = ggml_quants.ggml_type(type_name)
+    weights, size = GGML_QUANT_SIZES[t]
+    if shape[1] % weights:
+        raise ExportError(f"{where}: {key} {list(shape)} is {type_name}, whose blocks of {weights} weights do not "
+                          f"divide its rows")
+    want, got = (shape[0], shape[1] // weights * size), tensors.get(f"{key}.ggml")
+    if got is None or got.dtype != torch.uint8 or tuple(got.shape) != want:
+        got = "missing" if got is None else f"{got.dtype} {tuple(got.shape)}"
+        raise ExportError(f"{where}: {key}.ggml should be torch.uint8 {want} for the {type_name} blocks of {key}, "
+                          f"got {got}")
+    return {f"{key}.ggml"}
+
+
 def _check_tensors(tensors, info, where):
     """Every tensor of the model is in the file, of its shape; nothing else is."""
-    reference, quantized = _reference(info, where), info["quantized"]
+    reference, quantized, ggml = _reference(info, where), info["quantized"], info["ggml_types"]
+    if set(ggml) - set(quantized):
+        raise ExportError(f"{where}: ggml_types names {sorted(set(ggml) - set(quantized))[0]}, which is not one of "
+                          f"its quantized weights")
     expected = set()
     for key, shape in quantized.items():
         if key not in reference or list(reference[key]) != shape or len(shape) != 2:
             raise ExportError(f"{where}: quantized weight {key} {shape} is not a weight of the model "
                               f"{info['model_args']} ({list(reference.get(key, ())) or 'no such weight'})")
-        expected |= _check_quantized(tensors, key, tuple(shape), len(info["formats"]), where)
+        if key in ggml:
+            expected |= _check_ggml(tensors, key, tuple(shape), ggml[key], where)
+        else:
+            expected |= _check_quantized(tensors, key, tuple(shape), len(info["formats"]), where)
     for key, shape in reference.items():
         if key in quantized:
             continue
@@ -380,7 +535,11 @@ def rebuild(data, device="cpu", where="the exported file"):
     state = {k: v.float() for k, v in tensors.items() if k in own and k not in info["quantized"]}
     for key, (m, n) in info["quantized"].items():
         prefix = key + "."
-        state[key] = dequantize_weight({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, m, n)
+        if key in info["ggml_types"]:
+            state[key] = dequantize_ggml(tensors[prefix + "ggml"], info["ggml_types"][key])
+        else:
+            state[key] = dequantize_weight({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                                           m, n)
     model.load_state_dict(state, strict=False)  # complete, as _check_tensors found; a tied weight comes with its twin
     for key, value in model.state_dict().items():
         if not torch.isfinite(value).all():

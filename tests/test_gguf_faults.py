@@ -16,6 +16,7 @@ import torch
 import export as E
 import export_gguf
 import gguf_file
+import llama_tools
 import tokenizer
 import util
 from conftest import ROOT
@@ -174,7 +175,7 @@ def test_a_bad_gguf_is_one_line_and_llama_cpp_never_runs(case, runs, tmp_path, c
     llama.cpp is never started (whether llama-cpp-python is installed or not)."""
     def never(*args, **kwargs):
         raise AssertionError("llama.cpp ran on a file that should have been refused")
-    monkeypatch.setattr(gguf_file, "llama_cpp_model", never)
+    monkeypatch.setattr(llama_tools, "llama_cpp_model", never)
     path = bad_file(case, runs, tmp_path)
     rc = util.cli(export_gguf.main, [f"--gguf={path}"])
     err = capsys.readouterr().err
