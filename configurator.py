@@ -36,7 +36,10 @@ class ConfigError(UserError):
 
 def _unknown(key, config):
     close = difflib.get_close_matches(key, config, n=3)
-    hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else "; see the defaults at the top of the script"
+    if close:
+        hint = f"; did you mean {', '.join('--' + c for c in close)}?"
+    else:
+        hint = "; see the defaults at the top of the script"
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 
@@ -158,7 +161,8 @@ def help_text(config, defaults, script, doc=None, usage=None):
     rows = [(f"{k} = {v!r}", comments.get(k, "") + (f" (default {defaults[k]!r})" if v != defaults[k] else ""))
             for k, v in config.items()]
     width = min(max(len(a) for a, _ in rows), 40) if rows else 0
-    head = [usage or f"usage: python {name} [config.py ...] [--key=value ...]"] + ([doc.strip().splitlines()[0]] if doc else [])
+    head = [usage or f"usage: python {name} [config.py ...] [--key=value ...]"]
+    head += [doc.strip().splitlines()[0]] if doc else []
     return "\n".join(head + ["", "keys (a config file reassigns them in Python; --key=value overrides, left to right):"]
                      + [f"  {a:<{width}}  # {c}" if c else f"  {a}" for a, c in rows])
 
@@ -190,7 +194,8 @@ def check_numbers(config, keys, below=None):
     """Each of keys holds a number >= 0, and < below where given (NaN never passes)."""
     for key in keys:
         if not (config[key] >= 0 and (below is None or config[key] < below)):
-            raise ConfigError(f"{key}={config[key]}: expected a number " + (">= 0" if below is None else f"in [0, {below})"))
+            accepted = ">= 0" if below is None else f"in [0, {below})"
+            raise ConfigError(f"{key}={config[key]}: expected a number {accepted}")
 
 
 def check_device(config, key="device"):

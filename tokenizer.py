@@ -101,8 +101,8 @@ class Tokenizer:
         eos = self._eos_token or _eos_from_config(self.files)
         eot = tok.token_to_id(eos) if eos else None
         if eot is None:
-            raise TokenizerError(f"{self._where()}: no end-of-sequence token to separate documents "
-                                 f"({'tokenizer_config.json names no eos_token' if not eos else f'{eos!r} is not in its vocabulary'})")
+            why = f"{eos!r} is not in its vocabulary" if eos else "tokenizer_config.json names no eos_token"
+            raise TokenizerError(f"{self._where()}: no end-of-sequence token to separate documents ({why})")
         return dict(vocab_size=tok.get_vocab_size(with_added_tokens=True), eot=eot, eot_text=eos,
                     encode=lambda texts: [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)],
                     decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
@@ -281,7 +281,8 @@ def load(spec):
     try:
         path = snapshot_download(spec, allow_patterns=list(HF_TOKENIZER_FILES))
     except Exception as e:
-        raise TokenizerError(f"tokenizer {spec!r} is no tiktoken encoding ({', '.join(tiktoken.list_encoding_names())}) "
+        encodings = ", ".join(tiktoken.list_encoding_names())
+        raise TokenizerError(f"tokenizer {spec!r} is no tiktoken encoding ({encodings}) "
                              f"nor a local path, and the Hugging Face hub did not give it ({reason(e)}); offline, "
                              f"pass a local file: --tokenizer=path/to/tokenizer.model (SentencePiece, as Llama 2's) "
                              f"or a directory holding tokenizer.json") from None

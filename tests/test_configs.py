@@ -25,7 +25,8 @@ from model import PRESETS, ROLES, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # config/mini_*.py are the laptop-scale bases of the studies (studies/), tested in test_study.py
-CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "config", "*.py")) if not os.path.basename(p).startswith("mini_"))
+CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "config", "*.py"))
+                 if not os.path.basename(p).startswith("mini_"))
 NAMES = [os.path.basename(p)[:-3] for p in CONFIGS]
 
 
@@ -113,7 +114,8 @@ def test_paper_run_spends_the_papers_token_budget_on_a_full_schedule(name, dry_r
     tokens = printed(output, "tokens per optimizer step") * s["max_iters"]
     budget = TOKEN_BUDGET[model_of(name)]
     # nanoGPT's GPT2 recipe, 600,000 x 491,520 = 294.9B, is the paper's "300B" within 2%
-    assert abs(tokens - budget) <= 0.02 * budget, f"{tokens / 1e9:.1f}B tokens, the paper's budget is {budget / 1e9:.0f}B"
+    assert abs(tokens - budget) <= 0.02 * budget, \
+        f"{tokens / 1e9:.1f}B tokens, the paper's budget is {budget / 1e9:.0f}B"
     assert s["lr_decay_iters"] == s["max_iters"], "the cosine schedule must end with the run"
     assert s["warmup_iters"] < s["max_iters"]
     # accumulation counts the micro-steps of all processes: a multiple of 8 runs on 1, 2, 4 or 8 GPUs
@@ -233,11 +235,14 @@ def test_a_base_applies_first_its_own_base_before_it_relative_to_its_folder(tmp_
 
 @pytest.mark.parametrize("files, message", [
     ({"run.py": 'base = "nowhere.py"\n'}, r"run.py: base file '.*nowhere.py' not found"),
-    ({"run.py": 'base = "a.py"\n', "a.py": 'base = "run.py"\n'}, r"its bases form a cycle \(.*run.py -> .*a.py -> .*run.py\)"),
+    ({"run.py": 'base = "a.py"\n', "a.py": 'base = "run.py"\n'},
+     r"its bases form a cycle \(.*run.py -> .*a.py -> .*run.py\)"),
     ({"run.py": 'base = "run.py"\n'}, r"its bases form a cycle"),
     ({"run.py": "base = 3\n"}, r"run.py: base=3: expected the path of a config file"),
-    ({"run.py": 'base = "a.py"\n', "a.py": "batch_size = 2.5\n"}, r"a.py: batch_size=2.5 is a float, but batch_size takes a int"),
-    ({"run.py": 'base = "a.py"\n', "a.py": "bach_size = 8\n"}, r"a.py: unknown config key 'bach_size'; did you mean --batch_size"),
+    ({"run.py": 'base = "a.py"\n', "a.py": "batch_size = 2.5\n"},
+     r"a.py: batch_size=2.5 is a float, but batch_size takes a int"),
+    ({"run.py": 'base = "a.py"\n', "a.py": "bach_size = 8\n"},
+     r"a.py: unknown config key 'bach_size'; did you mean --batch_size"),
     ({"run.py": 'base = "a.py"\n', "a.py": "x = 1 / 0\n"}, r"config file .*a.py failed: ZeroDivisionError"),
 ])
 def test_a_bad_base_is_one_error_naming_the_file(tmp_path, files, message):

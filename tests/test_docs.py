@@ -165,7 +165,8 @@ def test_every_exit_status_the_docs_state_is_the_codes():
         lines = text(os.path.join(ROOT, doc)).splitlines()
         context = " ".join(lines[max(line - 3, 0):line])
         known = [c for c in EXIT_CLAIMS if c[0] == doc and c[1] in context]
-        assert known, f"{doc}:{line} states an exit status ({m.group(0)!r}) that EXIT_CLAIMS does not know: add how to check it"
+        assert known, (f"{doc}:{line} states an exit status ({m.group(0)!r}) that EXIT_CLAIMS does not know: "
+                       "add how to check it")
         found.append((doc, line, int(m.group(1) or m.group(2)), known[-1][2]))
     for doc, line, stated, status in found:
         if status is not None:

@@ -54,7 +54,8 @@ def test_roles_name_every_linear_of_a_block():
         assert ROLES[arch] == {module: role for role, module in table.items()}
         block = GPT(tiny_model(arch)).transformer.h[0]
         assert {n for n, m in block.named_modules() if isinstance(m, nn.Linear)} == set(table.values())
-        assert not any(isinstance(m, gaussws.PQTLinear) for m in GPT(tiny_model(arch)).modules())  # plain until converted
+        # plain until converted
+        assert not any(isinstance(m, gaussws.PQTLinear) for m in GPT(tiny_model(arch)).modules())
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama2"])

@@ -142,7 +142,8 @@ def test_the_first_ste_step_is_the_bf16_weights_on_exports_grid(runs, data_dir):
     state = dict(bf16[START][0])
     for key, value in state.items():
         if key.startswith("transformer.h.") and key.endswith(".weight") and value.dim() == 2:
-            ids = torch.full((-(-value.shape[0] // 32), -(-value.shape[1] // 32)), lowbit.BY_NAME["int3"], dtype=torch.uint8)
+            blocks = (-(-value.shape[0] // 32), -(-value.shape[1] // 32))
+            ids = torch.full(blocks, lowbit.BY_NAME["int3"], dtype=torch.uint8)
             state[key] = lowbit.dequantize_weight(lowbit.quantize_weight(key, value, ids), *value.shape)
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256))
     model.load_state_dict(state)

@@ -53,7 +53,8 @@ def test_every_logged_step_is_one_line_of_the_step_of_max_iters(tiny_run):
         assert loss == f"{r['loss']:.4f}" and lr == f"{r['lr']:.2e}" and int(ms) == round(r["ms_per_iter"])
         assert int(tok_s.replace(",", "")) == pytest.approx(tokens_per_step / (r["ms_per_iter"] / 1000), abs=1)
         assert mfu is None and "mfu_pct" not in r  # a CPU has no peak to measure against
-        assert (float(b_mean), float(b_min), float(b_max)) == tuple(round(r[f"b_t/{s}"], 2) for s in ("mean", "min", "max"))
+        b_t = tuple(round(r[f"b_t/{s}"], 2) for s in ("mean", "min", "max"))
+        assert (float(b_mean), float(b_min), float(b_max)) == b_t
         assert eta is not None and "eta_s" in r  # step 2 is one after the first (test_eta_... below)
     assert steps[6]["eta_s"] == 0 and logged[-1][12] == "0s"
 
@@ -61,7 +62,8 @@ def test_every_logged_step_is_one_line_of_the_step_of_max_iters(tiny_run):
 def test_the_run_says_where_it_starts_and_in_which_dtype(tiny_run, tiny_corpus, tmp_path):
     out, lines, _ = tiny_run
     assert "from scratch (seed 1337)" in lines
-    assert "dtype: float32, no autocast, set by the config (weights and optimizer state float32, w_hat bfloat16)" in lines
+    assert ("dtype: float32, no autocast, set by the config "
+            "(weights and optimizer state float32, w_hat bfloat16)") in lines
     resumed = run_train(flags(tiny_corpus, out, max_iters=8, eval_interval=4, log_interval=2, dtype="float32",
                               init_from="resume"))
     assert f"resumed from step 6 of {out / 'ckpt.pt'}" in resumed

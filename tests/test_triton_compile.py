@@ -130,7 +130,8 @@ def compiled(tmp_path_factory):
 # --- reading the code -------------------------------------------------------------------------------
 
 _PTX_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st)\.global\.(?:[a-z]+\.)*?(?:v(\d)\.)?[bfsu](\d+)\b", re.M)
-_GCN_ACCESS = re.compile(r"^\s*(?:global|buffer)_(load|store)_(dwordx4|dwordx3|dwordx2|dword|short_d16|ushort|short|ubyte|sbyte|byte)\b", re.M)
+_GCN_ACCESS = re.compile(r"^\s*(?:global|buffer)_(load|store)_"
+                         r"(dwordx4|dwordx3|dwordx2|dword|short_d16|ushort|short|ubyte|sbyte|byte)\b", re.M)
 _GCN_BYTES = {"dwordx4": 16, "dwordx3": 12, "dwordx2": 8, "dword": 4, "short_d16": 2, "ushort": 2, "short": 2,
               "ubyte": 1, "sbyte": 1, "byte": 1}
 
