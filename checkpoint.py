@@ -73,7 +73,7 @@ from model import ModelConfig
 from ste import IMATRIX_STEPS
 from sharded import CRCS, HEADER, CheckpointError, load_sharded, save_sharded
 from sharded import load_model as load_sharded_model
-from util import atomic_open, first_line, fsync_dir, load_error, write_atomic
+from util import atomic_open, first_line, fsync_dir, load_error, read_record, remove_stale_temporaries, write_atomic
 
 
 class Busy(CheckpointError):
@@ -222,18 +222,7 @@ def lock(out_dir, wait=False, name=".lock"):
     return Lock(out_dir, wait, name)
 
 
-_TEMP = re.compile(r"\..+\.(\d{1,9})\.[0-9a-f]{8}\.tmp")  # util.temp_path's: .<name>.<pid>.<8 hex>.tmp
 _SHARDED = re.compile(r"(.+)\.[0-9a-f]{8}")  # save_sharded's directory beside its symlink: <name>.<8 hex>
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's
-        pass
-    return True
 
 
 def clean_stale(out_dir):
@@ -242,26 +231,22 @@ def clean_stale(out_dir):
     machine, and sharded-checkpoint directories that no symlink points to. A live writer's temporary
     file is kept. Call it holding lock(out_dir): only the lock's holder writes sharded directories.
     Returns the names removed."""
-    removed = []
+    removed = remove_stale_temporaries(out_dir)
     try:
         names = os.listdir(out_dir)
     except OSError:
         return removed
     for name in names:
         path = os.path.join(out_dir, name)
-        temp, dcp_dir = _TEMP.fullmatch(name), _SHARDED.fullmatch(name)
+        dcp_dir = _SHARDED.fullmatch(name)
         try:
-            if temp and not os.path.isdir(path) and not _alive(int(temp.group(1))):
-                os.unlink(path)
-            elif (dcp_dir and os.path.isdir(path) and not os.path.islink(path)
-                  and os.path.realpath(os.path.join(out_dir, dcp_dir.group(1))) != os.path.realpath(path)
-                  and any(f in (".metadata", HEADER, CRCS) or f.endswith(".distcp") for f in os.listdir(path))):
+            if (dcp_dir and os.path.isdir(path) and not os.path.islink(path)
+                    and os.path.realpath(os.path.join(out_dir, dcp_dir.group(1))) != os.path.realpath(path)
+                    and any(f in (".metadata", HEADER, CRCS) or f.endswith(".distcp") for f in os.listdir(path))):
                 shutil.rmtree(path)
-            else:
-                continue
+                removed.append(name)
         except OSError:  # gone already, or not ours to remove: left as it is
             continue
-        removed.append(name)
     return removed
 
 
@@ -281,18 +266,10 @@ def write_divergence(out_dir, record):
 def read_divergence(out_dir):
     """The divergence record of out_dir, or None where it has none; CheckpointError for one that is
     not a record of train.py (hand-edited, damaged)."""
-    path = os.path.join(out_dir, DIVERGED)
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {first_line(e)}; delete it to run the run again") from None
-    if not (isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("what"), str)):
-        raise CheckpointError(f"{path} is not a divergence record of train.py (expected an object with an integer "
-                              f"'step' and a string 'what'); delete it to run the run again")
-    return record
+    return read_record(os.path.join(out_dir, DIVERGED),
+                       "a divergence record of train.py (expected an object with an integer 'step' and a string "
+                       "'what')", lambda r: isinstance(r.get("step"), int) and isinstance(r.get("what"), str),
+                       CheckpointError, "delete it to run the run again")
 
 
 def load_header(path):

@@ -43,7 +43,6 @@ import io
 import json
 import math
 import os
-import re
 import sys
 
 import torch
@@ -58,7 +57,7 @@ from data.common import DataError, unusable_dir
 from formats import FORMATS, GGML_FORMATS, GGUF_BUDGETS, block_weights
 from lowbit import ExportError
 from model import GPT, ROLES, ModelConfig
-from util import cli, first_line, write_atomic
+from util import cli, first_line, remove_stale_temporaries, write_atomic
 
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
@@ -318,38 +317,6 @@ def write_output(path, data, option="--export_dir"):
         raise cannot_write(path, e, option) from None
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's
-        pass
-    return True
-
-
-def remove_stale_temporaries(paths):
-    """Remove the temporary files (util.temp_path's names: .<name>.<pid>.<token>.tmp) that writers of
-    these paths killed mid-write left beside them; a live writer's are kept. Returns those removed."""
-    removed = []
-    for path in paths:
-        directory, name = os.path.split(os.path.abspath(path))
-        pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for entry in names:
-            match = pattern.fullmatch(entry)
-            if match and not _alive(int(match.group(1))):
-                try:
-                    os.unlink(os.path.join(directory, entry))
-                except OSError:  # gone already, or not ours to remove: left as it is
-                    continue
-                removed.append(entry)
-    return removed
-
-
 def read_run(cfg, formats):
     """The checkpoint of --out_dir as export needs it: (checkpoint dict, model, b_t, block Linears,
     the layers to quantize, notes), every weight finite."""
@@ -408,7 +375,9 @@ def main(argv):
         gguf_plan = gguf_file.plan(model, quantized, meta, config, formats, export_dir, cfg)
     outputs = [*paths.values(), *(gguf_plan.paths.values() if gguf_plan else ()), cfg["json"] or None,
                *(os.path.join(export_dir, f"bitwidths.{ext}") for ext in ("json", "png"))]
-    remove_stale_temporaries([p for p in outputs if p])  # what an export killed mid-write left
+    for path in filter(None, outputs):  # what an export killed mid-write left
+        directory, name = os.path.split(os.path.abspath(path))
+        remove_stale_temporaries(directory, {name})
     val_loss = reference = None
     if cfg["evaluate"]:
         eval_iters = cfg["eval_iters"] or config["eval_iters"]

@@ -6,19 +6,17 @@
 Reads <out_dir>/ckpt.pt (written by train.py), or an exported file, and decodes with the tokenizer that the checkpoint's
 dataset was prepared with (data/<dataset>/meta.json).
 """
-import json
-import os
 import sys
 
 import torch
 
 import checkpoint
 import gaussws
-from configurator import configure
+from configurator import check_device, configure
+from data import loader
+from data.common import DataError
 from model import GPT, ROLES, ModelConfig
 from util import UserError, cli, first_line
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
 init_from = "resume"  # "resume": the checkpoint in out_dir; or a low-precision file of export.py (.safetensors)
@@ -80,28 +78,20 @@ def load_export(path, device):
 
 
 def load_meta(ckpt):
-    config = ckpt.get("config") or {}
-    dataset = config.get("dataset", "default")
-    path = os.path.join(ROOT, "data", str(dataset), "meta.json")
-    if not os.path.isfile(path):
-        raise UsageError(f"no {path}, so the tokenizer of dataset {dataset!r} is unknown: "
-                         f"prepare it ({os.path.join(os.path.dirname(path), 'prepare.py')})")
+    """meta.json of the checkpoint's dataset (loader.read_meta; its .bin files need not be there),
+    with "data_dir": where its tokenizer files lie."""
+    directory = loader.data_dir(str((ckpt.get("config") or {}).get("dataset", "default")))
     try:
-        with open(path) as f:
-            return {**json.load(f), "data_dir": os.path.dirname(path)}  # where its tokenizer files lie
-    except (OSError, ValueError) as e:
-        raise UsageError(f"cannot read {path} ({type(e).__name__}): prepare the dataset again")
+        return {**loader.read_meta(directory, bins=False), "data_dir": directory}
+    except DataError as e:
+        raise UsageError(f"the tokenizer of the checkpoint's dataset is unknown: {e}") from None
 
 
 def main(argv):
     cfg = {k: globals()[k] for k in CONFIG_KEYS}
     configure(cfg, argv)
-    try:
-        dev = torch.device(cfg["device"])
-    except RuntimeError:
-        raise UsageError(f"--device={cfg['device']!r} is not a device; use cpu or cuda") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device=cuda but torch finds no CUDA GPU here; use --device=cpu")
+    check_device(cfg)
+    dev = torch.device(cfg["device"])
     if cfg["temperature"] < 0:
         raise UsageError(f"--temperature must be >= 0, got {cfg['temperature']}")
     if not 0 <= cfg["seed"] < 2**63:

@@ -11,6 +11,7 @@ import ctypes
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import sys
@@ -112,6 +113,43 @@ def temp_path(path):
     globs, so two writers of the same file never write into each other's temporary files."""
     directory, name = os.path.split(os.path.abspath(path))
     return os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+_TEMP = re.compile(r"\.(.+)\.(\d{1,9})\.[0-9a-f]{8}\.tmp")  # temp_path's names: .<name>.<pid>.<8 hex>.tmp
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        pass
+    return True
+
+
+def remove_stale_temporaries(directory, names=None):
+    """Remove the temporary files of temp_path in directory (of the files `names` only, where given)
+    whose writer no longer runs on this machine: what a writer killed mid-write (kill -9, a power cut)
+    left. A live writer's are kept. Returns the names removed."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        temp = _TEMP.fullmatch(entry)
+        if not temp or names is not None and temp.group(1) not in names or _alive(int(temp.group(2))):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            if os.path.isdir(path):
+                continue
+            os.unlink(path)
+        except OSError:  # gone already, or not ours to remove: left as it is
+            continue
+        removed.append(entry)
+    return removed
 
 
 def fsync_dir(directory):

@@ -51,10 +51,11 @@ def prepare_hint(data_dir):
     return f"write train.bin, val.bin and meta.json into {data_dir} (it has no prepare.py)"
 
 
-def read_meta(data_dir):
-    """meta.json of a prepared dataset, checked against its .bin files (data.common.load_meta)."""
+def read_meta(data_dir, bins=True):
+    """meta.json of a prepared dataset, checked against its .bin files unless bins=False
+    (data.common.load_meta); an error says how to prepare it."""
     try:
-        return load_meta(data_dir)
+        return load_meta(data_dir, bins=bins)
     except DataError as e:
         raise DataError(f"{e}: {prepare_hint(data_dir)}") from None
 

@@ -15,6 +15,7 @@ import gaussws
 import sample
 from checkpoint import CheckpointError
 from configurator import ConfigError
+from data import loader
 from model import GPT, ROLES
 from conftest import ROOT, tiny_model
 
@@ -52,7 +53,7 @@ def byte_run(tmp_path, monkeypatch, request):
     meta_dir = tmp_path / "repo" / "data" / "default"
     meta_dir.mkdir(parents=True)
     (meta_dir / "meta.json").write_text(json.dumps({"vocab_size": 256, "tokenizer": "bytes"}))
-    monkeypatch.setattr(sample, "ROOT", str(tmp_path / "repo"))
+    monkeypatch.setattr(loader, "ROOT", str(tmp_path / "repo"))  # where sample.py finds data/<dataset>
     out_dir = str(tmp_path / "out")
     torch.manual_seed(0)
     model = write_checkpoint(out_dir, tiny_model("llama2", vocab_size=256), method="gaussws[od]",
