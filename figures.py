@@ -24,23 +24,23 @@ import json
 import math
 import os
 
-from checkpoint import FORK_FREE
+from checkpoint import METHOD_ONLY, NOT_TRAINING
 from util import UserError
 
 FIGSIZE, DPI = (12.0, 4.5), 100  # 1200 x 450 pixels
-# config.json keys that do not change what a run computes (or only its seed): runs that differ only
-# in these are seeds of one setting. A phase run forked from its bf16 trunk (fork_from) computes
-# what the whole phase run computes.
-NOT_A_SETTING = {"seed", "out_dir", "init_from", "fork_from", "overwrite", "dry_run", "eval_only", "wandb_log",
-                 "wandb_project", "wandb_run_name", "wandb_mode", "device", "compile", "parallel",
-                 "recompute_w_hat", "save_checkpoints", "always_save_checkpoint", "log_interval",
-                 "world_size", "versions"}
-# What a phase run may set otherwise than its bf16 trunk (checkpoint.FORK_FREE) and that still sets
-# runs apart: how long they train and how they are evaluated.
+# Of what is not training (checkpoint.NOT_TRAINING), what still sets runs apart: how long they train
+# and how they are evaluated.
 MEASURE = {"max_iters", "eval_interval", "eval_iters"}
-# What only PQT reads, so that a bf16 run ignores it: the rest of FORK_FREE, the method and its settings
-# (checkpoint.PQT_KEYS: b_t's range, the phases and target formats; b_i's decay, Eq. 12's lambda).
-PQT_ONLY = frozenset(FORK_FREE - MEASURE - NOT_A_SETTING)
+# config.json keys that do not change what a run computes (or only its seed): runs that differ only
+# in these are seeds of one setting. The rest of what is not training (logging, files, where a run
+# starts: a phase run forked from its bf16 trunk computes what the whole phase run computes), and
+# where and how the same numbers are computed.
+NOT_A_SETTING = (set(NOT_TRAINING) - MEASURE) | {"seed", "device", "compile", "parallel", "recompute_w_hat",
+                                                 "world_size", "versions"}
+# What only a quantized method reads, so that a bf16 run ignores it (checkpoint.METHOD_ONLY: the method,
+# b_t's range, the phases, target formats and bit budget, b_i's decay, Eq. 12's lambda), less how w_hat
+# is kept, which is not a setting.
+PQT_ONLY = frozenset(METHOD_ONLY) - NOT_A_SETTING
 
 NEEDED = ("method", "learning_rate", "optimizer", "b_init", "b_target", "bitwidth_weight_decay", "arch", "n_layer",
           "n_embd", "dataset", "max_iters", "batch_size", "block_size", "gradient_accumulation_steps")
