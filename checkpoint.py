@@ -218,7 +218,8 @@ class Lock:
 def lock(out_dir, wait=False, name=".lock"):
     """Lock out_dir for this process (call it on the one rank that owns out_dir, rank 0): a second
     run on the same out_dir gets Busy naming the holder's pid (or, with wait, waits for it). Keep
-    the returned Lock. Another name is another lock of the same directory (study.py's own)."""
+    the returned Lock. Another name is another lock of the same directory (the study runner's own:
+    python -m studies)."""
     return Lock(out_dir, wait, name)
 
 
@@ -488,7 +489,7 @@ def read_fork(path, config):
     """The checkpoint a phase run forks from (train.py --fork_from): a bf16 run's ckpt.pt at a step
     from 1 to this run's pqt_start, whose config equals this run's `config` but for FORK_FREE's keys.
     Until its switch a phase run is that run bit for bit, so continuing it gives the losses the whole
-    phase run would have had, without training the shared steps again (study.py's deploy study).
+    phase run would have had, without training the shared steps again (the studies' deploy study).
     An error-gguf run forks IMATRIX_STEPS or more before its switch: its imatrix sums those steps.
     load_state then loads it."""
     if not os.path.isfile(path):
