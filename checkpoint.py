@@ -73,7 +73,8 @@ from model import ModelConfig
 from ste import IMATRIX_STEPS
 from sharded import CRCS, HEADER, CheckpointError, load_sharded, save_sharded
 from sharded import load_model as load_sharded_model
-from util import atomic_open, first_line, fsync_dir, load_error, read_record, remove_stale_temporaries, write_atomic
+from util import (atomic_open, first_line, fsync_dir, load_error, read_record, remove_stale_temporaries, unusable_dir,
+                  write_atomic)
 
 
 class Busy(CheckpointError):
@@ -330,11 +331,9 @@ def check_out_dir(out_dir):
     out = os.path.abspath(out_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise CheckpointError(f"out_dir={out_dir!r} is a file; expected a directory (or a path where one can be made)")
-    parent = out
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"out_dir={out_dir!r}: {parent} is not a writable directory; choose another --out_dir")
+    why = unusable_dir(out)
+    if why:
+        raise CheckpointError(f"out_dir={out_dir!r} is not a writable directory ({why}); choose another --out_dir")
 
 
 def paths(out_dir):

@@ -53,11 +53,11 @@ import ggml_quants
 import lowbit
 from configurator import check_device, configure
 from data import loader
-from data.common import DataError, unusable_dir
+from data.common import DataError
 from formats import FORMATS, GGML_FORMATS, GGUF_BUDGETS, block_weights
 from lowbit import ExportError
 from model import GPT, ROLES, ModelConfig
-from util import cli, first_line, remove_stale_temporaries, write_atomic
+from util import cli, first_line, remove_stale_temporaries, unusable_dir, write_atomic
 
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(

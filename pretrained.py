@@ -21,7 +21,7 @@ import torch
 
 import checkpoint
 import ste
-from util import UserError, atomic_dir, reason
+from util import UserError, atomic_dir, reason, unusable_dir
 
 GPT2_HUB = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 SUPPORTED = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama2"}
@@ -342,8 +342,7 @@ def _to_llama(sd, config):
 
 def check_out(out_dir):
     """out_dir can be written whole: it does not exist, or is an empty directory, and its parent can be
-    made and written (data.common.unusable_dir tries it)."""
-    from data.common import unusable_dir
+    made and written (util.unusable_dir tries it)."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise HFError(f"{out_dir} exists and is not an empty directory; choose a new --out")

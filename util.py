@@ -152,6 +152,22 @@ def remove_stale_temporaries(directory, names=None):
     return removed
 
 
+def unusable_dir(path):
+    """Why no file can be written in the directory path (made where missing), or None. Tried rather
+    than read off the permission bits, which do not bind root: a temporary directory is made and
+    removed in path's first existing ancestor."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".probe-"))
+    except OSError as e:
+        return f"cannot write in {probe} ({e.strerror})"
+    return None
+
+
 def fsync_dir(directory):
     """Make the renames in directory durable: without it a power cut can undo them."""
     fd = os.open(directory, os.O_RDONLY)

@@ -14,7 +14,6 @@ import math
 import os
 import sys
 import sysconfig
-import tempfile
 from contextlib import contextmanager
 from functools import partial
 
@@ -22,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 import tokenizer  # the repo root's; the prepare scripts put the root on sys.path
-from util import UserError, cli, commit, reason, temp_path
+from util import UserError, cli, commit, reason, temp_path, unusable_dir
 
 # datasets' builder for each local file type; a .txt file is one document, as in OpenWebText's
 # own archives (one .txt per web page)
@@ -187,22 +186,6 @@ def staged(out_dir, names):
         for tmp in temps.values():
             if os.path.exists(tmp):
                 os.remove(tmp)
-
-
-def unusable_dir(path):
-    """Why no file can be written in the directory path (made where missing), or None. Tried rather
-    than read off the permission bits, which do not bind root: a temporary directory is made and
-    removed in path's first existing ancestor."""
-    probe = os.path.abspath(path)
-    while not os.path.lexists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        return f"{probe} is not a directory"
-    try:
-        os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".probe-"))
-    except OSError as e:
-        return f"cannot write in {probe} ({e.strerror})"
-    return None
 
 
 def check_out_dir(out_dir):
