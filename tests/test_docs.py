@@ -171,3 +171,46 @@ def test_every_exit_status_the_docs_state_is_the_codes():
     for doc, line, stated, status in found:
         if status is not None:
             assert status() == stated, f"{doc}:{line} states exit status {stated}, the code returns {status()}"
+
+
+def test_every_test_reliability_md_names_is_a_test_of_the_file_it_names():
+    """docs/RELIABILITY.md names the tests that hold each promise as *(test_x.py: test_a, test_b;
+    test_y.py: test_c)*: each name is a test of the file named before it in its group."""
+    tests, wrong = defined_tests(), []
+    for group in re.findall(r"\*\(([^*]*)\)\*", text(os.path.join(ROOT, "docs", "RELIABILITY.md"))):
+        file = None
+        for token in re.findall(r"\btest_\w+\.py:|\btest_[a-z0-9_]+\b(?!\.py)", group):
+            if token.endswith(".py:"):
+                file = "tests/" + token[:-1]
+            elif token not in tests.get(file, ()):
+                wrong.append(f"{file or 'no file named'}::{token}")
+    assert not wrong, "tests RELIABILITY.md names that are not tests of the file it names:\n" + "\n".join(wrong)
+
+
+def requirements(path):
+    """{normalized package name: its version specifier} of a pip requirements file, and the files it
+    reads (-r, -c)."""
+    names, reads = {}, []
+    for line in text(os.path.join(ROOT, path)).splitlines():
+        line = line.split("#")[0].strip()
+        if line.startswith(("-r ", "-c ")):
+            reads.append(line.split()[1])
+        elif line:
+            name, spec = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*(.*)", line).groups()
+            names[re.sub(r"[-_.]+", "-", name).lower()] = spec
+    return names, reads
+
+
+def test_the_install_pins_every_package_at_the_version_the_suite_passed_on():
+    """The README's install (pip install -r requirements-test.txt) goes through constraints.txt, which
+    pins every package either requirements file names (==) at a version its own specifier admits: a
+    new machine gets the versions CI ran, not the newest ones."""
+    from packaging.specifiers import SpecifierSet
+    pins, _ = requirements("constraints.txt")
+    main, main_reads = requirements("requirements.txt")
+    test, test_reads = requirements("requirements-test.txt")
+    assert "constraints.txt" in main_reads and "requirements.txt" in test_reads
+    assert all(spec.startswith("==") for spec in pins.values())
+    for name, spec in {**main, **test}.items():
+        assert name in pins, f"constraints.txt pins no version of {name}"
+        assert pins[name][2:] in SpecifierSet(spec), f"{name}{pins[name]} is not {name}{spec}"
