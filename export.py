@@ -83,14 +83,10 @@ TIERS = [(4.0, "<=4"), (5.0, "4-5"), (9.0, "5-9"), (12.0, "9-12"), (math.inf, ">
 
 # --- the checkpoint --------------------------------------------------------------------------
 
-def layer_roles(arch):
-    """Module path inside a transformer block (transformer.h.<i>.<path>) -> the layer's role."""
-    return ROLES[arch]
-
-
 def block_linears(state_dict, arch):
-    """{module path: role} of every Linear of the transformer blocks, in the state dict's order."""
-    roles, found = layer_roles(arch), {}
+    """{module path: role} of every Linear of the transformer blocks, in the state dict's order
+    (model.ROLES: the path inside a block, transformer.h.<i>.<path>, -> the layer's role)."""
+    roles, found = ROLES[arch], {}
     for key in state_dict:
         parts = key.split(".")
         if key.startswith("transformer.h.") and key.endswith(".weight") and ".".join(parts[3:-1]) in roles:
