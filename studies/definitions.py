@@ -7,6 +7,7 @@ bf16 run of Fig. 1b and of the 3-bit study) is one run directory, trained once.
 import math
 import os
 import re
+import statistics
 
 import configurator
 from figures import PQT_ONLY
@@ -200,10 +201,12 @@ LLAMA_MIXES = {
                                   "down": "Q5_K" if i < n // 16 else "Q4_K", "up": "Q3_K"}[role],
     "Q2_K": lambda role, i, n: "Q2_K" if role == "up" else "Q3_K",
 }
-# What a step costs, measured on one core of a 2-core AMD EPYC (FP32): bf16 config/mini_gpt2_gguf.py's
-# 1.14 s; the others from 30-step runs of each method beside bf16 on the same core, as its multiple
-# of bf16's (`python -m studies gguf --dry_run` prints each arm's cost).
-GGUF_STEP_S = {"bf16": 1.14, "q4_0": 1.2, "q4_k": 1.2, "q3_k": 1.2, "q2_k": 1.2, "auto-gguf": 1.5, "error-gguf": 1.5}
+# What a step costs on one core of a 2-core AMD EPYC (FP32, OMP_NUM_THREADS=1): bf16 1.14 s (the config's
+# measurement, uncontended); the others the CPU time of steps 5-25 of a run of each method on this model,
+# beside two such runs of bf16 measured alike at 1.04 and 1.24 s (mean 1.14): the STE on llama.cpp's grids
+# and gaussws cost a bf16 step within that spread (the fake quantization is once a step, the noise
+# compiled). `python -m studies gguf --dry_run` prints each arm's cost from these.
+GGUF_STEP_S = {"bf16": 1.14, "q4_0": 1.18, "q4_k": 1.18, "q3_k": 1.16, "q2_k": 1.13, "gaussws": 1.17}
 
 
 def type_bits(name):
@@ -260,9 +263,13 @@ def gguf_arms():
     arms = [trunk]
     arms += [gguf_arm("STE phase", f, trunk, GGUF_STEP_S[f], method="ste[all]", target_format=f, pqt_start=phase)
              for f in GGUF_STE_FORMATS]
+    # a mix: the gaussws phase, then as long an STE phase on the K-quants (their mean cost)
+    ste_k = statistics.mean(GGUF_STEP_S[f] for f in GGUF_STE_FORMATS if f.endswith("_k"))
+    mix_s = round(((phase - mix_phase) * GGUF_STEP_S["gaussws"] + (GGUF_STEPS - phase) * ste_k)
+                  / (GGUF_STEPS - mix_phase), 2)
     for mix, bits in GGUF_MIX_BITS.items():
         for kind, fmt in (("learned mix", "auto-gguf"), ("error mix", "error-gguf")):
-            arms.append(gguf_arm(f"{kind} at {mix}'s size", f"{fmt}@{bits:g}", trunk, GGUF_STEP_S[fmt],
+            arms.append(gguf_arm(f"{kind} at {mix}'s size", f"{fmt}@{bits:g}", trunk, mix_s,
                                  method="gaussws[all]", target_format=fmt, bits_per_weight=bits,
                                  pqt_start=mix_phase, ste_start=phase))
     return arms

@@ -122,7 +122,8 @@ def _gguf_records(run_dir, specs, make):
                     made[s] = f"export_gguf.py reported no {lacking[0]} for {s}"
                     continue
                 cache[s] = {k: record.get(k) for k in GGUF_KEPT}
-                cache[s]["file"] = os.path.relpath(_where(record["path"]), _where(run_dir)) if record.get("path") else None
+                path = record.get("path")
+                cache[s]["file"] = os.path.relpath(_where(path), _where(run_dir)) if path else None
             if any(s in cache for s in missing):
                 write_json(cache_path, cache)
             return {s: cache.get(s, made.get(s)) for s in specs}
@@ -148,6 +149,7 @@ def _command(cmd, report):
 
 
 def _llama_cpp_records(run_dir, specs):
+    """One export_gguf.py call for all the specs (one importance matrix serves every +imatrix file)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "gguf.json")
         out = _command(["export_gguf.py", f"--out_dir={run_dir}", f"--llama_quantize={','.join(specs)}",
@@ -167,10 +169,10 @@ def _trained_records(run_dir, specs):
         report = os.path.join(tmp, "export.json")
         for spec in specs:
             fmt, _, budget = spec.partition("@")
-            out = _command(["export.py", f"--out_dir={run_dir}", f"--format={fmt}", "--gguf=True",
-                            f"--export_dir={os.path.join(run_dir, GGUF_DIR)}", f"--other_dtype={OTHER_DTYPE}",
-                            "--overwrite=True", f"--json={report}", *([f"--bits_per_weight={budget}"] if budget else [])],
-                           report)
+            cmd = ["export.py", f"--out_dir={run_dir}", f"--format={fmt}", "--gguf=True",
+                   f"--export_dir={os.path.join(run_dir, GGUF_DIR)}", f"--other_dtype={OTHER_DTYPE}",
+                   "--overwrite=True", f"--json={report}"]
+            out = _command(cmd + ([f"--bits_per_weight={budget}"] if budget else []), report)
             if isinstance(out, str):
                 return out
             try:

@@ -67,7 +67,8 @@ def file_row(a, i, spec, trunk, runs):
             "seeds_total": len(a["seeds"]), "by_seed": {str(s): f["val_loss_llama_cpp"] for s, f in done.items()},
             "val_loss": stats([f["val_loss_llama_cpp"] for f in done.values()]),
             "bf16_by_seed": {str(s): v for s, v in bf16.items()},
-            "increase_pct": stats([100 * (f["val_loss_llama_cpp"] / bf16[s] - 1) for s, f in done.items() if s in bf16]),
+            "increase_pct": stats([100 * (f["val_loss_llama_cpp"] / bf16[s] - 1)
+                                   for s, f in done.items() if s in bf16]),
             "bits_per_weight": bits, "bytes": stats([f["bytes"] for f in done.values()]),
             "class": size_class(bits["mean"]) if bits["n"] else None,
             "missing": sorted({runs[i, s]["files"].get(spec) or "not measured" for s in seeds if s not in done}),
@@ -155,7 +156,8 @@ def findings_markdown(findings):
         lines.append(line + ("; then " + "; ".join(behind) if behind else "") + ".")
         if f["shares"]:
             ref = f["reference"]
-            shares = [f"{called(s['arm'], s['spec'])} at {s['bits_per_weight']:.4f} bits "
+            shares = [f"{called(s['arm'], s['spec'])} at {s['bits_per_weight']:.4f} bits"
+                      + (" (more than llama.cpp's)" if s["bits_per_weight"] > ref["bits_per_weight"] else "") + " "
                       + (ci(s["removed"], 2) if s["removed"]["n"] else "(no common seed)") for s in f["shares"]]
             lines.append(f"  Share of {ref['arm']}'s loss over bf16 ({ref['bits_per_weight']:.4f} bits per weight) "
                          f"removed: " + "; ".join(shares) + ".")

@@ -254,7 +254,8 @@ def time_left(study, todo, root):
     left = [(run, a) for run, a, _ in todo if read_json(os.path.join(root, "runs", run, "done.json")) is None]
     steps = {run: steps_left(os.path.join(root, "runs", run), a) for run, a in left}
     if trained:
-        seconds, how = sum(steps.values()) * spent / trained, f"the wall time per step of the {finished} finished run(s) here"
+        seconds = sum(steps.values()) * spent / trained
+        how = f"the wall time per step of the {finished} finished run(s) here"
     else:
         seconds = sum(n * a.get("step_s", DEFAULT_STEP_S) for (_, a), n in zip(left, steps.values()))
         how = ("no run has finished here yet: each arm's measured time a step where its study gives one (step_s), "
@@ -277,7 +278,8 @@ def arm_costs(study):
         total += run_s * seeds
         files = ", ".join(a.get("gguf", ()))
         lines.append(f"  {a.get('kind', arm_label(a))}{f' ({files})' if files else ''}: {last - first:,} steps x "
-                     f"{a['step_s']:.2f} s = {run_s / 60:.0f} min a run, x {seeds} seeds = {run_s * seeds / 3600:.1f} h")
+                     f"{a['step_s']:.2f} s = {run_s / 60:.0f} min a run, x {seeds} seeds = "
+                     f"{run_s * seeds / 3600:.1f} h")
         if a.get("llama_cpp"):
             lines.append(f"    then, in the report, llama-quantize of its last checkpoint: {', '.join(a['llama_cpp'])}")
     if lines:
