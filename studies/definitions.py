@@ -204,8 +204,8 @@ LLAMA_MIXES = {
 # What a step costs on one core of a 2-core AMD EPYC (FP32, OMP_NUM_THREADS=1): bf16 1.14 s (the config's
 # measurement, uncontended); the others the CPU time of steps 5-25 of a run of each method on this model,
 # beside two such runs of bf16 measured alike at 1.04 and 1.24 s (mean 1.14): the STE on llama.cpp's grids
-# and gaussws cost a bf16 step within that spread (the fake quantization is once a step, the noise
-# compiled). `python -m studies gguf --dry_run` prints each arm's cost from these.
+# (its fake quantization made once a step) and gaussws cost a bf16 step within that spread on this small
+# model. `python -m studies gguf --dry_run` prints each arm's cost from these.
 GGUF_STEP_S = {"bf16": 1.14, "q4_0": 1.18, "q4_k": 1.18, "q3_k": 1.16, "q2_k": 1.13, "gaussws": 1.17}
 
 

@@ -12,6 +12,7 @@ import os
 import pytest
 
 import checkpoint
+import llama_tools
 import studies.__main__ as entry
 import train
 from conftest import ROOT
@@ -98,7 +99,6 @@ def test_the_mix_budgets_are_llama_quantizes_bits_per_weight_on_this_model():
 def llama_quantized(tmp_path_factory):
     """A checkpoint of the study's model shape (random weights, a tiny corpus's vocabulary) as an F32 GGUF,
     then llama-quantize's Q3_K_M and Q2_K of it (no --pure: llama.cpp's own mixes): {mix: path}."""
-    import llama_tools
     import tokenizer
     from test_gguf import write_data
     from test_gguf_grids import export, make_run
@@ -112,7 +112,7 @@ def llama_quantized(tmp_path_factory):
             for mix in defs.LLAMA_MIXES}
 
 
-@pytest.mark.skipif(__import__("llama_tools").llama_cpp_tool("llama-quantize") is None,
+@pytest.mark.skipif(llama_tools.llama_cpp_tool("llama-quantize") is None,
                     reason="llama-quantize not found: set LLAMA_CPP_BIN to the directory of llama.cpp's tools, or "
                            "put them on PATH, to check the mixes' table against the files it writes")
 @pytest.mark.parametrize("mix", list(defs.LLAMA_MIXES))
@@ -227,7 +227,6 @@ def test_a_failed_export_is_a_line_and_nothing_is_kept(tmp_path, stand_ins, monk
 def test_our_files_keep_embeddings_and_head_as_llama_quantize_keeps_them():
     """export.py's --other_dtype of the glue is the type llama_tools.llama_quantize keeps them in."""
     import inspect
-    import llama_tools
     keep = inspect.signature(llama_tools.llama_quantize).parameters["keep"].default
     assert {"bfloat16": "bf16", "float32": "f32"}[exports.OTHER_DTYPE] == keep
 
