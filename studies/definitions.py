@@ -7,6 +7,7 @@ bf16 run of Fig. 1b and of the 3-bit study) is one run directory, trained once.
 import math
 import os
 import re
+import statistics
 
 import configurator
 from figures import PQT_ONLY
@@ -185,21 +186,99 @@ STUDIES["deploy"] = dict(
 GGUF_CONFIG = "config/mini_gpt2_gguf.py"
 GGUF_STEPS = 6400
 GGUF_SEEDS = (1, 2, 3)
+GGUF_STE_FORMATS = ("q4_0", "q4_k", "q3_k", "q2_k")  # the STE phases' grids (ste.GGML_FORMATS)
+# llama-quantize of each trunk's last checkpoint (export_gguf.py --llama_quantize): each type or mix with the
+# importance matrix of the training split (+imatrix), and the two most used without it
+LLAMA_CPP_SPECS = ("Q8_0+imatrix", "Q4_0+imatrix", "Q4_K_M+imatrix", "Q3_K_M+imatrix", "Q2_K+imatrix", "Q4_0",
+                   "Q3_K_M")
+# The type llama-quantize gives each block Linear of a GPT2 (no grouped-query attention, no experts) in
+# the two mixes whose sizes the per-tensor mixes are trained at, by role and layer i of n, as llama.cpp's
+# llama_tensor_get_type chooses it (src/llama-quant.cpp). It counts the fused attn_qkv as attn_v: Q3_K_M
+# gives the first two Q5_K, the others Q4_K; Q2_K gives it Q3_K (fewer than 4 query heads per KV head).
+# ffn_down: Q5_K in the first n/16 layers (none of 4), else Q4_K (any architecture but Falcon).
+LLAMA_MIXES = {
+    "Q3_K_M": lambda role, i, n: {"qkv": "Q5_K" if i < 2 else "Q4_K", "out": "Q4_K",
+                                  "down": "Q5_K" if i < n // 16 else "Q4_K", "up": "Q3_K"}[role],
+    "Q2_K": lambda role, i, n: "Q2_K" if role == "up" else "Q3_K",
+}
+# What a step costs on one core of a 2-core AMD EPYC (FP32, OMP_NUM_THREADS=1): bf16 1.14 s (the config's
+# measurement, uncontended); the others the CPU time of steps 5-25 of a run of each method on this model,
+# beside two such runs of bf16 measured alike at 1.04 and 1.24 s (mean 1.14): the STE on llama.cpp's grids
+# (its fake quantization made once a step) and gaussws cost a bf16 step within that spread on this small
+# model. `python -m studies gguf --dry_run` prints each arm's cost from these.
+GGUF_STEP_S = {"bf16": 1.14, "q4_0": 1.18, "q4_k": 1.18, "q3_k": 1.16, "q2_k": 1.13, "gaussws": 1.17}
+
+
+def type_bits(name):
+    """A GGML type's bits per weight, scales included: gguf's block sizes, as ggml_quants.bits_per_weight
+    computes them (which imports torch._dynamo, seconds at every `python -m studies`)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    return size * 8 / weights
+
+
+def block_linear_shapes(config):
+    """{role: (out, in)} of a GPT2 config's block Linears (model.py's: qkv, out, up, down), and its layers."""
+    c = config_settings(config)
+    if c.get("arch", "gpt2") != "gpt2":
+        raise StudyError(f"{config} is a {c['arch']}; the llama.cpp mixes here are those of a GPT2")
+    e = c["n_embd"]
+    h = c.get("ffn_hidden") or 4 * e
+    return {"qkv": (3 * e, e), "out": (e, e), "up": (h, e), "down": (e, h)}, c["n_layer"]
+
+
+def llama_mix_bits(mix, config=GGUF_CONFIG):
+    """The bits per weight of the block Linears in llama-quantize's mix (LLAMA_MIXES) of config's model:
+    each Linear's type's bits weighted by its weights."""
+    shapes, n = block_linear_shapes(config)
+    bits = sum(type_bits(LLAMA_MIXES[mix](role, i, n)) * o * k for i in range(n) for role, (o, k) in shapes.items())
+    return bits / (n * sum(o * k for o, k in shapes.values()))
+
+
+# The budgets of the per-tensor mixes: llama.cpp's Q3_K_M and Q2_K sizes on this model (4.2708 and 3.1666),
+# fixed here, not read from the trunk's llama.cpp files, since they name the runs and their train.py
+# arguments before any run; rounded down to 4 decimals, so that a trained mix never holds more bytes.
+GGUF_MIX_BITS = {mix: math.floor(llama_mix_bits(mix) * 1e4) / 1e4 for mix in LLAMA_MIXES}
+
+
+def gguf_arm(kind, spec, trunk, step_s, **overrides):
+    """A phase arm of the llama.cpp study, forked from the trunk; spec: its GGUF file (export.py's format,
+    at @bits for a budget); step_s: its seconds per step (GGUF_STEP_S)."""
+    a = arm(GGUF_CONFIG, **overrides, max_iters=GGUF_STEPS, lr_decay_iters=GGUF_STEPS, eval_interval=GGUF_STEPS // 4)
+    return {**a, "kind": kind, "seeds": GGUF_SEEDS, "trunk": trunk, "gguf": [spec], "step_s": step_s}
 
 
 def gguf_arms():
-    """The llama.cpp study's arms: per seed, the bf16 trunk, kept at the phases' fork steps."""
+    """The llama.cpp study's arms: per seed, the bf16 trunk, kept at the phases' fork steps, and exported by
+    llama-quantize (LLAMA_CPP_SPECS); STE phases over the last 15 % on each grid of GGUF_STE_FORMATS; and
+    at each llama.cpp mix's size (GGUF_MIX_BITS) the learned per-tensor mix (a gaussws phase from 70 %
+    whose b_t rank the tensors, then STE on the types chosen from 85 %) and the error-ranked one (the same
+    phases, the tensors ranked by their imatrix-weighted rounding error)."""
     trunk = arm(GGUF_CONFIG, method="bf16", max_iters=GGUF_STEPS, lr_decay_iters=GGUF_STEPS,
                 eval_interval=GGUF_STEPS // 4)
     trunk.update(kind="bf16", seeds=GGUF_SEEDS,
                  keep=sorted({round(MIX_PHASE * GGUF_STEPS), round(PHASE * GGUF_STEPS)}))
-    return [trunk]
+    trunk.update(llama_cpp=list(LLAMA_CPP_SPECS), step_s=GGUF_STEP_S["bf16"])
+    phase, mix_phase = round(PHASE * GGUF_STEPS), round(MIX_PHASE * GGUF_STEPS)
+    arms = [trunk]
+    arms += [gguf_arm("STE phase", f, trunk, GGUF_STEP_S[f], method="ste[all]", target_format=f, pqt_start=phase)
+             for f in GGUF_STE_FORMATS]
+    # a mix: the gaussws phase, then as long an STE phase on the K-quants (their mean cost)
+    ste_k = statistics.mean(GGUF_STEP_S[f] for f in GGUF_STE_FORMATS if f.endswith("_k"))
+    mix_s = round(((phase - mix_phase) * GGUF_STEP_S["gaussws"] + (GGUF_STEPS - phase) * ste_k)
+                  / (GGUF_STEPS - mix_phase), 2)
+    for mix, bits in GGUF_MIX_BITS.items():
+        for kind, fmt in (("learned mix", "auto-gguf"), ("error mix", "error-gguf")):
+            arms.append(gguf_arm(f"{kind} at {mix}'s size", f"{fmt}@{bits:g}", trunk, mix_s,
+                                 method="gaussws[all]", target_format=fmt, bits_per_weight=bits,
+                                 pqt_start=mix_phase, ste_start=phase))
+    return arms
 
 
 STUDIES["gguf"] = dict(
     about="Trained GGUF files against llama.cpp's quantizer (beyond the paper): STE phases on llama.cpp's grids "
           "and learned per-tensor types, against llama-quantize with an importance matrix, judged by llama.cpp",
-    arms=gguf_arms(), seeds=GGUF_SEEDS, export=(), export_bf16=False)
+    arms=gguf_arms(), seeds=GGUF_SEEDS, export=(), export_bf16=False, report="gguf")
 
 # --- the runs of an arm ---------------------------------------------------------------------------
 SHORT = {"method": "", "learning_rate": "lr", "optimizer": "", "b_init": "binit", "b_target": "btarget",

@@ -1,5 +1,7 @@
 """The exported models of a study's runs: export.py run on a run's checkpoint, its val loss per format
-kept in the run directory (export.json), so each format is exported once."""
+kept in the run directory (export.json), so each format is exported once; and the GGUF files of the
+llama.cpp study (export_gguf.py's llama-quantize files of a bf16 run, export.py's GGUF of a trained one),
+each measured by llama.cpp and kept in the run directory (gguf.json)."""
 import json
 import os
 import subprocess
@@ -8,7 +10,7 @@ import tempfile
 
 import checkpoint as ckpt_io
 from studies.definitions import REPO
-from studies.records import STUDY_LOCK, StudyError, read_json, write_json
+from studies.records import GGUF_NUMBERS, STUDY_LOCK, StudyError, is_number, read_json, write_json
 
 
 def export_losses(run_dir, formats):
@@ -65,3 +67,124 @@ def _run_export(run_dir, formats, budget):
                 return {e["format"]: e for e in json.load(fh)["exports"]}
         except (OSError, ValueError, KeyError, TypeError) as e:
             return f"export.py's --json file is not the JSON expected ({type(e).__name__})"
+
+
+# --- GGUF files measured by llama.cpp (the llama.cpp study) -----------------------------------------
+GGUF_DIR = "gguf"  # the run directory's folder of its GGUF files
+# What gguf.json keeps of export_gguf.py's record of a file: its GGML type (or llama.cpp's mix), whether an
+# importance matrix made it, its size, the bits per weight of its block Linears (scales included), and
+# llama.cpp's val loss on train.py's evaluation batches with what computed it
+GGUF_KEPT = ("type", "imatrix", "bytes", "block_bits_per_weight", "val_loss_llama_cpp", "val_loss_source")
+# Embeddings and head in BF16 in every file, so that files differ by their block Linears alone: export.py's
+# --other_dtype, as llama_tools.llama_quantize keeps them (its keep="bf16") in export_gguf.py's files
+OTHER_DTYPE = "bfloat16"
+
+
+def llama_cpp_files(run_dir, specs):
+    """{spec: record, or a line saying why there is none} of llama-quantize's files of a bf16 run's
+    checkpoint, spec a type or mix of llama.cpp with "+imatrix" where made with the importance matrix of
+    the training split ("Q4_K_M+imatrix", "Q4_0").
+
+    The one place that knows export_gguf.py's command line for them: `python export_gguf.py
+    --out_dir=RUN --llama_quantize=S1,S2 --export_dir=DIR --json=PATH --threads=1` writes the files into
+    DIR and one JSON object to PATH whose "files" hold a record per file with its "spec" (GGUF_KEPT's
+    fields and "path"). Kept in the run directory (gguf.json) under the run's lock, each spec made once."""
+    return _gguf_records(run_dir, specs, _llama_cpp_records)
+
+
+def trained_files(run_dir, specs):
+    """{spec: record, or a line saying why there is none} of the GGUF files of a trained run, spec
+    export.py's format ("q4_k"), or a GGUF budget at its bits per weight ("auto-gguf@4.2708").
+
+    The one place that knows export.py's command line for them: `python export.py --out_dir=RUN
+    --format=F [--bits_per_weight=B] --gguf=True --export_dir=DIR --other_dtype=bfloat16 --json=PATH`
+    writes model-F.gguf into DIR (its path in the JSON's "exports" record, under "gguf"), then
+    `python export_gguf.py --gguf=FILE --json=PATH` measures it in llama.cpp as it measures llama-quantize's
+    files (llama_cpp_files), its record matched by "path". Kept as llama_cpp_files keeps them."""
+    return _gguf_records(run_dir, specs, _trained_records)
+
+
+def _gguf_records(run_dir, specs, make):
+    """The records of specs from the run's gguf.json, those missing made (make(run_dir, specs) -> {spec:
+    record} or a line saying why none) and kept, under the run's lock (one runner exports a run at a time)."""
+    try:
+        with ckpt_io.lock(run_dir, wait=True, name=STUDY_LOCK):
+            cache_path = os.path.join(run_dir, "gguf.json")
+            cache = read_json(cache_path) or {}
+            missing = [s for s in specs if s not in cache]
+            made = make(run_dir, missing) if missing else {}
+            if isinstance(made, str):
+                return {s: cache.get(s, made) for s in specs}
+            for s in missing:
+                record = made.get(s) or {}
+                lacking = [k for k in GGUF_NUMBERS if not is_number(record.get(k))]
+                if lacking:
+                    made[s] = f"export_gguf.py reported no {lacking[0]} for {s}"
+                    continue
+                cache[s] = {k: record.get(k) for k in GGUF_KEPT}
+                path = record.get("path")
+                cache[s]["file"] = os.path.relpath(_where(path), _where(run_dir)) if path else None
+            if any(s in cache for s in missing):
+                write_json(cache_path, cache)
+            return {s: cache.get(s, made.get(s)) for s in specs}
+    except ckpt_io.CheckpointError as e:
+        raise StudyError(str(e)) from None
+
+
+def _where(path):
+    """A path the scripts wrote (relative to the repository, where they run) as one that compares."""
+    return os.path.realpath(os.path.join(REPO, path))
+
+
+def _command(cmd, report):
+    """Run a script of the repository; its --json file's object, or a line saying why there is none."""
+    r = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"{cmd[0]} failed: {(r.stderr.strip() or r.stdout.strip() or 'no output').splitlines()[-1]}"
+    try:
+        with open(report) as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as e:
+        return f"{cmd[0]}'s --json file is not the JSON expected ({type(e).__name__})"
+
+
+def _llama_cpp_records(run_dir, specs):
+    """One export_gguf.py call for all the specs (one importance matrix serves every +imatrix file)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "gguf.json")
+        out = _command(["export_gguf.py", f"--out_dir={run_dir}", f"--llama_quantize={','.join(specs)}",
+                        f"--export_dir={os.path.join(run_dir, GGUF_DIR)}", f"--json={report}", "--threads=1"], report)
+    if isinstance(out, str):
+        return out
+    try:
+        return {f["spec"]: f for f in out["files"]}
+    except (KeyError, TypeError):
+        return "export_gguf.py's --json file holds no \"files\" with a \"spec\" each"
+
+
+def _trained_records(run_dir, specs):
+    """One export.py call per spec (each its own budget), then one export_gguf.py on all their files."""
+    paths = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "export.json")
+        for spec in specs:
+            fmt, _, budget = spec.partition("@")
+            cmd = ["export.py", f"--out_dir={run_dir}", f"--format={fmt}", "--gguf=True",
+                   f"--export_dir={os.path.join(run_dir, GGUF_DIR)}", f"--other_dtype={OTHER_DTYPE}",
+                   "--overwrite=True", f"--json={report}"]
+            out = _command(cmd + ([f"--bits_per_weight={budget}"] if budget else []), report)
+            if isinstance(out, str):
+                return out
+            try:
+                paths[spec] = _where(out["exports"][0]["gguf"]["path"])
+            except (KeyError, IndexError, TypeError):
+                return f"export.py wrote no GGUF file for {spec} (its --json has no exports[0].gguf.path)"
+        report = os.path.join(tmp, "gguf.json")
+        out = _command(["export_gguf.py", f"--gguf={','.join(paths.values())}", f"--json={report}"], report)
+    if isinstance(out, str):
+        return out
+    try:
+        by_path = {_where(f["path"]): f for f in out["files"]}
+    except (KeyError, TypeError):
+        return "export_gguf.py's --json file holds no \"files\" with a \"path\" each"
+    return {spec: by_path.get(path) for spec, path in paths.items()}

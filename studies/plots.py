@@ -1,6 +1,7 @@
-"""The figures only the deployment study draws, from its report's rows (studies.deploy_report):
-increase.png, the exported model's loss increase against tokens per parameter, and pareto.png, the
-exported val loss against bits per weight."""
+"""The figures only the deployment and llama.cpp studies draw, from their reports' rows: the deployment
+study's (studies.deploy_report) increase.png, the exported model's loss increase against tokens per
+parameter, and pareto.png, the exported val loss against bits per weight; the llama.cpp study's
+(studies.gguf_report) gguf.png, llama.cpp's val loss of each GGUF file against its bits per weight."""
 import os
 
 from figures import DPI, FIGSIZE, pyplot
@@ -77,3 +78,39 @@ def plot_deploy(rows, out, longest):
     fig.savefig(paths[1])
     plt.close(fig)
     return paths
+
+
+def plot_gguf(rows, bf16, path):
+    """gguf.png from gguf_report.gguf_rows: llama.cpp's val loss of each file (mean over seeds, ± std as
+    bars) against the bits per weight of its block Linears; llama-quantize's files with the importance
+    matrix as one curve, without it as another, each trained arm kind as points, each point named by its
+    type or format; bf16 (the trunks' mean val loss) as a line. Returns path."""
+    plt = pyplot()
+    done = [r for r in rows if r["seeds"]]
+    groups = {}
+    for r in done:
+        kind = ("llama-quantize with imatrix" if r["imatrix"] else "llama-quantize without imatrix" if r["llama_cpp"]
+                else r["arm"].split(" at ")[0])
+        groups.setdefault(kind, []).append(r)
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    for k, (kind, rs) in enumerate(groups.items()):
+        rs = sorted(rs, key=lambda r: r["bits_per_weight"]["mean"])
+        x, y = [r["bits_per_weight"]["mean"] for r in rs], [r["val_loss"]["mean"] for r in rs]
+        curve = kind.startswith("llama-quantize")
+        ax.errorbar(x, y, yerr=[r["val_loss"]["std"] or 0 for r in rs], marker=DEPLOY_MARKERS[k % len(DEPLOY_MARKERS)],
+                    color=plt.get_cmap("tab10")(k % 10), ms=5, capsize=2, lw=1.2 if curve else 0,
+                    ls="-" if "with imatrix" in kind else "--", label=kind)
+        for r, xi, yi in zip(rs, x, y):
+            ax.annotate(r["spec"].removesuffix("+imatrix"), (xi, yi), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
+    if bf16 is not None:
+        ax.axhline(bf16, color="k", lw=0.8, ls=":", label="bf16 (train.py)")
+    ax.set_xlabel("bits per weight of the block Linears (scales included)")
+    ax.set_ylabel("llama.cpp val loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("gguf: llama.cpp's val loss of each file against its size", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

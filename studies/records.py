@@ -4,6 +4,7 @@ check that a run the runner marked done has the records of one.
     <run>/done.json     {"status": "finished" or "diverged", "wall_s", "step" and "what" if diverged}
     <run>/run.json      the train.py arguments and config file it was made with, and every attempt
     <run>/export.json   export.py's val loss per exported format
+    <run>/gguf.json     llama.cpp's val loss, size and bits per weight of each GGUF file of the run
     <run>/.study.lock   held by the runner that trains, resumes or exports the run
 
 A run is done when its done.json exists; the runner writes it only after train.py has finished the
@@ -22,27 +23,31 @@ from step import insanity
 from util import UserError, read_record
 
 STUDY_LOCK = ".study.lock"  # a runner's lock of a run directory (train.py's own is .lock)
+GGUF_NUMBERS = ("val_loss_llama_cpp", "block_bits_per_weight", "bytes")  # in each file's record of gguf.json
 
 
 class StudyError(UserError):
     """Bad input or a state the runner will not touch; the message is one line."""
 
 
-def _number(v):
+def is_number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # The form of each record the runner keeps in a run directory; read_json refuses any other.
 FORMS = {
     "done.json": ('{"status": "finished" or "diverged", "wall_s": seconds, "step": its step if diverged}',
-                  lambda r: r.get("status") in ("finished", "diverged") and _number(r.get("wall_s"))
+                  lambda r: r.get("status") in ("finished", "diverged") and is_number(r.get("wall_s"))
                   and (r["status"] == "finished" or isinstance(r.get("step"), int))),
     "run.json": ('{"args": [...], "config_sha": "...", "attempts": [{"wall_s": seconds, "commit": "...", ...}]}',
                  lambda r: isinstance(r.get("args"), list) and isinstance(r.get("attempts"), list)
-                 and all(isinstance(x, dict) and _number(x.get("wall_s")) and isinstance(x.get("commit"), str)
+                 and all(isinstance(x, dict) and is_number(x.get("wall_s")) and isinstance(x.get("commit"), str)
                          for x in r["attempts"])),
     "export.json": ('{format: {"val_loss": number, ...}}',
-                    lambda r: all(isinstance(e, dict) and _number(e.get("val_loss")) for e in r.values())),
+                    lambda r: all(isinstance(e, dict) and is_number(e.get("val_loss")) for e in r.values())),
+    "gguf.json": ('{spec: {"val_loss_llama_cpp": number, "block_bits_per_weight": number, "bytes": number, ...}}',
+                  lambda r: all(isinstance(e, dict) and all(is_number(e.get(k)) for k in GGUF_NUMBERS)
+                                for e in r.values())),
 }
 
 
@@ -72,7 +77,7 @@ def bad_loss(value, vocab_size, trained):
     """Why a loss of a run train.py let go on is not one, or None: a cross-entropy is a finite number
     >= 0, and an evaluated val loss after the first step passes train.py's own rule (step.insanity:
     at most ln(vocab_size) + VAL_LOSS_MARGIN). vocab_size None: the first rule alone."""
-    if not (_number(value) and math.isfinite(value) and value >= 0):
+    if not (is_number(value) and math.isfinite(value) and value >= 0):
         return f"{value!r} (a loss is a finite number >= 0)"
     broken = vocab_size and insanity({"val": value}, None, vocab_size, 0.0, trained)
     return f"{value:.4g}, above train.py's limit {broken[2]:.4f}" if broken else None

@@ -26,8 +26,9 @@ import time
 
 import checkpoint as ckpt_io
 import figures
-from studies.definitions import REPO, arm_steps, run_name, runs_of, train_args
+from studies.definitions import REPO, arm_label, arm_steps, run_name, runs_of, train_args
 from studies.deploy_report import write_deploy
+from studies.gguf_report import write_gguf
 from studies.records import STUDY_LOCK, StudyError, checked_run, read_json, write_json
 from studies.report import write_report
 from util import git_commit
@@ -173,14 +174,14 @@ def finish(name, a, run_dir, record, rc, tail):
 
 
 def write_results(name, study, root):
-    """The study's report (the deployment study's own, else report.write_report) under root/name from
-    the runs done so far; the paths written. With no run done, nothing is written (a report of
-    nothing would replace one of the runs elsewhere)."""
+    """The study's report (the deployment or llama.cpp study's own, else report.write_report) under
+    root/name from the runs done so far; the paths written. With no run done, nothing is written (a
+    report of nothing would replace one of the runs elsewhere)."""
     if not any(read_json(os.path.join(root, "runs", run, "done.json")) for run, _, _ in runs_of(study)):
         print(f"[{name}] no run of {name} is done under {os.path.join(root, 'runs')}: nothing to report, "
               f"{os.path.join(root, name)} is left as it is")
         return []
-    write = write_deploy if study.get("report") == "deploy" else write_report
+    write = {"deploy": write_deploy, "gguf": write_gguf}.get(study.get("report"), write_report)
     return write(name, study, root)
 
 
@@ -242,7 +243,8 @@ def steps_left(run_dir, a):
 def time_left(study, todo, root):
     """One line: the wall time the runs of todo not yet done take, at the seconds per step of the
     study's runs finished under root (their wall time over the steps they trained, all attempts
-    together, evaluations included), else at DEFAULT_STEP_S."""
+    together, evaluations included), else at each arm's own measured seconds a step where the study
+    gives it (step_s), else at DEFAULT_STEP_S."""
     finished, spent, trained = 0, 0.0, 0
     for run, a, _ in runs_of(study):
         done = read_json(os.path.join(root, "runs", run, "done.json"))
@@ -250,19 +252,45 @@ def time_left(study, todo, root):
             first, last = arm_steps(a)
             finished, spent, trained = finished + 1, spent + done["wall_s"], trained + last - first
     left = [(run, a) for run, a, _ in todo if read_json(os.path.join(root, "runs", run, "done.json")) is None]
-    steps = sum(steps_left(os.path.join(root, "runs", run), a) for run, a in left)
+    steps = {run: steps_left(os.path.join(root, "runs", run), a) for run, a in left}
     if trained:
-        rate, how = spent / trained, f"the wall time per step of the {finished} finished run(s) here"
+        seconds = sum(steps.values()) * spent / trained
+        how = f"the wall time per step of the {finished} finished run(s) here"
     else:
-        rate, how = DEFAULT_STEP_S, "no run has finished here yet: config/mini_gpt2.py's 0.75 s a step on a 2-core CPU"
-    seconds = steps * rate
+        seconds = sum(n * a.get("step_s", DEFAULT_STEP_S) for (_, a), n in zip(left, steps.values()))
+        how = ("no run has finished here yet: each arm's measured time a step where its study gives one (step_s), "
+               "else config/mini_gpt2.py's 0.75 s a step on a 2-core CPU")
+    total = sum(steps.values())
+    rate = seconds / total if total else 0.0
     about = f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
-    return (f"time left: about {about} ({seconds:,.0f} s: {len(left)} run(s), {steps:,} steps at {rate:.3f} s a "
+    return (f"time left: about {about} ({seconds:,.0f} s: {len(left)} run(s), {total:,} steps at {rate:.3f} s a "
             f"step, {how})")
 
 
+def arm_costs(study):
+    """Lines: each arm that gives its measured seconds a step (step_s), the steps a run of it trains, the
+    time of a run and of its seeds' runs on one core; then all of them together. [] where none gives it."""
+    lines, total = [], 0.0
+    for a in (a for a in study["arms"] if "step_s" in a):
+        first, last = arm_steps(a)
+        seeds = len(a.get("seeds", study["seeds"]))
+        run_s = (last - first) * a["step_s"]
+        total += run_s * seeds
+        files = ", ".join(a.get("gguf", ()))
+        lines.append(f"  {a.get('kind', arm_label(a))}{f' ({files})' if files else ''}: {last - first:,} steps x "
+                     f"{a['step_s']:.2f} s = {run_s / 60:.0f} min a run, x {seeds} seeds = "
+                     f"{run_s * seeds / 3600:.1f} h")
+        if a.get("llama_cpp"):
+            lines.append(f"    then, in the report, llama-quantize of its last checkpoint: {', '.join(a['llama_cpp'])}")
+    if lines:
+        lines = ["arms (steps a run trains x seconds a step on one core):", *lines,
+                 f"  in all {total / 3600:.1f} h on one core (two runners side by side: about half the wall time)"]
+    return lines
+
+
 def dry_run(name, study, root, nproc, only):
-    """The runs (those `only` keeps), each with its state and command, then time_left's estimate."""
+    """The runs (those `only` keeps), each with its state and command, then the arms' costs (arm_costs)
+    and time_left's estimate."""
     todo = [r for r in runs_of(study) if re.search(only, r[0])]
     print(f"{name}: {study['about']}\n{len(todo)} runs:")
     for k, (run, a, seed) in enumerate(todo, 1):
@@ -270,6 +298,8 @@ def dry_run(name, study, root, nproc, only):
         done = read_json(os.path.join(run_dir, "done.json"))
         state = done["status"] if done else "resume" if os.path.exists(os.path.join(run_dir, "ckpt.pt")) else "to run"
         print(f"{k:3d}. [{state}] {shlex.join(['python', *launcher(nproc)[1:], *train_args(a, seed, run_dir)])}")
+    for line in arm_costs(study):
+        print(line)
     print(time_left(study, todo, root))
     return 0
 
