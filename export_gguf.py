@@ -40,7 +40,7 @@ DEFAULTS = dict(
     llama_quantize="",  # llama-quantize types for --out_dir, each optionally +imatrix: Q4_K_M+imatrix,Q4_0
     export_dir="",  # where --out_dir's files go; "" -> <out_dir>/llama.cpp
     imatrix_chunks=0,  # chunks of block_size training tokens in the importance matrix; 0 -> 2^18 tokens' worth
-    threads=0,  # threads of llama-imatrix and llama-quantize; 0 -> their own default
+    threads=0,  # threads of llama-imatrix, llama-quantize and llama.cpp's evaluation; 0 -> their own default
     json="",  # with --out_dir: also write the table (one record per file) to this path as JSON
     build_llama_cpp=False,  # build llama.cpp's tools into ~/.cache/pqt/llama.cpp-<version>/bin (cmake, ninja; ~25 min)
 )

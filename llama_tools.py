@@ -1,15 +1,19 @@
 """llama.cpp running the GGUF files of export.py: llama-cpp-python's model of a file, llama.cpp's CPU
-roundings reproduced in our code, and the check of llama.cpp's logits and val loss against ours.
+roundings reproduced in our code, the check of llama.cpp's logits and val loss against ours, and
+llama.cpp's own quantizer (llama-quantize, llama-imatrix) beside ours.
 
     llm = llama_tools.llama_cpp_model("out/model-mxfp4.gguf", n_ctx=64)   # llama-cpp-python's Llama
     llama_tools.llama_quantize("out/model-fp32.gguf", "out/q4_k_m.gguf", "Q4_K_M", pure=False)   # llama.cpp's own
     with llama_tools.LlamaCppArithmetic(file_model, path):   # our model, computed as llama.cpp rounds
         logits = file_model(x, y)[0]
     r = llama_tools.check_llama_cpp("out/model-mxfp4.gguf")   # export_gguf.py's check
+    llama_tools.build_llama_cpp()   # llama.cpp's tools, built from the pinned llama-cpp-python's source, cached
+    t = llama_tools.llama_cpp_table("out", llama_tools.parse_specs("Q4_K_M+imatrix,Q4_0"))   # export_gguf.py's table
 
 The file itself (its tensors, checksums, reader, the file's model) is gguf_file.py's. docs/GGUF.md
-derives the bound check_llama_cpp holds llama.cpp's logits to. llama.cpp's command-line tools
-(llama-quantize, llama-imatrix) are found in the directory $LLAMA_CPP_BIN names, else on PATH.
+derives the bound check_llama_cpp holds llama.cpp's logits to, and describes the table. llama.cpp's
+command-line tools are found in the directory $LLAMA_CPP_BIN names, else on PATH, else in the cache
+build_llama_cpp fills (cache_bin).
 """
 import hashlib
 import importlib.util
@@ -132,10 +136,13 @@ class LlamaCppArithmetic(torch.overrides.TorchFunctionMode):
 
 # --- llama.cpp itself (optional: llama-cpp-python) ----------------------------------------------------
 
-def llama_cpp_model(path, n_ctx, plain_cpu=False):
+def llama_cpp_model(path, n_ctx, plain_cpu=False, threads=0):
     """llama-cpp-python's Llama of a GGUF file, logits at every position; plain_cpu: without llama.cpp's
     extra buffer types (the AMX tile kernels for Q4_0/Q8_0 die at ldtilecfg in some virtual machines),
-    which llama-cpp-python's Llama does not pass on, so its default model parameters are wrapped."""
+    which llama-cpp-python's Llama does not pass on, so its default model parameters are wrapped.
+    threads: llama.cpp's threads (0: llama-cpp-python's default, as many as cores for a batch); on a
+    machine busy with other work, fewer threads than cores avoid ggml's threads waiting for each other
+    (one thread was ten times as fast as two on 2 busy cores)."""
     import llama_cpp
     import llama_cpp.llama_cpp as api
     defaults = api.llama_model_default_params
@@ -146,7 +153,8 @@ def llama_cpp_model(path, n_ctx, plain_cpu=False):
         return params
     api.llama_model_default_params = plain if plain_cpu else defaults
     try:
-        return llama_cpp.Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False)
+        counts = dict(n_threads=threads, n_threads_batch=threads) if threads else {}
+        return llama_cpp.Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False, **counts)
     finally:
         api.llama_model_default_params = defaults
 
@@ -444,11 +452,11 @@ def model_val_loss(model, batches):
 
 
 @torch.no_grad()
-def file_val_losses(path, reader, model_args, batches, plain_cpu=False):
+def file_val_losses(path, reader, model_args, batches, plain_cpu=False, threads=0):
     """(llama.cpp's val loss of the GGUF file at path on batches, that of our model of the file:
     model_from_gguf, gguf's dequantizer and llama.cpp's GELU; None where gguf cannot dequantize a type)."""
     block_size = batches[0][0].shape[1]
-    llm = llama_cpp_model(path, block_size, plain_cpu)
+    llm = llama_cpp_model(path, block_size, plain_cpu, threads)
     try:
         ours = gguf_file.model_from_gguf(path, model_args, reader)
     except NotImplementedError:  # a type gguf reads but cannot dequantize
@@ -686,13 +694,13 @@ def llama_cpp_table(run_dir, specs, export_dir="", ours=(), imatrix_chunks=0, th
     weight, its bytes, llama.cpp's val loss on train.py's evaluation batches (check_llama_cpp's), our model
     of the file's, and the run's unquantized model's (val_loss_source). Everything is checked before
     anything is written; a failure is one line (GGUFError or the input's own UserError)."""
+    run = open_run(run_dir, export_dir, eval_iters, imatrix_chunks)
     tools = {}
     if specs:
         tools["llama-quantize"] = require_tool("llama-quantize")
     if any(imatrix for _, _, imatrix in specs):
         tools["llama-imatrix"] = require_tool("llama-imatrix")
     _require_llama_cpp_python()
-    run = open_run(run_dir, export_dir, eval_iters, imatrix_chunks)
     opened = [(path, *open_ours(path, run)) for path in ours]
     manifest = Manifest(run.export_dir)
     manifest.claim([*F32_FILES, IMATRIX, *(quantized_name(qtype, imatrix) for _, qtype, imatrix in specs)])
@@ -719,13 +727,13 @@ def llama_cpp_table(run_dir, specs, export_dir="", ours=(), imatrix_chunks=0, th
     except OSError as e:
         raise GGUFError(f"cannot write in {run.export_dir} ({first_line(e)}): free space or choose another "
                         f"--export_dir; no finished file there was replaced") from None
-    files = _evaluate(run, specs, opened, reused, plain_cpu, seconds, log)
+    files = _evaluate(run, specs, opened, reused, (plain_cpu, threads), seconds, log)
     evaluation = dict(batches=len(run.batches), tokens=sum(y.numel() for _, y in run.batches))
     return dict(run=run_dir, checkpoint=run.ckpt["path"], iter_num=run.ckpt["iter_num"], export_dir=run.export_dir,
                 evaluation=evaluation, imatrix=imatrix, seconds=seconds, files=files)
 
 
-def _evaluate(run, specs, opened, reused, plain_cpu, seconds, log):
+def _evaluate(run, specs, opened, reused, llama_cpp, seconds, log):
     """The records of llama_cpp_table's files (the F32 file, llama-quantize's, ours), one schema."""
     started = time.time()
     source = model_val_loss(run.model, run.batches)
@@ -743,7 +751,7 @@ def _evaluate(run, specs, opened, reused, plain_cpu, seconds, log):
     files = []
     for fields, reader, model_args, was_reused in rows:
         started = time.time()
-        llama, file_loss = file_val_losses(fields["path"], reader, model_args, run.batches, plain_cpu)
+        llama, file_loss = file_val_losses(fields["path"], reader, model_args, run.batches, *llama_cpp)
         files.append(dict(fields, **describe_file(fields["path"], reader, run.model.config), val_loss_llama_cpp=llama,
                           val_loss_file=file_loss, val_loss_source=source, relative_change=llama / source - 1,
                           reused=was_reused, seconds_evaluate=time.time() - started))
