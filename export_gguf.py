@@ -124,9 +124,8 @@ def print_table(summary):
         inside = os.path.dirname(os.path.abspath(r["path"])) == os.path.abspath(summary["export_dir"])
         name = os.path.basename(r["path"]) if inside else r["path"]
         types = ", ".join(f"{t} x{n}" for t, n in r["tensor_types"].items())
-        file_loss = f"{r['val_loss_file']:.5f}" if r["val_loss_file"] is not None else "-"
         print(f"{name:<28}{types:<28}{r['bytes']:>12,}{r['block_bits_per_weight']:>8.3f}"
-              f"{r['val_loss_llama_cpp']:>11.5f}{file_loss:>11}{r['val_loss_source']:>9.5f}"
+              f"{r['val_loss_llama_cpp']:>11.5f}{r['val_loss_file']:>11.5f}{r['val_loss_source']:>9.5f}"
               f"{100 * r['relative_change']:>+8.3f}%")
 
 

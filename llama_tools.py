@@ -454,25 +454,20 @@ def model_val_loss(model, batches):
 @torch.no_grad()
 def file_val_losses(path, reader, model_args, batches, plain_cpu=False, threads=0):
     """(llama.cpp's val loss of the GGUF file at path on batches, that of our model of the file:
-    model_from_gguf, gguf's dequantizer and llama.cpp's GELU; None where gguf cannot dequantize a type)."""
-    block_size = batches[0][0].shape[1]
-    llm = llama_cpp_model(path, block_size, plain_cpu, threads)
-    try:
-        ours = gguf_file.model_from_gguf(path, model_args, reader)
-    except NotImplementedError:  # a type gguf reads but cannot dequantize
-        ours = None
+    model_from_gguf, gguf's dequantizer (which has every type of QUANTIZE_TYPES' files) and llama.cpp's GELU)."""
+    llm = llama_cpp_model(path, batches[0][0].shape[1], plain_cpu, threads)
+    ours = gguf_file.model_from_gguf(path, model_args, reader)
     total = dict(llama_cpp=0.0, file=0.0)
     n = 0
     for x, y in batches:
-        logits = ours(x, y)[0] if ours is not None else None
+        logits = ours(x, y)[0]
         for b, target in enumerate(y):
             theirs = _llama_cpp_logits(llm, x[b], len(target))
             total["llama_cpp"] += F.cross_entropy(theirs, target, reduction="sum").item()
-            if logits is not None:
-                total["file"] += F.cross_entropy(logits[b], target, reduction="sum").item()
+            total["file"] += F.cross_entropy(logits[b], target, reduction="sum").item()
             n += len(target)
     del llm
-    return total["llama_cpp"] / n, total["file"] / n if ours is not None else None
+    return total["llama_cpp"] / n, total["file"] / n
 
 
 # --- the files of a run, each made once -----------------------------------------------------------------
@@ -500,7 +495,8 @@ class Manifest:
     def __init__(self, directory):
         self.directory, self.path = directory, os.path.join(directory, MANIFEST)
         record = read_record(self.path, "a manifest of export_gguf.py (an object with 'files')",
-                             lambda r: isinstance(r.get("files"), dict), GGUFError,
+                             lambda r: isinstance(r.get("files"), dict) and all(
+                                 isinstance(v, dict) and "sha256" in v for v in r["files"].values()), GGUFError,
                              "remove it, and the files beside it are made again")
         self.files = record["files"] if record else None  # None: the directory has none yet
 
@@ -543,9 +539,10 @@ class Run:
     chunks: int
 
 
-def open_run(run_dir, export_dir, eval_iters, imatrix_chunks):
-    """The Run of run_dir, everything checked before anything is written: GGUFError (or the checkpoint's,
-    the data's, the tokenizer's own error), one line."""
+def open_run(run_dir, export_dir, eval_iters, imatrix_chunks, with_imatrix=True):
+    """The Run of run_dir, everything checked before anything is written (the training split's room for
+    the importance matrix's chunks where with_imatrix): GGUFError (or the checkpoint's, the data's, the
+    tokenizer's own error), one line."""
     ckpt = checkpoint.read(run_dir)
     config = ckpt["config"]
     lacking = [k for k in ("dataset", "seed", "batch_size", "eval_iters") if k not in config]
@@ -564,7 +561,7 @@ def open_run(run_dir, export_dir, eval_iters, imatrix_chunks):
     plan = gguf_file.plan(model, quantized, meta, config, ["fp32"], export_dir, dict(save=True, overwrite=True))
     fit = len(loader.open_split(directory, "train", meta, block_size)) // block_size - 2  # chunks + 1 windows, shifts
     chunks = imatrix_chunks or max(1, min(IMATRIX_TOKENS // block_size, fit))
-    if chunks > fit:
+    if with_imatrix and chunks > fit:
         raise GGUFError(f"--imatrix_chunks={chunks}: the training split holds {fit} chunks of {block_size} tokens "
                         f"(and one more); choose at most {fit}")
     return Run(ckpt, model, meta, export_dir, plan, eval_batches(config, block_size, eval_iters), chunks)
@@ -573,14 +570,15 @@ def open_run(run_dir, export_dir, eval_iters, imatrix_chunks):
 def write_f32(run, manifest):
     """model-fp32.safetensors and model-fp32.gguf of the run, as export.py --format=fp32 --gguf=True writes
     them: the block Linears in F32, the embeddings and head in BF16 (export.py's other_dtype), norms and
-    biases F32. Reused where the manifest has them from the same weights. Returns whether reused."""
-    key = dict(weights_sha256=weights_sha256(run.model), format="fp32", other_dtype="bfloat16",
-               export=lowbit.EXPORT_VERSION, gguf_export=gguf_file.GGUF_EXPORT)
+    biases F32. Reused where the manifest has them of the same weights, run config and data meta.
+    Returns whether reused."""
+    metadata = lowbit.run_metadata(run.ckpt, run.meta)  # the run's config and the data's meta (its tokenizer)
+    key = dict(weights_sha256=weights_sha256(run.model), metadata_sha256=lowbit.metadata_sha256(metadata),
+               format="fp32", other_dtype="bfloat16", export=lowbit.EXPORT_VERSION, gguf_export=gguf_file.GGUF_EXPORT)
     if manifest.reusable(F32_FILES, key):
         return True
     quantized = lowbit.block_linears(run.ckpt["model"], run.model.config.arch)
-    data, _ = lowbit.export_bytes(run.model, quantized, {}, "fp32", torch.bfloat16, lowbit.run_metadata(run.ckpt,
-                                                                                                        run.meta))
+    data, _ = lowbit.export_bytes(run.model, quantized, {}, "fp32", torch.bfloat16, metadata)
     write_atomic(os.path.join(run.export_dir, F32_FILES[1]), data)
     gguf_file.write(run.plan, "fp32", data, log=None)
     manifest.record(F32_FILES, key)
@@ -694,7 +692,7 @@ def llama_cpp_table(run_dir, specs, export_dir="", ours=(), imatrix_chunks=0, th
     weight, its bytes, llama.cpp's val loss on train.py's evaluation batches (check_llama_cpp's), our model
     of the file's, and the run's unquantized model's (val_loss_source). Everything is checked before
     anything is written; a failure is one line (GGUFError or the input's own UserError)."""
-    run = open_run(run_dir, export_dir, eval_iters, imatrix_chunks)
+    run = open_run(run_dir, export_dir, eval_iters, imatrix_chunks, any(imatrix for _, _, imatrix in specs))
     tools = {}
     if specs:
         tools["llama-quantize"] = require_tool("llama-quantize")
