@@ -55,9 +55,8 @@ from configurator import check_device, configure
 from data import loader
 from data.common import DataError
 from formats import FORMATS, GGML_FORMATS, GGUF_BUDGETS, block_weights
-from lowbit import ExportError
-from model import GPT, ROLES, ModelConfig
-from util import cli, first_line, remove_stale_temporaries, unusable_dir, write_atomic
+from lowbit import ExportError, block_linears, build_model
+from util import cli, remove_stale_temporaries, unusable_dir, write_atomic
 
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
@@ -83,17 +82,6 @@ TIERS = [(4.0, "<=4"), (5.0, "4-5"), (9.0, "5-9"), (12.0, "9-12"), (math.inf, ">
 
 # --- the checkpoint --------------------------------------------------------------------------
 
-def block_linears(state_dict, arch):
-    """{module path: role} of every Linear of the transformer blocks, in the state dict's order
-    (model.ROLES: the path inside a block, transformer.h.<i>.<path>, -> the layer's role)."""
-    roles, found = ROLES[arch], {}
-    for key in state_dict:
-        parts = key.split(".")
-        if key.startswith("transformer.h.") and key.endswith(".weight") and ".".join(parts[3:-1]) in roles:
-            found[".".join(parts[:-1])] = roles[".".join(parts[3:-1])]
-    return found
-
-
 def trained_layers(linears, b_t, pqt):
     """The block Linears --layers=pqt quantizes: a PQT run's PQT layers (those with b_t), an STE run's
     STE layers (the roles its method names: those trained on the grid), a bf16 run's every one (PTQ)."""
@@ -104,21 +92,6 @@ def trained_layers(linears, b_t, pqt):
     except ValueError as e:
         raise ExportError(f"the checkpoint's method cannot be read: {e}") from None
     return {k: v for k, v in linears.items() if v in roles} if kind == "ste" else linears
-
-
-def build_model(state_dict, arch_args):
-    """The model with the checkpoint's weights, b_i, format_ids and ggml_type aside: an eval-mode PQT or
-    STE layer is a plain Linear."""
-    try:
-        model = GPT(ModelConfig(**arch_args))
-        result = model.load_state_dict(state_dict, strict=False)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ExportError(f"the checkpoint does not fit this project's model: {first_line(e)}")
-    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", ".format_ids", ".ggml_type"))]
-    if result.missing_keys or unexpected:
-        raise ExportError(f"the checkpoint does not fit this project's model: missing {result.missing_keys[:3]}, "
-                          f"unexpected {unexpected[:3]}")
-    return model.eval()
 
 
 def learned_bitwidths(state_dict, pqt):
@@ -386,8 +359,7 @@ def main(argv):
         if cfg["plot"]:
             write_output(os.path.join(export_dir, "bitwidths.png"), plot_bitwidths(report))
 
-    metadata = {"model_args": json.dumps(ckpt["model_args"]), "pqt": json.dumps(pqt), "config": json.dumps(config),
-                "meta": json.dumps(meta), "iter_num": json.dumps(ckpt["iter_num"])}
+    metadata = lowbit.run_metadata(ckpt, meta)
     other_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["other_dtype"]]
     results = []
     for fmt_name in formats:

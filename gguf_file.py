@@ -576,15 +576,16 @@ def open_export(path):
     return model, info
 
 
-def model_from_gguf(path, model_args):
+def model_from_gguf(path, model_args, reader=None):
     """Our model with the weights gguf's reader and dequantizer give for the file at path, and the GELU
-    llama.cpp computes: the model llama.cpp and transformers run, in our code."""
+    llama.cpp computes: the model llama.cpp and transformers run, in our code. reader: the file's
+    GGUFReader where it is read otherwise than by read() (a llama-quantize file carries no checksums)."""
     args = dict(model_args, gelu="tanh") if model_args.get("arch", "gpt2") == "gpt2" else dict(model_args)
     model = GPT(ModelConfig(**args))
     keys = {v: k for k, v in gguf_names(model.config).items()}
     own = model.state_dict()
     state = {}
-    for t in read(path).tensors:
+    for t in (reader or read(path)).tensors:
         key = keys[t.name]
         if key in own:  # zero biases of a GPT2 without biases are not ours
             state[key] = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).view(own[key].shape)

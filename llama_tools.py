@@ -1,29 +1,48 @@
 """llama.cpp running the GGUF files of export.py: llama-cpp-python's model of a file, llama.cpp's CPU
-roundings reproduced in our code, and the check of llama.cpp's logits and val loss against ours.
+roundings reproduced in our code, the check of llama.cpp's logits and val loss against ours, and
+llama.cpp's own quantizer (llama-quantize, llama-imatrix) beside ours.
 
     llm = llama_tools.llama_cpp_model("out/model-mxfp4.gguf", n_ctx=64)   # llama-cpp-python's Llama
     llama_tools.llama_quantize("out/model-fp32.gguf", "out/q4_k_m.gguf", "Q4_K_M", pure=False)   # llama.cpp's own
     with llama_tools.LlamaCppArithmetic(file_model, path):   # our model, computed as llama.cpp rounds
         logits = file_model(x, y)[0]
     r = llama_tools.check_llama_cpp("out/model-mxfp4.gguf")   # export_gguf.py's check
+    llama_tools.build_llama_cpp()   # llama.cpp's tools, built from the pinned llama-cpp-python's source, cached
+    t = llama_tools.llama_cpp_table("out", llama_tools.parse_specs("Q4_K_M+imatrix,Q4_0"))   # export_gguf.py's table
 
 The file itself (its tensors, checksums, reader, the file's model) is gguf_file.py's. docs/GGUF.md
-derives the bound check_llama_cpp holds llama.cpp's logits to. llama.cpp's command-line tools
-(llama-quantize, llama-imatrix) are found in the directory $LLAMA_CPP_BIN names, else on PATH.
+derives the bound check_llama_cpp holds llama.cpp's logits to, and describes the table. llama.cpp's
+command-line tools are found in the directory $LLAMA_CPP_BIN names, else on PATH, else in the cache
+build_llama_cpp fills (cache_bin).
 """
+import hashlib
 import importlib.util
+import json
 import math
 import os
+import re
 import shutil
 import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 
+import checkpoint
 import gguf_file
+import lowbit
+import tokenizer
 from data import loader
+from data.common import unusable_dir
 from gguf_file import GGUFError
+from model import ROLES
+from util import atomic_dir, commit, first_line, read_record, temp_path, write_atomic
 
 Q = gguf_file.Q
 QK = gguf_file.QK
@@ -117,10 +136,13 @@ class LlamaCppArithmetic(torch.overrides.TorchFunctionMode):
 
 # --- llama.cpp itself (optional: llama-cpp-python) ----------------------------------------------------
 
-def llama_cpp_model(path, n_ctx, plain_cpu=False):
+def llama_cpp_model(path, n_ctx, plain_cpu=False, threads=0):
     """llama-cpp-python's Llama of a GGUF file, logits at every position; plain_cpu: without llama.cpp's
     extra buffer types (the AMX tile kernels for Q4_0/Q8_0 die at ldtilecfg in some virtual machines),
-    which llama-cpp-python's Llama does not pass on, so its default model parameters are wrapped."""
+    which llama-cpp-python's Llama does not pass on, so its default model parameters are wrapped.
+    threads: llama.cpp's threads (0: llama-cpp-python's default, as many as cores for a batch); on a
+    machine busy with other work, fewer threads than cores avoid ggml's threads waiting for each other
+    (one thread was ten times as fast as two on 2 busy cores)."""
     import llama_cpp
     import llama_cpp.llama_cpp as api
     defaults = api.llama_model_default_params
@@ -131,19 +153,33 @@ def llama_cpp_model(path, n_ctx, plain_cpu=False):
         return params
     api.llama_model_default_params = plain if plain_cpu else defaults
     try:
-        return llama_cpp.Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False)
+        counts = dict(n_threads=threads, n_threads_batch=threads) if threads else {}
+        return llama_cpp.Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False, **counts)
     finally:
         api.llama_model_default_params = defaults
 
 
-def _eval_batches(model, info, eval_iters):
-    """train.py's evaluation batches (x, y) of the export's run (its dataset, seed, batch size)."""
-    config = info["config"]
+def eval_batches(config, block_size, eval_iters):
+    """train.py's evaluation batches (x, y) of a run of this config (its dataset, seed, batch size):
+    eval_iters of them, 0 -> the run's own eval_iters."""
     directory = loader.data_dir(config["dataset"])
-    data = loader.open_split(directory, "val", loader.read_meta(directory), model.config.block_size)
+    data = loader.open_split(directory, "val", loader.read_meta(directory), block_size)
     return [loader.eval_batch(data, "val", k, seed=config["seed"], batch_size=config["batch_size"],
-                              block_size=model.config.block_size, device="cpu")
+                              block_size=block_size, device="cpu")
             for k in range(eval_iters or config["eval_iters"])]
+
+
+def _require_llama_cpp_python():
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise GGUFError("llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp "
+                        "from source, minutes)")
+
+
+def _llama_cpp_logits(llm, tokens, n):
+    """llama.cpp's logits (FP32, n rows) at the first n positions of one sequence of tokens."""
+    llm.reset()
+    llm.eval(tokens.tolist())
+    return torch.tensor(np.array(llm.scores[:n]), dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -157,10 +193,8 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
     much of the difference the reproduced roundings account for). The file is verified, and shown to be
     of that export, first."""
     model, info = gguf_file.open_export(path)
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise GGUFError("llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp "
-                        "from source, minutes)")
-    batches = _eval_batches(model, info, eval_iters)
+    _require_llama_cpp_python()
+    batches = eval_batches(info["config"], model.config.block_size, eval_iters)
     file_model = gguf_file.model_from_gguf(path, info["model_args"])
     arithmetic = LlamaCppArithmetic(file_model, path)
     llm = llama_cpp_model(path, model.config.block_size, plain_cpu)
@@ -172,9 +206,7 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
         with arithmetic:
             rounded = file_model(x, y)[0]
         for b, (ours, exact, target) in enumerate(zip(model(x, y)[0], file_model(x, y)[0], y)):
-            llm.reset()
-            llm.eval(x[b].tolist())
-            theirs = torch.tensor(np.array(llm.scores[:len(target)]), dtype=torch.float32)
+            theirs = _llama_cpp_logits(llm, x[b], len(target))
             for name, logits in (("ours", ours), ("file", exact), ("arithmetic", rounded[b]), ("llama_cpp", theirs)):
                 nll[name] += F.cross_entropy(logits, target, reduction="sum").item()
                 if name in worst:
@@ -193,31 +225,534 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
                 rms_logit_difference_file=rms["file"], rms_logit_difference_arithmetic=rms["arithmetic"])
 
 
-# --- llama.cpp's command-line tools ------------------------------------------------------------------
+# --- llama.cpp's command-line tools: where they are, how to build them ------------------------------
+
+TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity")
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# How build_llama_cpp configures llama.cpp: its command-line tools alone, Release (no tests, examples,
+# server or unified binary), no OpenSSL (nothing downloaded), for any CPU with AVX2 rather than only this
+# one (GGML_NATIVE=OFF turns AVX, AVX2, FMA, F16C on: a cache copied to another machine still runs), and
+# static, so the three binaries copied into the cache need no library beside them.
+CMAKE_OPTIONS = ("-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                 "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=OFF",
+                 "-DBUILD_SHARED_LIBS=OFF")
+
+
+def pinned_version():
+    """The version of llama-cpp-python that constraints.txt pins: the llama.cpp whose tools are built
+    (its source distribution carries llama.cpp's sources in vendor/llama.cpp)."""
+    path = os.path.join(ROOT, "constraints.txt")
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = re.search(r"^llama[-_]cpp[-_]python==(\S+)", f.read(), re.MULTILINE | re.IGNORECASE)
+    except OSError as e:
+        raise GGUFError(f"cannot read {path} ({first_line(e)}), which pins the llama.cpp to build") from None
+    if found is None:
+        raise GGUFError(f"{path} pins no llama_cpp_python==VERSION: the llama.cpp to build is that version's")
+    return found.group(1)
+
+
+def cache_bin(version=None):
+    """The cache directory of the built tools: $XDG_CACHE_HOME (else ~/.cache)/pqt/llama.cpp-<version>/bin."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pqt", f"llama.cpp-{version or pinned_version()}", "bin")
+
+
+def _executable(path):
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
 
 def llama_cpp_tool(name):
-    """The path of llama.cpp's command-line tool `name` (llama-quantize, llama-imatrix, llama-perplexity):
-    in the directory $LLAMA_CPP_BIN names, else on PATH; None where it is in neither."""
+    """The path of llama.cpp's command-line tool `name` (TOOLS): in the directory $LLAMA_CPP_BIN names
+    (where set, there only), else on PATH, else in the cache build_llama_cpp fills; None where absent."""
     folder = os.environ.get("LLAMA_CPP_BIN")
     if folder:
         path = os.path.join(folder, name)
-        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
-    return shutil.which(name)
+        return path if _executable(path) else None
+    path = os.path.join(cache_bin(), name)
+    return shutil.which(name) or (path if _executable(path) else None)
 
 
-def llama_quantize(src, dst, qtype, pure=True, keep="bf16", imatrix=None):
+def require_tool(name):
+    """llama_cpp_tool(name), or GGUFError: one line saying the three ways to get it."""
+    tool = llama_cpp_tool(name)
+    if tool is None:
+        where = (f"not in $LLAMA_CPP_BIN ({os.environ['LLAMA_CPP_BIN']})" if os.environ.get("LLAMA_CPP_BIN")
+                 else "not on PATH nor in the cache")
+        raise GGUFError(f"{name} not found ({where}): set LLAMA_CPP_BIN to the directory of llama.cpp's tools, put "
+                        f"them on PATH, or build them into {cache_bin()} with python export_gguf.py --build_llama_cpp "
+                        f"(cmake and ninja; about 25 minutes on 2 cores)")
+    return tool
+
+
+def build_commands(version, work, jobs):
+    """[(what, argv)] build_llama_cpp runs in the folder work: the download of llama-cpp-python's source
+    distribution (its .tar.gz is unpacked between the first and the second), cmake's configure of its
+    vendor/llama.cpp, and the build of TOOLS."""
+    source = os.path.join(work, f"llama_cpp_python-{version}", "vendor", "llama.cpp")
+    build = os.path.join(work, "build")
+    return [("pip download of llama-cpp-python's source", [sys.executable, "-m", "pip", "download", "--no-binary",
+                                                            ":all:", "--no-deps", f"llama-cpp-python=={version}",
+                                                            "-d", work]),
+            ("cmake's configure of llama.cpp", ["cmake", "-S", source, "-B", build, *CMAKE_OPTIONS]),
+            ("the build of llama.cpp's tools", ["cmake", "--build", build, "--target", *TOOLS, "-j", str(jobs)])]
+
+
+def _run_logged(what, argv, log_path):
+    """argv, its output appended to log_path; GGUFError (one line: its last line) where it fails."""
+    with open(log_path, "a", encoding="utf-8") as out:
+        out.write(f"$ {' '.join(argv)}\n")
+        out.flush()
+        try:
+            status = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode
+        except OSError as e:
+            raise GGUFError(f"{what} could not start ({first_line(e)}): is {argv[0]} installed?") from None
+    if status != 0:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            last = ([line.strip() for line in f if line.strip()] or ["no output"])[-1]
+        raise GGUFError(f"{what} failed (exit status {status}): {last[:300]} (the whole output: {log_path})")
+
+
+def build_llama_cpp(jobs=0, log=print):
+    """Build llama.cpp's TOOLS from the source distribution of the llama-cpp-python that constraints.txt
+    pins (pinned_version) into cache_bin(): pip downloads it, cmake and ninja build its vendor/llama.cpp
+    (CMAKE_OPTIONS) with `jobs` processes (0: one per core) in a temporary folder, and the three binaries
+    replace the cache's at once (util.atomic_dir). A complete cache is kept as it is. Returns the cache
+    directory; GGUFError (one line) for a missing cmake or ninja or a step that fails, whose output is
+    in build.log beside the cache directory."""
+    version = pinned_version()
+    target = cache_bin(version)
+    if all(_executable(os.path.join(target, name)) for name in TOOLS):
+        log(f"llama.cpp's tools ({version}) are built already: {target}")
+        return target
+    missing = [name for name in ("cmake", "ninja") if shutil.which(name) is None]
+    if missing:
+        raise GGUFError(f"{' and '.join(missing)} not found: building llama.cpp's tools needs cmake, ninja and a C++ "
+                        f"compiler (apt-get install cmake ninja-build g++, or pip install cmake ninja)")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    log_path = os.path.join(os.path.dirname(target), "build.log")
+    open(log_path, "w").close()
+    with tempfile.TemporaryDirectory(prefix="pqt-llama.cpp-") as work:
+        (download, *steps) = build_commands(version, work, jobs or os.cpu_count())
+        log(f"downloading llama-cpp-python {version}'s source distribution (about 77 MB) ...")
+        _run_logged(*download, log_path)
+        with tarfile.open(os.path.join(work, f"llama_cpp_python-{version}.tar.gz")) as sdist:
+            sdist.extractall(work, filter="data")
+        log(f"building {', '.join(TOOLS)} (about 25 minutes on 2 cores; output in {log_path}) ...")
+        for what, argv in steps:
+            _run_logged(what, argv, log_path)
+        if os.path.isdir(target):  # a cache lacking a tool (removed by hand): replaced whole
+            shutil.rmtree(target)
+        with atomic_dir(target) as staged:
+            for name in TOOLS:
+                shutil.copy2(os.path.join(work, "build", "bin", name), staged)
+    log(f"built {', '.join(TOOLS)} into {target}")
+    return target
+
+
+def _tool_failure(tool, what, run):
+    """The one line of a llama.cpp tool that failed: its last line that says error, else its last line."""
+    lines = [line.strip() for line in (run.stderr + run.stdout).splitlines() if line.strip()] or ["no message"]
+    said = [line for line in lines if "error" in line.lower()] or lines
+    return GGUFError(f"{os.path.basename(tool)} {what} failed (exit status {run.returncode}): {said[-1][:300]}")
+
+
+def llama_quantize(src, dst, qtype, pure=True, keep="bf16", imatrix=None, threads=0):
     """llama-quantize of the GGUF file src into dst in qtype (its name for a type or a mix: Q4_0, Q4_K_M,
     ...): every other 2-D weight in that type where pure (--pure: no K-quant mixture), the token embeddings
     and the head in `keep` (as export.py keeps them, so that files compare by their block Linears), with
-    the importance matrix at imatrix where given. GGUFError (one line) where the tool is absent or fails."""
-    tool = llama_cpp_tool("llama-quantize")
-    if tool is None:
-        raise GGUFError("llama-quantize not found: build llama.cpp's tools (cmake -B build && cmake --build build "
-                        "--target llama-quantize) and set LLAMA_CPP_BIN to build/bin, or put them on PATH")
+    the importance matrix at imatrix where given, `threads` threads (0: llama-quantize's default). dst is
+    written to a temporary name beside it and renamed once whole. GGUFError (one line) where the tool is
+    absent or fails."""
+    tool = require_tool("llama-quantize")
+    tmp = temp_path(dst)
     args = [tool, *(["--pure"] if pure else []), "--token-embedding-type", keep, "--output-tensor-type", keep,
-            *(["--imatrix", str(imatrix)] if imatrix else []), str(src), str(dst), qtype]
-    run = subprocess.run(args, capture_output=True, text=True)
-    if run.returncode != 0:
-        last = (run.stderr.strip().splitlines() or ["no message"])[-1]
-        raise GGUFError(f"llama-quantize {qtype} of {src} failed (exit status {run.returncode}): {last}")
+            *(["--imatrix", str(imatrix)] if imatrix else []), str(src), tmp, qtype]
+    args += [str(threads)] if threads else []
+    try:
+        run = subprocess.run(args, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise _tool_failure(tool, f"{qtype} of {src}", run)
+        commit(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return dst
+
+
+# --- llama.cpp's quantizer beside ours -----------------------------------------------------------------
+
+# llama-quantize's type names (QUANT_OPTIONS of tools/quantize/quantize.cpp in the llama.cpp that llama-cpp-python
+# 0.3.36 carries) whose files gguf 0.19 reads back; not Q1_0 (gguf has no dequantizer of it), Q2_0 (gguf does not
+# know it), MXFP4_MOE (for mixture-of-experts weights) nor COPY.
+QUANTIZE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q2_K_S", "Q3_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
+                  "Q4_K", "Q4_K_S", "Q4_K_M", "Q5_K", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS",
+                  "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "F16",
+                  "BF16", "F32")
+IMATRIX_TOKENS = 2 ** 18  # tokens of the training split the importance matrix sees unless told (imatrix_chunks)
+KEEP = "bf16"  # the token embeddings and the head in every llama-quantize file: export.py's other_dtype default
+MANIFEST = "manifest.json"  # what made each file of the export directory: a file is reused only if its key matches
+F32_FILES = ("model-fp32.gguf", "model-fp32.safetensors")  # export.py --format=fp32 --gguf=True's names
+IMATRIX = "imatrix.gguf"
+
+
+def parse_specs(text):
+    """[(spec, type, imatrix)] of a comma list of llama-quantize types, each optionally +imatrix (Q4_K_M+imatrix,
+    Q4_0): the type upper-cased, as llama-quantize reads it, repeats dropped. GGUFError (one line) for any
+    other entry."""
+    specs = {}
+    for part in [s.strip() for s in str(text).split(",") if s.strip()]:
+        qtype, plus, rest = part.partition("+")
+        if qtype.upper() not in QUANTIZE_TYPES or (plus and rest != "imatrix"):
+            raise GGUFError(f"--llama_quantize: {part!r} is not a llama-quantize type, optionally with +imatrix (e.g. "
+                            f"Q4_K_M+imatrix or Q4_0); the types: {', '.join(QUANTIZE_TYPES)}")
+        spec = qtype.upper() + ("+imatrix" if plus else "")
+        specs[spec] = (spec, qtype.upper(), bool(plus))
+    return list(specs.values())
+
+
+def quantized_name(qtype, imatrix):
+    """The file name of llama-quantize's file of a type, with or without the importance matrix."""
+    return f"llama-{qtype}{'-imatrix' if imatrix else ''}.gguf"
+
+
+def block_linear_names(config):
+    """llama.cpp's names of the block Linears' weights (model.ROLES): what block bits per weight counts."""
+    names = gguf_file.gguf_names(config)
+    return {names[f"transformer.h.{i}.{path}.weight"] for i in range(config.n_layer) for path in ROLES[config.arch]}
+
+
+def describe_file(path, reader, config):
+    """A GGUF file of the model config: its size on disk in bytes, its block Linears' tensor types
+    ({type: count}) and their bits per weight, counted from the types' block sizes (GGML_QUANT_SIZES:
+    weights and bytes per block); embeddings, norms, biases and head are not counted."""
+    names = block_linear_names(config)
+    found = {t.name: t for t in reader.tensors if t.name in names}
+    if len(found) != len(names):
+        raise GGUFError(f"{path} lacks block Linears of the run's model ({sorted(names - set(found))[0]}, ...): it is "
+                        f"a file of another model")
+    types, bits, weights = {}, 0, 0
+    for t in found.values():
+        per_block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        bits += 8 * block_bytes * int(t.n_elements) // per_block
+        weights += int(t.n_elements)
+    return dict(bytes=os.path.getsize(path), tensor_types=dict(sorted(types.items())),
+                block_bits_per_weight=bits / weights)
+
+
+@torch.no_grad()
+def model_val_loss(model, batches):
+    """Our model's val loss on batches: the mean cross-entropy over every token, as check_llama_cpp's."""
+    total = n = 0
+    for x, y in batches:
+        total += F.cross_entropy(model(x, y)[0].flatten(0, 1), y.flatten(), reduction="sum").item()
+        n += y.numel()
+    return total / n
+
+
+@torch.no_grad()
+def file_val_losses(path, reader, model_args, batches, plain_cpu=False, threads=0):
+    """(llama.cpp's val loss of the GGUF file at path on batches, that of our model of the file:
+    model_from_gguf, gguf's dequantizer (which has every type of QUANTIZE_TYPES' files) and llama.cpp's GELU)."""
+    llm = llama_cpp_model(path, batches[0][0].shape[1], plain_cpu, threads)
+    ours = gguf_file.model_from_gguf(path, model_args, reader)
+    total = dict(llama_cpp=0.0, file=0.0)
+    n = 0
+    for x, y in batches:
+        logits = ours(x, y)[0]
+        for b, target in enumerate(y):
+            theirs = _llama_cpp_logits(llm, x[b], len(target))
+            total["llama_cpp"] += F.cross_entropy(theirs, target, reduction="sum").item()
+            total["file"] += F.cross_entropy(logits[b], target, reduction="sum").item()
+            n += len(target)
+    del llm
+    return total["llama_cpp"] / n, total["file"] / n
+
+
+# --- the files of a run, each made once -----------------------------------------------------------------
+
+def sha256_file(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weights_sha256(model):
+    """SHA-256 of a model's weights: of every tensor's SHA-256 (lowbit.tensor_sha256), by name."""
+    sums = {key: lowbit.tensor_sha256(value) for key, value in model.state_dict().items()}
+    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
+
+
+class Manifest:
+    """The export directory's manifest.json: for each file made there, the key of what made it (the
+    SHA-256 of its inputs and of the tool, the arguments) and the file's own SHA-256. A file is reused
+    only where its key is the same and its bytes are those recorded, else made again. The manifest is
+    written (atomically) before any file, which makes the directory this command's, and after each."""
+
+    def __init__(self, directory):
+        self.directory, self.path = directory, os.path.join(directory, MANIFEST)
+        record = read_record(self.path, "a manifest of export_gguf.py (an object with 'files')",
+                             lambda r: isinstance(r.get("files"), dict) and all(
+                                 isinstance(v, dict) and "sha256" in v for v in r["files"].values()), GGUFError,
+                             "remove it, and the files beside it are made again")
+        self.files = record["files"] if record else None  # None: the directory has none yet
+
+    def claim(self, names):
+        """Write the manifest (an empty one where there is none): GGUFError, before anything is written,
+        where one of names exists in a directory without one (another tool's file, not to be replaced)."""
+        if self.files is None:
+            there = [name for name in names if os.path.exists(os.path.join(self.directory, name))]
+            if there:
+                raise GGUFError(f"{os.path.join(self.directory, there[0])} exists, and {self.directory} has no "
+                                f"{MANIFEST} of this command: choose another --export_dir, or remove that file")
+            self.files = {}
+        self.save()
+
+    def reusable(self, names, key):
+        """Whether the files names were made from key and hold the bytes recorded."""
+        return all(self.files.get(name, {}).get("key") == key and os.path.isfile(os.path.join(self.directory, name))
+                   and sha256_file(os.path.join(self.directory, name)) == self.files[name]["sha256"] for name in names)
+
+    def record(self, names, key, info=None):
+        for name in names:
+            self.files[name] = dict(key=key, sha256=sha256_file(os.path.join(self.directory, name)), info=info)
+        self.save()
+
+    def save(self):
+        os.makedirs(self.directory, exist_ok=True)
+        write_atomic(self.path, json.dumps(dict(files=self.files), indent=1) + "\n")
+
+
+@dataclass
+class Run:
+    """A run as the quantizer's table needs it: its checkpoint (checkpoint.read), model, data's meta.json,
+    the export directory, the F32 GGUF's plan, the evaluation batches and the importance matrix's chunks."""
+    ckpt: dict
+    model: torch.nn.Module
+    meta: dict
+    export_dir: str
+    plan: gguf_file.Plan
+    batches: list
+    chunks: int
+
+
+def open_run(run_dir, export_dir, eval_iters, imatrix_chunks, with_imatrix=True):
+    """The Run of run_dir, everything checked before anything is written (the training split's room for
+    the importance matrix's chunks where with_imatrix): GGUFError (or the checkpoint's, the data's, the
+    tokenizer's own error), one line."""
+    ckpt = checkpoint.read(run_dir)
+    config = ckpt["config"]
+    lacking = [k for k in ("dataset", "seed", "batch_size", "eval_iters") if k not in config]
+    if lacking:
+        raise GGUFError(f"{ckpt['path']} does not record {', '.join(lacking)} of its run, so train.py's evaluation "
+                        f"batches cannot be drawn again")
+    model = lowbit.build_model(ckpt["model"], ckpt["model_args"])
+    block_size = model.config.block_size
+    directory = loader.data_dir(config["dataset"])
+    meta = loader.read_meta(directory)
+    export_dir = export_dir or os.path.join(os.path.dirname(ckpt["path"]), "llama.cpp")
+    why = unusable_dir(export_dir)
+    if why:
+        raise GGUFError(f"--export_dir={export_dir!r} is unusable: {why}; choose a directory that can be written")
+    quantized = lowbit.block_linears(ckpt["model"], model.config.arch)
+    plan = gguf_file.plan(model, quantized, meta, config, ["fp32"], export_dir, dict(save=True, overwrite=True))
+    fit = len(loader.open_split(directory, "train", meta, block_size)) // block_size - 2  # chunks + 1 windows, shifts
+    chunks = imatrix_chunks or max(1, min(IMATRIX_TOKENS // block_size, fit))
+    if with_imatrix and chunks > fit:
+        raise GGUFError(f"--imatrix_chunks={chunks}: the training split holds {fit} chunks of {block_size} tokens "
+                        f"(and one more); choose at most {fit}")
+    return Run(ckpt, model, meta, export_dir, plan, eval_batches(config, block_size, eval_iters), chunks)
+
+
+def write_f32(run, manifest):
+    """model-fp32.safetensors and model-fp32.gguf of the run, as export.py --format=fp32 --gguf=True writes
+    them: the block Linears in F32, the embeddings and head in BF16 (export.py's other_dtype), norms and
+    biases F32. Reused where the manifest has them of the same weights, run config and data meta.
+    Returns whether reused."""
+    metadata = lowbit.run_metadata(run.ckpt, run.meta)  # the run's config and the data's meta (its tokenizer)
+    key = dict(weights_sha256=weights_sha256(run.model), metadata_sha256=lowbit.metadata_sha256(metadata),
+               format="fp32", other_dtype="bfloat16", export=lowbit.EXPORT_VERSION, gguf_export=gguf_file.GGUF_EXPORT)
+    if manifest.reusable(F32_FILES, key):
+        return True
+    quantized = lowbit.block_linears(run.ckpt["model"], run.model.config.arch)
+    data, _ = lowbit.export_bytes(run.model, quantized, {}, "fp32", torch.bfloat16, metadata)
+    write_atomic(os.path.join(run.export_dir, F32_FILES[1]), data)
+    gguf_file.write(run.plan, "fp32", data, log=None)
+    manifest.record(F32_FILES, key)
+    return False
+
+
+SHIFT = 16  # tokens a window of imatrix_text may move forward to a start whose text encodes back to it
+
+
+def imatrix_text(run):
+    """The text llama-imatrix reads: chunks + 1 windows of block_size tokens spread evenly over the training
+    split, each decoded with the data's tokenizer (the end-of-sequence token as its text, which llama-imatrix's
+    --parse-special reads as the token) and moved forward by up to SHIFT tokens to the first start whose text
+    the tokenizer encodes back to those tokens (for the bytes: not inside a UTF-8 character). llama.cpp's
+    chunks of block_size tokens are then these windows; the one window more makes up for one that is not."""
+    config, block_size = run.ckpt["config"], run.model.config.block_size
+    directory = loader.data_dir(config["dataset"])
+    data = loader.open_split(directory, "train", run.meta, block_size)
+    tok = tokenizer.from_meta(run.meta, directory)
+    pieces = []
+    for start in np.linspace(0, len(data) - block_size - SHIFT, run.chunks + 1).astype(np.int64).tolist():
+        ids = data[start:start + block_size].tolist()
+        for shift in range(SHIFT):
+            moved = data[start + shift:start + shift + block_size].tolist()
+            if tok.encode(tok.decode(moved), special=True) == moved:
+                ids = moved
+                break
+        pieces.append(tok.decode(ids))
+    return "".join(pieces)
+
+
+def make_imatrix(run, manifest, tool, threads):
+    """imatrix.gguf: llama-imatrix of model-fp32.gguf over imatrix_text (its chunks of block_size tokens,
+    the model's context, no perplexity), reused where the manifest has it of the same model, text, tool and
+    chunks. Returns (whether reused, {chunks, tokens, context}: what llama.cpp computed over)."""
+    block_size, text = run.model.config.block_size, imatrix_text(run)
+    key = dict(model=manifest.files[F32_FILES[0]]["sha256"], tool=sha256_file(tool), chunks=run.chunks,
+               context=block_size, text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
+    if manifest.reusable([IMATRIX], key):
+        return True, manifest.files[IMATRIX]["info"]
+    path = os.path.join(run.export_dir, IMATRIX)
+    tmp = temp_path(path) + ".gguf"  # llama-imatrix warns of another suffix
+    batch = block_size * max(1, 2048 // block_size)  # whole chunks a batch, as llama-imatrix requires
+    with tempfile.TemporaryDirectory(prefix="pqt-imatrix-") as folder:
+        text_path = os.path.join(folder, "train.txt")
+        with open(text_path, "w", encoding="utf-8") as f:
+            f.write(text)
+        args = [tool, "-m", os.path.join(run.export_dir, F32_FILES[0]), "-f", text_path, "-o", tmp, "--output-format",
+                "gguf", "-c", str(block_size), "-b", str(batch), "--chunks", str(run.chunks), "--no-ppl",
+                "--parse-special", "--output-frequency", str(run.chunks), *(["-t", str(threads)] if threads else [])]
+        try:
+            done = subprocess.run(args, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise _tool_failure(tool, f"of {args[2]}", done)
+            found = re.search(r"computing over (\d+) chunks", done.stdout + done.stderr)
+            if found is None or int(found.group(1)) != run.chunks:
+                raise GGUFError(f"llama-imatrix computed over {found.group(1) if found else 'no'} chunks of the "
+                                f"{run.chunks} of {block_size} tokens asked for: it tokenized the training text "
+                                f"otherwise than the data's tokenizer")
+            commit(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    info = dict(chunks=run.chunks, tokens=run.chunks * block_size, context=block_size)
+    manifest.record([IMATRIX], key, info)
+    return False, info
+
+
+def make_quantized(run, manifest, tool, qtype, imatrix, threads):
+    """llama-<type>[-imatrix].gguf: llama-quantize of model-fp32.gguf to qtype with llama.cpp's own type mix
+    (not --pure: what a user of llama-quantize gets), the embeddings and head kept in KEEP, with imatrix.gguf
+    where imatrix; reused where the manifest has it of the same inputs and tool. Returns whether reused."""
+    name = quantized_name(qtype, imatrix)
+    key = dict(model=manifest.files[F32_FILES[0]]["sha256"], tool=sha256_file(tool), type=qtype, keep=KEEP,
+               imatrix=manifest.files[IMATRIX]["sha256"] if imatrix else None)
+    if manifest.reusable([name], key):
+        return True
+    llama_quantize(os.path.join(run.export_dir, F32_FILES[0]), os.path.join(run.export_dir, name), qtype, pure=False,
+                   keep=KEEP, imatrix=os.path.join(run.export_dir, IMATRIX) if imatrix else None, threads=threads)
+    manifest.record([name], key)
+    return False
+
+
+# --- the table ----------------------------------------------------------------------------------------
+
+SHAPE_KEYS = ("arch", "n_layer", "n_head", "n_embd", "vocab_size", "block_size")  # what makes two models comparable
+
+
+def open_ours(path, run):
+    """(the GGUF reader, the .safetensors export's info) of one of our files (export.py --gguf=True),
+    verified (gguf_file.open_export), and of a model and data the run's evaluation batches fit: the same
+    shapes and dataset (a file of another run, an STE phase after this one, compares on the same batches)."""
+    _, info = gguf_file.open_export(path)
+    mine, theirs = run.ckpt["model_args"], info["model_args"]
+    differ = [k for k in SHAPE_KEYS if mine.get(k) != theirs.get(k)]
+    if differ or info["config"].get("dataset") != run.ckpt["config"]["dataset"]:
+        what = (f"{differ[0]}={theirs.get(differ[0])!r}, the run's {mine.get(differ[0])!r}" if differ else
+                f"dataset {info['config'].get('dataset')!r}, the run's {run.ckpt['config']['dataset']!r}")
+        raise GGUFError(f"{path} holds another model or data than {run.ckpt['path']} ({what}): files compare on the "
+                        f"run's evaluation batches only where both are the same")
+    return gguf_file.read(path), info
+
+
+def llama_cpp_table(run_dir, specs, export_dir="", ours=(), imatrix_chunks=0, threads=0, eval_iters=0,
+                    plain_cpu=False, log=print):
+    """From a run (a bf16 run's checkpoint, or any run's master weights), into export_dir (default
+    <run>/llama.cpp): model-fp32.gguf (write_f32), an importance matrix over the training split where a spec
+    asks for one (make_imatrix) and llama-quantize's file of every spec of parse_specs (make_quantized),
+    each reused where the manifest shows it made from the same inputs; then, for those files and `ours`
+    (paths of export.py's GGUF files), one record each: the file, its block Linears' types and bits per
+    weight, its bytes, llama.cpp's val loss on train.py's evaluation batches (check_llama_cpp's), our model
+    of the file's, and the run's unquantized model's (val_loss_source). Everything is checked before
+    anything is written; a failure is one line (GGUFError or the input's own UserError)."""
+    run = open_run(run_dir, export_dir, eval_iters, imatrix_chunks, any(imatrix for _, _, imatrix in specs))
+    tools = {}
+    if specs:
+        tools["llama-quantize"] = require_tool("llama-quantize")
+    if any(imatrix for _, _, imatrix in specs):
+        tools["llama-imatrix"] = require_tool("llama-imatrix")
+    _require_llama_cpp_python()
+    opened = [(path, *open_ours(path, run)) for path in ours]
+    manifest = Manifest(run.export_dir)
+    manifest.claim([*F32_FILES, IMATRIX, *(quantized_name(qtype, imatrix) for _, qtype, imatrix in specs)])
+    seconds, reused, started = {}, {}, time.time()
+    try:
+        reused[F32_FILES[0]] = write_f32(run, manifest)
+        seconds["fp32"] = time.time() - started
+        log(f"{'reused' if reused[F32_FILES[0]] else 'wrote'} {F32_FILES[0]} ({seconds['fp32']:.1f} s)")
+        imatrix = None
+        if "llama-imatrix" in tools:
+            started = time.time()
+            reused[IMATRIX], imatrix = make_imatrix(run, manifest, tools["llama-imatrix"], threads)
+            imatrix = dict(imatrix, path=os.path.join(run.export_dir, IMATRIX), reused=reused[IMATRIX],
+                           seconds=time.time() - started)
+            seconds["imatrix"] = imatrix["seconds"]
+            log(f"{'reused' if imatrix['reused'] else 'wrote'} {IMATRIX}: {imatrix['chunks']} chunks of "
+                f"{imatrix['context']} training tokens ({imatrix['seconds']:.1f} s)")
+        for spec, qtype, with_imatrix in specs:
+            started = time.time()
+            reused[spec] = make_quantized(run, manifest, tools["llama-quantize"], qtype, with_imatrix, threads)
+            seconds[f"quantize {spec}"] = time.time() - started
+            log(f"{'reused' if reused[spec] else 'wrote'} {quantized_name(qtype, with_imatrix)} "
+                f"({seconds[f'quantize {spec}']:.1f} s)")
+    except OSError as e:
+        raise GGUFError(f"cannot write in {run.export_dir} ({first_line(e)}): free space or choose another "
+                        f"--export_dir; no finished file there was replaced") from None
+    files = _evaluate(run, specs, opened, reused, (plain_cpu, threads), seconds, log)
+    evaluation = dict(batches=len(run.batches), tokens=sum(y.numel() for _, y in run.batches))
+    return dict(run=run_dir, checkpoint=run.ckpt["path"], iter_num=run.ckpt["iter_num"], export_dir=run.export_dir,
+                evaluation=evaluation, imatrix=imatrix, seconds=seconds, files=files)
+
+
+def _evaluate(run, specs, opened, reused, llama_cpp, seconds, log):
+    """The records of llama_cpp_table's files (the F32 file, llama-quantize's, ours), one schema."""
+    started = time.time()
+    source = model_val_loss(run.model, run.batches)
+    seconds["evaluate source"] = time.time() - started
+    f32 = os.path.join(run.export_dir, F32_FILES[0])
+    rows = [(dict(spec=None, path=f32, type="fp32", imatrix=False, made_by="export.py"), gguf_file.read(f32),
+             run.ckpt["model_args"], reused[F32_FILES[0]])]
+    for spec, qtype, imatrix in specs:
+        path = os.path.join(run.export_dir, quantized_name(qtype, imatrix))
+        rows.append((dict(spec=spec, path=path, type=qtype, imatrix=imatrix, made_by="llama-quantize"),
+                     gguf_file.open_reader(path), run.ckpt["model_args"], reused[spec]))
+    for path, reader, info in opened:
+        rows.append((dict(spec=None, path=path, type=info["format"], imatrix=False, made_by="export.py"), reader,
+                     info["model_args"], None))
+    files = []
+    for fields, reader, model_args, was_reused in rows:
+        started = time.time()
+        llama, file_loss = file_val_losses(fields["path"], reader, model_args, run.batches, *llama_cpp)
+        files.append(dict(fields, **describe_file(fields["path"], reader, run.model.config), val_loss_llama_cpp=llama,
+                          val_loss_file=file_loss, val_loss_source=source, relative_change=llama / source - 1,
+                          reused=was_reused, seconds_evaluate=time.time() - started))
+        seconds[f"evaluate {os.path.basename(fields['path'])}"] = files[-1]["seconds_evaluate"]
+        log(f"evaluated {fields['path']} ({files[-1]['seconds_evaluate']:.1f} s)")
+    return files

@@ -37,12 +37,47 @@ import ste
 from formats import (BY_NAME, FORMATS, GGML_FORMATS, GGML_NAMES, GGUF_BUDGETS, block_weights, budget_format_ids,
                      dequantize_blocks, from_blocks, quantize_blocks, to_blocks)
 from kernels import BL
-from model import GPT, ModelConfig
+from model import GPT, ROLES, ModelConfig
 from util import UserError, first_line
 
 
 class ExportError(UserError):
     """Bad input or an unusable checkpoint; the message is one line that says what to do."""
+
+
+# --- the checkpoint's model ------------------------------------------------------------------
+
+def block_linears(state_dict, arch):
+    """{module path: role} of every Linear of the transformer blocks, in the state dict's order
+    (model.ROLES: the path inside a block, transformer.h.<i>.<path>, -> the layer's role)."""
+    roles, found = ROLES[arch], {}
+    for key in state_dict:
+        parts = key.split(".")
+        if key.startswith("transformer.h.") and key.endswith(".weight") and ".".join(parts[3:-1]) in roles:
+            found[".".join(parts[:-1])] = roles[".".join(parts[3:-1])]
+    return found
+
+
+def build_model(state_dict, arch_args):
+    """The model with the checkpoint's weights, b_i, format_ids and ggml_type aside: an eval-mode PQT or
+    STE layer is a plain Linear."""
+    try:
+        model = GPT(ModelConfig(**arch_args))
+        result = model.load_state_dict(state_dict, strict=False)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ExportError(f"the checkpoint does not fit this project's model: {first_line(e)}")
+    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", ".format_ids", ".ggml_type"))]
+    if result.missing_keys or unexpected:
+        raise ExportError(f"the checkpoint does not fit this project's model: missing {result.missing_keys[:3]}, "
+                          f"unexpected {unexpected[:3]}")
+    return model.eval()
+
+
+def run_metadata(ckpt, meta):
+    """What an exported file records of its run (checkpoint.read's dict, the dataset's meta.json):
+    the architecture, the PQT settings, the training config, the data's meta and the step."""
+    return {"model_args": json.dumps(ckpt["model_args"]), "pqt": json.dumps(ckpt["pqt"]),
+            "config": json.dumps(ckpt["config"]), "meta": json.dumps(meta), "iter_num": json.dumps(ckpt["iter_num"])}
 
 
 # --- which format a block takes (the formats themselves: formats.py) ---------------------------
