@@ -99,8 +99,9 @@ def trained_files(run_dir, specs):
     The one place that knows export.py's command line for them: `python export.py --out_dir=RUN
     --format=F [--bits_per_weight=B] --gguf=True --export_dir=DIR --other_dtype=bfloat16 --json=PATH`
     writes model-F.gguf into DIR (its path in the JSON's "exports" record, under "gguf"), then
-    `python export_gguf.py --gguf=FILE --json=PATH` measures it in llama.cpp as it measures llama-quantize's
-    files (llama_cpp_files), its record matched by "path". Kept as llama_cpp_files keeps them."""
+    `python export_gguf.py --out_dir=RUN --gguf=FILE --export_dir=DIR --json=PATH --threads=1` measures it in
+    llama.cpp as it measures llama-quantize's files (llama_cpp_files), its record matched by "path". Kept as
+    llama_cpp_files keeps them."""
     return _gguf_records(run_dir, specs, _trained_records)
 
 
@@ -180,7 +181,8 @@ def _trained_records(run_dir, specs):
             except (KeyError, IndexError, TypeError):
                 return f"export.py wrote no GGUF file for {spec} (its --json has no exports[0].gguf.path)"
         report = os.path.join(tmp, "gguf.json")
-        out = _command(["export_gguf.py", f"--gguf={','.join(paths.values())}", f"--json={report}"], report)
+        out = _command(["export_gguf.py", f"--out_dir={run_dir}", f"--gguf={','.join(paths.values())}",
+                        f"--export_dir={os.path.join(run_dir, GGUF_DIR)}", f"--json={report}", "--threads=1"], report)
     if isinstance(out, str):
         return out
     try:

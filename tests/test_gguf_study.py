@@ -209,7 +209,7 @@ def test_trained_files_export_each_format_then_measure_them_in_llama_cpp(tmp_pat
          "--other_dtype=bfloat16", "--overwrite=True", calls[1][-2]]]
     assert calls[1][-2].startswith("--json=") and calls[1][-1] == "--bits_per_weight=4.2708"
     files = [os.path.realpath(run / "gguf" / f) for f in ("model-q4_k.gguf", "model-auto-gguf.gguf")]
-    assert calls[2][:2] == ["export_gguf.py", f"--gguf={','.join(files)}"] and len(calls) == 3
+    assert calls[2][:3] == ["export_gguf.py", f"--out_dir={run}", f"--gguf={','.join(files)}"] and len(calls) == 3
     assert got["q4_k"]["file"] == "gguf/model-q4_k.gguf" and got["q4_k"]["val_loss_llama_cpp"] == 1.5
     assert got["auto-gguf@4.2708"]["block_bits_per_weight"] == 5.0
     assert json.loads((run / "gguf.json").read_text()) == got

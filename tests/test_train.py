@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import checkpoint
 import train
@@ -345,6 +346,7 @@ def test_the_cosine_follows_max_iters_unless_lr_decay_iters_is_set(tiny_corpus, 
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     assert config["versions"]["commit"].partition("+")[0] == head
+    assert config["versions"]["threads"] == torch.get_num_threads()  # a CPU run's reduction order depends on it
     # an explicit lr_decay_iters before max_iters is said once, and the run goes on
     train.main([f"--dataset={tiny_corpus}", f"--out_dir={tmp_path / 'b'}", "--lr_decay_iters=8"]
                + [f"--{k}={v}" for k, v in args.items()])
