@@ -42,7 +42,7 @@ from data import loader
 from data.common import unusable_dir
 from gguf_file import GGUFError
 from model import ROLES
-from util import atomic_dir, commit, first_line, read_record, temp_path, write_atomic
+from util import atomic_dir, commit, first_line, read_record, remove_stale_temporaries, temp_path, write_atomic
 
 Q = gguf_file.Q
 QK = gguf_file.QK
@@ -701,6 +701,7 @@ def llama_cpp_table(run_dir, specs, export_dir="", ours=(), imatrix_chunks=0, th
     _require_llama_cpp_python()
     opened = [(path, *open_ours(path, run)) for path in ours]
     manifest = Manifest(run.export_dir)
+    remove_stale_temporaries(run.export_dir)  # what a command killed mid-write left (a live one's are kept)
     manifest.claim([*F32_FILES, IMATRIX, *(quantized_name(qtype, imatrix) for _, qtype, imatrix in specs)])
     seconds, reused, started = {}, {}, time.time()
     try:

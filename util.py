@@ -115,7 +115,8 @@ def temp_path(path):
     return os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
-_TEMP = re.compile(r"\.(.+)\.(\d{1,9})\.[0-9a-f]{8}\.tmp")  # temp_path's names: .<name>.<pid>.<8 hex>.tmp
+# temp_path's names, .<name>.<pid>.<8 hex>.tmp, and with a suffix a tool insists on (.tmp.gguf)
+_TEMP = re.compile(r"\.(.+)\.(\d{1,9})\.[0-9a-f]{8}\.tmp(?:\.[a-z]+)?")
 
 
 def _alive(pid):

@@ -250,6 +250,11 @@ def test_files_are_reused_only_when_made_from_the_same_inputs(table, tmp_path):
     before = {n: os.stat(d / n).st_mtime_ns for n in os.listdir(d) if n.endswith(".gguf")}
     data = bytearray((d / "llama-Q4_0.gguf").read_bytes())
     data[-1] ^= 0x01
+    # what a command killed mid-write left goes (pid 999999999 runs nowhere); a live writer's stays
+    stale = [".llama-Q4_0.gguf.999999999.0badf00d.tmp", ".imatrix.gguf.999999999.0badf00d.tmp.gguf"]
+    live = f".llama-Q4_K_M-imatrix.gguf.{os.getpid()}.0badf00d.tmp"
+    for name in [*stale, live]:
+        (d / name).write_bytes(b"partial")
     (d / "llama-Q4_0.gguf").write_bytes(bytes(data))
     rc, _, err = command(export_gguf, f"--out_dir={run}", "--llama_quantize=Q4_0,Q4_0+imatrix,Q4_K_M+imatrix",
                          f"--imatrix_chunks={CHUNKS}", "--plain_cpu=True", f"--json={tmp_path / 'again.json'}")
@@ -258,6 +263,7 @@ def test_files_are_reused_only_when_made_from_the_same_inputs(table, tmp_path):
     assert again == {"fp32": True, "Q4_0": False, "Q4_0+imatrix": True, "Q4_K_M+imatrix": True}
     assert os.stat(d / "llama-Q4_0-imatrix.gguf").st_mtime_ns == before["llama-Q4_0-imatrix.gguf"]
     assert (d / "llama-Q4_0.gguf").read_bytes() != bytes(data)
+    assert not any((d / name).exists() for name in stale) and (d / live).exists()
     rc, _, err = command(export_gguf, f"--out_dir={run}", "--llama_quantize=Q4_0,Q4_0+imatrix",
                          f"--imatrix_chunks={CHUNKS - 1}", "--plain_cpu=True", f"--json={tmp_path / 'other.json'}")
     assert rc == 0, err
