@@ -131,7 +131,7 @@ def _alive(pid):
 
 def remove_stale_temporaries(directory, names=None):
     """Remove the temporary files of temp_path in directory (of the files `names` only, where given)
-    whose writer no longer runs on this machine: what a writer killed mid-write (kill -9, a power cut)
+    whose writer no longer runs on the local host: what a writer killed mid-write (kill -9, a power cut)
     left. A live writer's are kept. Returns the names removed."""
     try:
         entries = os.listdir(directory)

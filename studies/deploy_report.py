@@ -5,11 +5,10 @@ gap (results.json, results.md), and plots/increase.png, plots/pareto.png (studie
 import os
 import statistics
 
-from studies.definitions import BUDGET, MIX_PHASE, PHASE, arm_label, run_name, runs_of
+from studies.definitions import BUDGET, MIX_PHASE, PHASE, arm_label, run_name
 from studies.exports import export_losses
 from studies.plots import deploy_panel, plot_deploy
-from studies.report import commits, done_run, fmt_stats, machines, run_figures
-from studies.records import write_json, write_text
+from studies.report import done_run, fmt_stats, results_head, run_figures, write_results
 from studies.stats import interval, stats
 
 
@@ -201,16 +200,9 @@ def write_deploy(name, study, root):
     """results.json, results.md and plots/ of the deployment study under root/name; the paths written."""
     runs = deploy_runs(study, root)
     rows = deploy_rows(study, runs)
-    names = [run_name(a, s) for a in study["arms"] for s in a["seeds"]]
-    results = {"study": name, "about": study["about"], "command": f"python -m studies {name}",
-               "machine": machines(runs.values()), "torch": sorted({f["torch"] for f in runs.values() if f["torch"]}),
-               "commits": commits(root, names), "runs_finished": len(runs), "runs_total": len(runs_of(study)),
-               "rows": rows, "findings": deploy_findings(rows)}
+    results = {**results_head(name, study, root, runs), "rows": rows, "findings": deploy_findings(rows)}
     out = os.path.join(root, name)
-    os.makedirs(os.path.join(out, "plots"), exist_ok=True)
-    write_json(os.path.join(out, "results.json"), results)
-    write_text(os.path.join(out, "results.md"), deploy_markdown(results))
-    written = [os.path.join(out, "results.json"), os.path.join(out, "results.md")]
+    written = write_results(out, results, deploy_markdown(results))
     if any(r["seeds"] for r in rows):
         written += plot_deploy(rows, os.path.join(out, "plots"), longest=max(r["steps"] for r in rows))
     return written

@@ -12,11 +12,10 @@ less, 0 llama.cpp's, below 0 worse than llama.cpp.
 import os
 import statistics
 
-from studies.definitions import arm_label, run_name, runs_of
+from studies.definitions import arm_label, run_name
 from studies.exports import llama_cpp_files, trained_files
 from studies.plots import plot_gguf
-from studies.records import write_json, write_text
-from studies.report import commits, done_run, machines, run_figures
+from studies.report import done_run, results_head, run_figures, write_results
 from studies.stats import interval, stats
 
 # (label, lowest bits per weight, up to (not including)): Q8_0; Q4_K_M (5.10 on this model); Q4_0 and the
@@ -212,18 +211,11 @@ def write_gguf(name, study, root):
     """results.json, results.md and plots/gguf.png of the llama.cpp study under root/name; the paths written."""
     runs = gguf_runs(study, root)
     rows = gguf_rows(study, runs)
-    names = [run_name(a, s) for a in study["arms"] for s in a["seeds"]]
     bf16 = stats([f["val_loss"] for (i, _), f in runs.items() if not study["arms"][i].get("trunk")
                   and f["status"] == "finished"])
-    results = {"study": name, "about": study["about"], "command": f"python -m studies {name}",
-               "machine": machines(runs.values()), "torch": sorted({f["torch"] for f in runs.values() if f["torch"]}),
-               "commits": commits(root, names), "runs_finished": len(runs), "runs_total": len(runs_of(study)),
-               "bf16": bf16, "rows": rows, "findings": gguf_findings(rows)}
+    results = {**results_head(name, study, root, runs), "bf16": bf16, "rows": rows, "findings": gguf_findings(rows)}
     out = os.path.join(root, name)
-    os.makedirs(os.path.join(out, "plots"), exist_ok=True)
-    write_json(os.path.join(out, "results.json"), results)
-    write_text(os.path.join(out, "results.md"), gguf_markdown(results))
-    written = [os.path.join(out, "results.json"), os.path.join(out, "results.md")]
+    written = write_results(out, results, gguf_markdown(results))
     if any(r["seeds"] for r in rows):
         written.append(plot_gguf(rows, bf16["mean"], os.path.join(out, "plots", "gguf.png")))
     return written

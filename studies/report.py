@@ -68,6 +68,23 @@ def commits(root, names):
                    for x in (read_json(os.path.join(root, "runs", n, "run.json")) or {}).get("attempts", [])})
 
 
+def results_head(name, study, root, runs):
+    """What every study's results.json opens with: the study, the command, machines, torch versions,
+    commits and how many of its runs finished (runs: {key: a finished run's figures})."""
+    names = [run_name(a, s) for a in study["arms"] for s in a.get("seeds", study["seeds"])]
+    return {"study": name, "about": study["about"], "command": f"python -m studies {name}",
+            "machine": machines(runs.values()), "torch": sorted({f["torch"] for f in runs.values() if f["torch"]}),
+            "commits": commits(root, names), "runs_finished": len(runs), "runs_total": len(runs_of(study))}
+
+
+def write_results(out, results, markdown):
+    """results.json and results.md in out (plots/ made for the figures); the two paths."""
+    os.makedirs(os.path.join(out, "plots"), exist_ok=True)
+    write_json(os.path.join(out, "results.json"), results)
+    write_text(os.path.join(out, "results.md"), markdown)
+    return [os.path.join(out, "results.json"), os.path.join(out, "results.md")]
+
+
 def paired(entry, a, study, root, runs):
     """entry["vs_bf16"]: per seed, this arm's val loss (and exported val loss per format) minus its
     reference bf16 run's (exported at the same format: quantized after training), mean ± std over
