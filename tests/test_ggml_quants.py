@@ -2,8 +2,6 @@
 dequantizer and its Q4_0/Q8_0/MXFP4 quantizers, per-block Python re-computations of ggml-common.h's
 layouts and ggml-quants.c's reference rules in numpy FP32 scalars, and llama-quantize where it is installed."""
 import math
-import os
-import shutil
 import subprocess
 
 import gguf
@@ -454,7 +452,8 @@ def test_cuda_gives_the_cpus_codes_and_values(t):
 
 
 def llama_quantize():
-    return os.environ.get("LLAMA_QUANTIZE") or shutil.which("llama-quantize")
+    import llama_tools  # where every other test finds llama.cpp's tools: $LLAMA_CPP_BIN, PATH, the build cache
+    return llama_tools.llama_cpp_tool("llama-quantize")
 
 
 def write_f32_llama(path, tensors):
@@ -478,8 +477,8 @@ def write_f32_llama(path, tensors):
     writer.close()
 
 
-@pytest.mark.skipif(not llama_quantize(), reason="llama-quantize not found: set LLAMA_QUANTIZE to its path or put it "
-                                                 "on PATH to compare its Q4_0/Q8_0/MXFP4 bytes with ours")
+@pytest.mark.skipif(not llama_quantize(), reason="llama-quantize not found: set LLAMA_CPP_BIN to the directory of "
+                                                 "llama.cpp's tools, or put them on PATH, to compare its Q4_0/Q8_0/MXFP4 bytes with ours")
 @pytest.mark.parametrize("t", [T.Q4_0, T.Q8_0, T.MXFP4], ids=lambda t: t.name)
 def test_llama_quantize_of_the_f32_weights_writes_our_bytes(t, tmp_path):
     """llama-quantize (no importance matrix) of an F32 GGUF of the weights writes pack(quantize(w)): for
