@@ -478,7 +478,8 @@ def write_f32_llama(path, tensors):
 
 
 @pytest.mark.skipif(not llama_quantize(), reason="llama-quantize not found: set LLAMA_CPP_BIN to the directory of "
-                                                 "llama.cpp's tools, or put them on PATH, to compare its Q4_0/Q8_0/MXFP4 bytes with ours")
+                                                 "llama.cpp's tools, or put them on PATH, to compare its "
+                                                 "Q4_0/Q8_0/MXFP4 bytes with ours")
 @pytest.mark.parametrize("t", [T.Q4_0, T.Q8_0, T.MXFP4], ids=lambda t: t.name)
 def test_llama_quantize_of_the_f32_weights_writes_our_bytes(t, tmp_path):
     """llama-quantize (no importance matrix) of an F32 GGUF of the weights writes pack(quantize(w)): for
