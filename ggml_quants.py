@@ -67,10 +67,10 @@ Scale rules, and why:
   too small, a non-zero one 0), then to the FP16 value above: a tiny non-zero block keeps a scale and
   its shape. A scale beyond FP16's 65504 is refused, as are NaN and infinite weights (llama.cpp would
   store an infinite d and dequantize NaNs).
-- quantize, dequantize and fake_quantize run eagerly inside a torch.compile'd model (a graph break):
-  inductor keeps a value cast to FP16 and back in FP32 within a fused kernel (unless
-  torch._inductor.config.emulate_precision_casts), which moves the grid, and may contract Q4_0's
-  x*(1/d) + 8.5 into one FMA; and its CPU code for the K-quants took 4-5x eager's time.
+- quantize, dequantize and fake_quantize are opaque to a torch.compile'd model (a graph break): by
+  default inductor keeps a value cast to FP16 and back in FP32 within a fused kernel, which moves the
+  grid, and on a GPU Triton may contract Q4_0's x*(1/d) + 8.5 into one FMA. fake_quantize(check=False)
+  of a CPU weight compiles its own loop with the settings that keep eager's bits (_fake_quantize_compiled).
 
 dequantize computes as ggml's dequantize_row_* and gguf-py's numpy dequantizer do, in FP32: each
 product of an FP16 scale, an integer scale code and an integer code is exact in FP32 (at most 11 + 8
@@ -82,6 +82,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import util
+from kernels.torch_noise import Compiled
 
 T = GGMLQuantizationType
 TYPES = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q3_K, T.Q2_K, T.Q6_K, T.MXFP4)
@@ -138,11 +139,20 @@ def _fp16(s, t, what, check, cmax=None):
     if cmax is not None:
         s16 = s16 + 0.0  # -0 + 0 = +0: an all-zero block's d is 0, not -0 (its codes then dequantize to +0)
         short = s16.float().abs() * (cmax + 0.5) < s.abs() * cmax
-        s16 = torch.where(short, (s16.view(torch.int16) + 1).view(torch.float16), s16)  # + 1: the next from 0
+        s16 = torch.where(short, _next_from_zero(s16), s16)
     if check and not bool(torch.isfinite(s16).all()):
         raise QuantError(f"{t.name}: a block's {what} {s.abs().max().item():.6g} is beyond FP16's largest value "
                          f"65504; these weights are too large for {t.name} (scale them down)")
     return s16
+
+
+def _next_from_zero(h):
+    """The FP16 value next to h away from zero (2^-24 for +0): the successor of h's bit pattern, computed
+    in floats (a bit-cast view stops inductor fusing the K-quants' loops). A normal h = m * ulp, m in
+    1024..2047, gains m * (2^-11 + 2^-20) ulp, between 1/2 and 3/2 ulp, which rounds to one ulp; a
+    subnormal h gains its ulp 2^-24 exactly. tests/test_ggml_quants.py checks every finite FP16 value."""
+    a = h.float().abs()
+    return torch.copysign(torch.maximum((a * (1 + 2**-11 + 2**-20)).half(), (a + 2**-24).half()), h)
 
 
 def _first_absmax(x):
@@ -361,12 +371,32 @@ def dequantize(q, type):
     return _DEQUANTIZE[t](q).reshape(q["q"].shape)
 
 
+def _fake_quantize(w, t, check=False):
+    t = T(t)  # called with the type's int: torch.compile guards an int's value, not an IntEnum's
+    return _DEQUANTIZE[t](_quantize_float(w, t, check)).reshape(w.shape)
+
+
+# The STE's fake quantization on CPU: one compiled loop per weight shape and type, a few passes over the
+# weight instead of eager's dozens, 2-4x faster (docs/BENCH.md). Compiling one takes 5-20 s, which a
+# weight of 2^19 elements (GPT2-124M's smallest Linear has 589,824) repays within about a thousand
+# steps; smaller ones stay eager. emulate_precision_casts keeps every FP16 rounding of
+# a scale inside the fused loop (inductor would otherwise keep the FP32 value), and inductor's C++ is
+# built with -ffp-contract=off, so no product and sum become one FMA: the loop gives eager's bits, which
+# tests/test_ggml_quants.py checks for every type on weights made to hit the rules' edges. On a GPU
+# the eager kernels run (Triton contracts FMAs, and each pass is cheap there).
+_fake_quantize_compiled = Compiled(_fake_quantize, min_numel=2**19, options={"emulate_precision_casts": True},
+                                   what="llama.cpp's grids")
+
+
 @torch.compiler.disable
 @torch.no_grad()
 def fake_quantize(w, type, check=True):
-    """dequantize(quantize(w, type)), bit for bit: w on the type's grid, the STE forward's weight."""
+    """dequantize(quantize(w, type)), bit for bit: w on the type's grid, the STE forward's weight. With
+    check=False (no host-device synchronisation) a CPU weight goes through one compiled loop."""
     t = ggml_type(type)
-    return _DEQUANTIZE[t](_quantize_float(w, t, check)).reshape(w.shape)
+    if not check and w.device.type == "cpu":
+        return _fake_quantize_compiled(w, int(t))
+    return _fake_quantize(w, t, check)
 
 
 # --- the GGML block bytes (ggml-common.h) ----------------------------------------------------------------

@@ -174,27 +174,30 @@ class Compiled:
     """torch.compile'd per shape (static shapes vectorise best) for large tensors, eager otherwise.
 
     `numel(*args)` is the number of elements the call works on (default: those of the first
-    argument). Falls back to eager, warned once, where compile does not work (an unsupported
-    Python, no C++ compiler, ...: see is_compile_failure); every other error propagates.
+    argument); below `min_numel` it runs eagerly. `options` are inductor's (torch.compile's options),
+    `what` names the work in the warning.
+    Falls back to eager, warned once, where compile does not work (an unsupported Python, no C++
+    compiler, ...: see is_compile_failure); every other error propagates.
     """
 
-    def __init__(self, fn, numel=lambda first, *rest: first.numel()):
-        self.fn, self.numel = fn, numel
+    def __init__(self, fn, numel=lambda first, *rest: first.numel(), min_numel=None, options=None, what="the noise"):
+        self.fn, self.numel, self.min_numel, self.options, self.what = fn, numel, min_numel, options, what
         self.compiled = None
 
     def _fall_back(self, why):
-        warnings.warn(f"torch.compile unavailable for the noise ({why}); running eager")
+        warnings.warn(f"torch.compile unavailable for {self.what} ({why}); running eager")
         self.compiled = False
 
     @torch.no_grad()
     def __call__(self, *args):
-        if self.numel(*args) < COMPILE_MIN_NUMEL or self.compiled is False:
+        min_numel = COMPILE_MIN_NUMEL if self.min_numel is None else self.min_numel
+        if self.numel(*args) < min_numel or self.compiled is False:
             return self.fn(*args)
         if self.compiled is None:
             if not torch._dynamo.is_dynamo_supported():  # e.g. a Python version torch.compile refuses
                 self._fall_back("torch._dynamo does not support this platform")
                 return self.fn(*args)
-            self.compiled = torch.compile(self.fn, dynamic=False)
+            self.compiled = torch.compile(self.fn, dynamic=False, options=self.options)
         try:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 return self.compiled(*args)

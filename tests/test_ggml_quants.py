@@ -439,6 +439,47 @@ def test_only_a_2d_float_weight_is_taken():
             G.quantize(w, "q4_k")
 
 
+# --- the compiled loop on CPU ----------------------------------------------------------------------------
+
+def test_the_next_fp16_away_from_zero_is_the_successor_of_the_bit_pattern_for_every_finite_value():
+    h = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    h = h[torch.isfinite(h)] + 0.0  # -0 + 0 = +0, as _fp16 makes it before stepping
+    successor = (h.view(torch.int16) + 1).view(torch.float16)  # one more unit of the magnitude's bits
+    assert np.array_equal(G._next_from_zero(h).view(torch.int16).numpy(), successor.view(torch.int16).numpy())
+
+
+def edge_weights():
+    """(64, 1024) rows made to reach the scale rules' edges: every CASES kind and scale, zero rows and blocks,
+    -0s and tiny negatives in non-negative blocks, subnormal K-quant scales, +a/-a ties, weights already on a
+    grid, one dominant weight per block."""
+    rows = [weights(kind, 4, 1024, scale, seed=i) for i, (kind, _, _, scale) in enumerate(CASES)]
+    rng = np.random.default_rng(5)
+    odd = rng.random((40, 1024)).astype(f32) * 0.02
+    odd[0:4, 1::7], odd[0:4, 3::11] = -1e-9, -0.0
+    odd[4:8] = 0
+    odd[8:12, 256:512] = 0
+    odd[12:16] *= 1e-6 / 0.02  # K-quant d below FP16's normal range
+    odd[16:20, ::2] = -odd[16:20, 1::2]  # ties of +a and -a
+    odd[20:24] = np.round(odd[20:24] * 8 / 0.02) * 0.02 / 8  # on a grid of 1/8 steps
+    odd[24:28, ::32] = 1.0  # one weight per 32 dominates its block
+    odd[28:40] = rng.standard_normal((12, 1024)).astype(f32) * 0.02
+    return torch.cat(rows + [torch.from_numpy(odd)])
+
+
+@pytest.mark.parametrize("t", G.TYPES, ids=lambda t: t.name)
+def test_the_compiled_cpu_loop_gives_ggufs_dequantized_values_bit_for_bit(t, monkeypatch):
+    """fake_quantize(check=False) on a CPU weight through the compiled loop (its own inductor loop per shape and
+    type; here for a weight below the size that compiles in training): every bit of every value is what gguf's
+    dequantizer reads from the eagerly packed blocks."""
+    monkeypatch.setattr(G._fake_quantize_compiled, "min_numel", 0)
+    w = edge_weights()
+    assert G._fake_quantize_compiled.compiled is not False
+    expected = gguf.quants.dequantize(G.pack(G.quantize(w, t), t), t)
+    ours = G.fake_quantize(w, t, check=False)
+    assert G._fake_quantize_compiled.compiled not in (None, False)  # False: it fell back to eager
+    assert np.array_equal(bits(ours), bits(expected))
+
+
 # --- devices and llama.cpp ------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
