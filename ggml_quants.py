@@ -377,7 +377,7 @@ def _fake_quantize(w, t, check=False):
 
 
 # The STE's fake quantization on CPU: one compiled loop per weight shape and type, a few passes over the
-# weight instead of eager's dozens, 2-4x faster (docs/BENCH.md). Compiling one takes 5-20 s, which a
+# weight instead of eager's dozens: 3-5x less of a training step (docs/BENCH.md). Compiling one takes 5-20 s, which a
 # weight of 2^19 elements (GPT2-124M's smallest Linear has 589,824) repays within about a thousand
 # steps; smaller ones stay eager. emulate_precision_casts keeps every FP16 rounding of
 # a scale inside the fused loop (inductor would otherwise keep the FP32 value), and inductor's C++ is
