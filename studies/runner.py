@@ -190,7 +190,7 @@ def run_study(name, study, root="out/study", nproc=1, echo=True, only=""):
     `only`, if given), then write its results. Returns the number of runs that failed (0 when all
     finished or diverged)."""
     todo = [r for r in runs_of(study) if re.search(only, r[0])]
-    failed, walls = 0, []
+    failed = 0
     # every run in turn; one that another process holds goes to the end, to be waited for there
     queue = collections.deque((k, run, a, seed, False) for k, (run, a, seed) in enumerate(todo, 1))
     while queue:
@@ -199,10 +199,9 @@ def run_study(name, study, root="out/study", nproc=1, echo=True, only=""):
         done = read_json(os.path.join(root, "runs", run, "done.json"))
         if done is not None:
             print(f"{said} already {done['status']}, skipped", flush=True)
-            walls.append(done["wall_s"])
             continue
-        left = len(todo) - k + 1
-        eta = f"ETA {sum(walls) / len(walls) * left / 60:.0f} min" if walls else "ETA after the first run"
+        seconds, runs, _, _ = seconds_left(study, todo, root)
+        eta = f"ETA {duration(seconds)} for the {runs} run(s) not done, one after another"
         resume = os.path.exists(os.path.join(root, "runs", run, "ckpt.pt"))
         print(f"{said}{' (resumed)' if resume else ''}{', waiting for the process that holds it' if wait else ''}, "
               f"{eta}", flush=True)
@@ -213,7 +212,6 @@ def run_study(name, study, root="out/study", nproc=1, echo=True, only=""):
         elif done is None:
             failed += 1
         else:
-            walls.append(done["wall_s"])
             print(f"{said} {done['status']} in {done['wall_s'] / 60:.1f} min", flush=True)
     for path in write_results(name, study, root):
         print(f"[{name}] wrote {path}")
@@ -240,11 +238,11 @@ def steps_left(run_dir, a):
     return max(last - first, 0)
 
 
-def time_left(study, todo, root):
-    """One line: the wall time the runs of todo not yet done take, at the seconds per step of the
-    study's runs finished under root (their wall time over the steps they trained, all attempts
-    together, evaluations included), else at each arm's own measured seconds a step where the study
-    gives it (step_s), else at DEFAULT_STEP_S."""
+def seconds_left(study, todo, root):
+    """(seconds, runs, steps, how): the wall time the runs of todo not yet done take, their count and
+    steps, at the seconds per step of the study's runs finished under root (their wall time over the
+    steps they trained, all attempts together, evaluations included), else at each arm's own measured
+    seconds a step where the study gives it (step_s), else at DEFAULT_STEP_S; how says which."""
     finished, spent, trained = 0, 0.0, 0
     for run, a, _ in runs_of(study):
         done = read_json(os.path.join(root, "runs", run, "done.json"))
@@ -260,11 +258,19 @@ def time_left(study, todo, root):
         seconds = sum(n * a.get("step_s", DEFAULT_STEP_S) for (_, a), n in zip(left, steps.values()))
         how = ("no run has finished here yet: each arm's measured time a step where its study gives one (step_s), "
                "else config/mini_gpt2.py's 0.75 s a step on a 2-core CPU")
-    total = sum(steps.values())
+    return seconds, len(left), sum(steps.values()), how
+
+
+def duration(seconds):
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
+def time_left(study, todo, root):
+    """One line: seconds_left's estimate of the runs of todo not yet done, and how it was made."""
+    seconds, runs, total, how = seconds_left(study, todo, root)
     rate = seconds / total if total else 0.0
-    about = f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
-    return (f"time left: about {about} ({seconds:,.0f} s: {len(left)} run(s), {total:,} steps at {rate:.3f} s a "
-            f"step, {how})")
+    return (f"time left: about {duration(seconds)} ({seconds:,.0f} s: {runs} run(s), {total:,} steps at {rate:.3f} s "
+            f"a step, {how})")
 
 
 def arm_costs(study):
