@@ -1,8 +1,8 @@
 """The llama.cpp study's report: every GGUF file of its runs judged by llama.cpp (its val loss on train.py's
 evaluation batches, its size), per size class the lowest file and every other one's paired difference
 to it, the share of llama.cpp's imatrix loss each trained file removes (results.json, results.md), and
-plots/gguf.png (studies.plots): bits per weight against val loss, llama.cpp's quantizer as one curve,
-the trained files as points.
+plots/gguf.png (studies.plots): bits per weight against the val loss over bf16, llama.cpp's quantizer as
+one curve, the trained files as points and their lowest at each size as another curve.
 
 A size class is a range of the block Linears' bits per weight (scales included) as measured in the
 files, each with llama.cpp's imatrix file there as its reference; a file's loss "removed" is
@@ -202,8 +202,10 @@ def gguf_markdown(results):
     lines += ["", "Arms (their train.py overrides of config/mini_gpt2_gguf.py):", ""]
     lines += list(dict.fromkeys(f"- {r['arm'] if not r['llama_cpp'] else 'bf16 trunk'}: `{r['settings']}`"
                                 for r in results["rows"]))
-    lines += ["", "Plot: plots/gguf.png (llama.cpp val loss against the block Linears' bits per weight: llama.cpp's "
-              "quantizer with and without the importance matrix as curves, the trained files as points).", ""]
+    lines += ["", "Plot: plots/gguf.png (llama.cpp val loss over each seed's bf16 model, mean and std over seeds, "
+              "against the block Linears' bits per weight: llama.cpp's quantizer with and without the importance "
+              "matrix as curves, the trained files as points, and the lowest trained file at each size as a "
+              "curve).", ""]
     return "\n".join(lines)
 
 
@@ -217,5 +219,5 @@ def write_gguf(name, study, root):
     out = os.path.join(root, name)
     written = write_results(out, results, gguf_markdown(results))
     if any(r["seeds"] for r in rows):
-        written.append(plot_gguf(rows, bf16["mean"], os.path.join(out, "plots", "gguf.png")))
+        written.append(plot_gguf(rows, os.path.join(out, "plots", "gguf.png")))
     return written

@@ -80,36 +80,61 @@ def plot_deploy(rows, out, longest):
     return paths
 
 
-def plot_gguf(rows, bf16, path):
-    """gguf.png from gguf_report.gguf_rows: llama.cpp's val loss of each file (mean over seeds, ± std as
-    bars) against the bits per weight of its block Linears; llama-quantize's files with the importance
-    matrix as one curve, without it as another, each trained arm kind as points, each point named by its
-    type or format; bf16 (the trunks' mean val loss) as a line. Returns path."""
-    plt = pyplot()
-    done = [r for r in rows if r["seeds"]]
-    groups = {}
-    for r in done:
+def gguf_curves(rows):
+    """The curves of gguf.png from gguf_report.gguf_rows' files done: {name: [(bits per weight, mean
+    increase over the seed's bf16 in %, its std over seeds, label), ...] by size}: llama-quantize with the
+    importance matrix, without it, each trained arm kind's files, and "trained files, lowest at each
+    size", the trained file with the lowest mean increase at each size (the trained curve beside
+    llama.cpp's)."""
+    curves = {}
+    for r in (r for r in rows if r["seeds"]):
         kind = ("llama-quantize with imatrix" if r["imatrix"] else "llama-quantize without imatrix" if r["llama_cpp"]
                 else r["arm"].split(" at ")[0])
-        groups.setdefault(kind, []).append(r)
+        inc = r["increase_pct"]
+        curves.setdefault(kind, []).append((r["bits_per_weight"]["mean"], inc["mean"], inc["std"] or 0.0,
+                                            r["spec"].removesuffix("+imatrix")))
+    lowest = {}
+    for kind, points in curves.items():
+        for p in points if not kind.startswith("llama-quantize") else ():
+            size = round(p[0], 1)  # a mix lands a little under its budget: one size with the type it matches
+            if size not in lowest or p[1] < lowest[size][1]:
+                lowest[size] = p
+    curves = {kind: sorted(points) for kind, points in curves.items()}
+    if lowest:
+        curves["trained files, lowest at each size"] = sorted(lowest.values())
+    return curves
+
+
+def plot_gguf(rows, path):
+    """gguf.png from gguf_report.gguf_rows: llama.cpp's val loss of each file over its seed's bf16 trunk's
+    (mean over seeds, ± std as bars; pairing by seed removes the seeds' own spread, which is larger than
+    the files' differences) against the bits per weight of its block Linears: gguf_curves' llama-quantize
+    curves and trained curve as lines, each trained arm kind as points, each point named by its type or
+    format. Returns path."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
-    for k, (kind, rs) in enumerate(groups.items()):
-        rs = sorted(rs, key=lambda r: r["bits_per_weight"]["mean"])
-        x, y = [r["bits_per_weight"]["mean"] for r in rs], [r["val_loss"]["mean"] for r in rs]
-        curve = kind.startswith("llama-quantize")
-        ax.errorbar(x, y, yerr=[r["val_loss"]["std"] or 0 for r in rs], marker=DEPLOY_MARKERS[k % len(DEPLOY_MARKERS)],
-                    color=plt.get_cmap("tab10")(k % 10), ms=5, capsize=2, lw=1.2 if curve else 0,
-                    ls="-" if "with imatrix" in kind else "--", label=kind)
-        for r, xi, yi in zip(rs, x, y):
-            ax.annotate(r["spec"].removesuffix("+imatrix"), (xi, yi), fontsize=6, xytext=(3, 3),
-                        textcoords="offset points")
-    if bf16 is not None:
-        ax.axhline(bf16, color="k", lw=0.8, ls=":", label="bf16 (train.py)")
+    stacked = {}
+    for k, (kind, points) in enumerate(gguf_curves(rows).items()):
+        x, y, err, labels = zip(*points)
+        envelope, curve = kind.startswith("trained files"), kind.startswith("llama-quantize")
+        ax.errorbar(x, y, yerr=None if envelope else err, marker=None if envelope else DEPLOY_MARKERS[k % 12],
+                    color="k" if envelope else plt.get_cmap("tab10")(k % 10), ms=5, capsize=2,
+                    lw=1.2 if curve or envelope else 0, ls="--" if "without" in kind else "-", label=kind,
+                    alpha=0.6 if envelope else 1.0)
+        # llama.cpp's types to the right of their points (the curve without the importance matrix has the
+        # same ones), the trained files' to the left, stacked where several share a size
+        for xi, yi, label in zip(x, y, labels) if not (envelope or "without" in kind) else ():
+            n = stacked.setdefault((curve, round(xi, 2)), 0)
+            stacked[(curve, round(xi, 2))] += 1
+            ax.annotate(label, (xi, yi), fontsize=6, xytext=(4, 2) if curve else (-4, 2 - 7 * n),
+                        textcoords="offset points", ha="left" if curve else "right")
+    ax.axhline(0.0, color="k", lw=0.8, ls=":", label="bf16 (train.py), each seed's own")
     ax.set_xlabel("bits per weight of the block Linears (scales included)")
-    ax.set_ylabel("llama.cpp val loss")
+    ax.set_ylabel("llama.cpp val loss over bf16 (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title("gguf: llama.cpp's val loss of each file against its size", fontsize=10)
+    ax.set_title("gguf: llama.cpp's val loss of each file over its seed's bf16 model, against the file's size",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -17,7 +17,7 @@ import studies.__main__ as entry
 import train
 from conftest import ROOT
 from studies import definitions as defs
-from studies import exports, gguf_report, runner
+from studies import exports, gguf_report, plots, runner
 from studies.records import StudyError
 
 STUDY = defs.STUDIES["gguf"]
@@ -372,6 +372,34 @@ def test_the_share_of_llama_cpps_imatrix_loss_each_trained_file_removes(reported
     want = [(loss("Q3_K_M+imatrix", s) - loss(5, s)) / (loss("Q3_K_M+imatrix", s) - BF16[s]) for s in (1, 2)]
     assert mixes["auto-gguf@4.2708"]["removed"]["mean"] == pytest.approx(sum(want) / 2, rel=1e-9)
     assert "Share of llama.cpp Q4_0+imatrix's loss over bf16 (4.5000 bits per weight) removed: " in text
+
+
+def test_the_figures_curves_are_each_files_loss_over_its_seeds_bf16_and_the_lowest_trained_file_at_each_size(
+        reported):
+    """gguf.png's points: per file the mean and standard deviation over its seeds of 100 (L_file - L_bf16) /
+    L_bf16, L_bf16 the trunk's val loss of the same seed; the trained curve the trained file with the lowest
+    mean at each size, the mixes counted at the size of llama.cpp's type they match."""
+    import statistics
+    _, results, _, _ = reported
+
+    def point(key):
+        losses, bits = FILES[key]
+        inc = [100 * (losses[s] - BF16[s]) / BF16[s] for s in losses]
+        return bits, statistics.mean(inc), statistics.stdev(inc)
+
+    curves = plots.gguf_curves(results["rows"])
+    got = {kind: [(b, pytest.approx(m, rel=1e-9), pytest.approx(sd, rel=1e-9)) for b, m, sd, _ in points]
+           for kind, points in curves.items()}
+    imatrix = sorted(point(k) for k in FILES if isinstance(k, str) and k.endswith("+imatrix"))
+    assert got["llama-quantize with imatrix"] == imatrix
+    assert [label for *_, label in curves["llama-quantize with imatrix"]] == ["Q2_K", "Q3_K_M", "Q4_0", "Q4_K_M",
+                                                                              "Q8_0"]
+    assert got["llama-quantize without imatrix"] == sorted(point(k) for k in ("Q4_0", "Q3_K_M"))
+    sizes = [(1, 2), (3,), (4,), (5, 6), (7, 8)]  # q4_0 and q4_k; q3_k; q2_k; the mixes at Q3_K_M's; at Q2_K's
+    want = sorted(min((point(i) for i in size), key=lambda p: p[1]) for size in sizes)
+    assert got["trained files, lowest at each size"] == want
+    assert [label for *_, label in curves["trained files, lowest at each size"]] == [
+        "q2_k", "auto-gguf@3.1666", "q3_k", "auto-gguf@4.2708", "q4_0"]
 
 
 def test_the_figure_is_written(reported):
