@@ -188,9 +188,11 @@ GGUF_STEPS = 6400
 GGUF_SEEDS = (1, 2, 3)
 GGUF_STE_FORMATS = ("q4_0", "q4_k", "q3_k", "q2_k")  # the STE phases' grids (ste.GGML_FORMATS)
 # llama-quantize of each trunk's last checkpoint (export_gguf.py --llama_quantize): each type or mix with the
-# importance matrix of the training split (+imatrix), and the two most used without it
+# importance matrix of the training split (+imatrix), and the two most used without it. Q3_K_S and Q2_K_S are
+# there because on this model their mixes are Q3_K and Q2_K on every block Linear (tests/test_llama_tools.py):
+# llama.cpp's file of the STE q3_k and q2_k phases' bytes, where Q3_K_M (4.27 bits) and Q2_K (3.17) are larger.
 LLAMA_CPP_SPECS = ("Q8_0+imatrix", "Q4_0+imatrix", "Q4_K_M+imatrix", "Q3_K_M+imatrix", "Q2_K+imatrix", "Q4_0",
-                   "Q3_K_M")
+                   "Q3_K_M", "Q3_K_S+imatrix", "Q2_K_S+imatrix")
 # The type llama-quantize gives each block Linear of a GPT2 (no grouped-query attention, no experts) in
 # the two mixes whose sizes the per-tensor mixes are trained at, by role and layer i of n, as llama.cpp's
 # llama_tensor_get_type chooses it (src/llama-quant.cpp). It counts the fused attn_qkv as attn_v: Q3_K_M

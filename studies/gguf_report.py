@@ -5,9 +5,9 @@ plots/gguf.png (studies.plots): bits per weight against the val loss over bf16, 
 one curve, the trained files as points and their lowest at each size as another curve.
 
 A size class is a range of the block Linears' bits per weight (scales included) as measured in the
-files, each with llama.cpp's imatrix file there as its reference; a file's loss "removed" is
-(L_ref - L_file) / (L_ref - L_bf16), per seed: 1 is the bf16 model's loss at the reference's size or
-less, 0 llama.cpp's, below 0 worse than llama.cpp.
+files; a trained file's reference is llama.cpp's imatrix file of its class nearest its size, and the
+loss it "removes" is (L_ref - L_file) / (L_ref - L_bf16), per seed: 1 is the bf16 model's loss at the
+reference's size or less, 0 llama.cpp's, below 0 worse than llama.cpp.
 """
 import os
 import statistics
@@ -105,26 +105,36 @@ def share_removed(r, ref):
                      for s in seeds])
 
 
+def reference(r, refs):
+    """llama.cpp's imatrix file of r's class nearest r in bits per weight (the larger of two as near): the
+    file of llama-quantize that r is judged against."""
+    return min(refs, key=lambda q: (abs(q["bits_per_weight"]["mean"] - r["bits_per_weight"]["mean"]),
+                                    -q["bits_per_weight"]["mean"]))
+
+
 def gguf_findings(rows):
     """Per size class (CLASSES' order): its rows by mean val loss, the lowest, each other's paired
-    difference to it; llama.cpp's imatrix file of the class (the reference, where there is one) and the
-    share of its loss each trained file removes."""
+    difference to it; and for each trained file llama.cpp's imatrix file of the class nearest its size (its
+    reference) and the share of the reference's loss it removes."""
     findings = []
     for label, _, _ in CLASSES:
         rs = sorted((r for r in rows if r["class"] == label and r["seeds"]), key=lambda r: r["val_loss"]["mean"])
         if not rs:
             continue
         refs = [r for r in rs if r["imatrix"]]
-        ref = refs[0] if len(refs) == 1 else None
         others = []
         for r in rs[1:]:
             d, verdict = paired(r, rs[0])
             others.append({"arm": r["arm"], "spec": r["spec"], "minus_best": d, "verdict": verdict})
-        shares = [{"arm": r["arm"], "spec": r["spec"], "bits_per_weight": r["bits_per_weight"]["mean"],
-                   "removed": share_removed(r, ref)} for r in rs if ref and not r["llama_cpp"]]
+        shares = []
+        for r in (r for r in rs if refs and not r["llama_cpp"]):
+            ref = reference(r, refs)
+            shares.append({"arm": r["arm"], "spec": r["spec"], "bits_per_weight": r["bits_per_weight"]["mean"],
+                           "reference": {"arm": ref["arm"], "val_loss": ref["val_loss"]["mean"],
+                                         "bits_per_weight": ref["bits_per_weight"]["mean"]},
+                           "removed": share_removed(r, ref)})
         best = rs[0]
-        findings.append({"class": label, "reference": ref and {"arm": ref["arm"], "val_loss": ref["val_loss"]["mean"],
-                                                              "bits_per_weight": ref["bits_per_weight"]["mean"]},
+        findings.append({"class": label,
                          "best": {"arm": best["arm"], "spec": best["spec"], "val_loss": best["val_loss"]["mean"],
                                   "bits_per_weight": best["bits_per_weight"]["mean"], "seeds": best["seeds"],
                                   "seeds_total": best["seeds_total"], "increase_pct": best["increase_pct"]["mean"]},
@@ -153,13 +163,14 @@ def findings_markdown(findings):
         behind = [f"{called(o['arm'], o['spec'])} " + (ci(o["minus_best"]) + f", {o['verdict']}" if o["minus_best"]["n"]
                                                      else "(no common seed)") for o in f["others"]]
         lines.append(line + ("; then " + "; ".join(behind) if behind else "") + ".")
-        if f["shares"]:
-            ref = f["reference"]
+        for ref in dict.fromkeys(s["reference"]["arm"] for s in f["shares"]):
+            group = [s for s in f["shares"] if s["reference"]["arm"] == ref]
+            bits = group[0]["reference"]["bits_per_weight"]
             shares = [f"{called(s['arm'], s['spec'])} at {s['bits_per_weight']:.4f} bits"
-                      + (" (more than llama.cpp's)" if s["bits_per_weight"] > ref["bits_per_weight"] else "") + " "
-                      + (ci(s["removed"], 2) if s["removed"]["n"] else "(no common seed)") for s in f["shares"]]
-            lines.append(f"  Share of {ref['arm']}'s loss over bf16 ({ref['bits_per_weight']:.4f} bits per weight) "
-                         f"removed: " + "; ".join(shares) + ".")
+                      + (" (more than llama.cpp's)" if s["bits_per_weight"] > bits + 1e-9 else "") + " "
+                      + (ci(s["removed"], 2) if s["removed"]["n"] else "(no common seed)") for s in group]
+            lines.append(f"  Share of {ref}'s loss over bf16 ({bits:.4f} bits per weight) removed: "
+                         + "; ".join(shares) + ".")
     return lines
 
 
@@ -191,8 +202,8 @@ def gguf_markdown(results):
              "## What it says", "",
              "Per size class (bits per weight of the block Linears), the file with the lowest llama.cpp val loss, "
              "then each other file's val loss minus that one's, paired by seed (inside the noise when the 95 % "
-             "interval holds 0); and the share of the loss over bf16 of llama.cpp's imatrix file of the class "
-             "that each trained file removes, (L_llama.cpp - L_file) / (L_llama.cpp - L_bf16) per seed (1: all of "
+             "interval holds 0); and the share of the loss over bf16 of llama.cpp's imatrix file nearest its "
+             "size in the class that each trained file removes, (L_llama.cpp - L_file) / (L_llama.cpp - L_bf16) per seed (1: all of "
              "it, 0: none, below 0: worse than llama.cpp):", "", *findings_markdown(results["findings"]), "",
              "## The files", ""]
     head = ["class", "arm", "file", "seeds", "bits/w", "bytes", "llama.cpp val loss", "over bf16",

@@ -37,7 +37,17 @@ def test_the_trunk_is_the_one_its_runs_under_way_were_made_with():
     assert [defs.run_name(TRUNK, s) for s in (1, 2, 3)] == [
         f"gpt2_gguf-bf16-eval1600-decay6400-n6400-s{s}" for s in (1, 2, 3)]
     assert TRUNK["llama_cpp"] == ["Q8_0+imatrix", "Q4_0+imatrix", "Q4_K_M+imatrix", "Q3_K_M+imatrix",
-                                  "Q2_K+imatrix", "Q4_0", "Q3_K_M"]
+                                  "Q2_K+imatrix", "Q4_0", "Q3_K_M", "Q3_K_S+imatrix", "Q2_K_S+imatrix"]
+
+
+def test_every_llama_quantize_file_of_the_study_has_its_type_mix_checked_against_llama_cpps_rules():
+    """tests/test_llama_tools.py checks each spec of its SPECS: the types llama.cpp's rules give each block
+    Linear (Q3_K_S and Q2_K_S: the STE q3_k and q2_k phases' types on every one of this model's)."""
+    from test_llama_tools import N_LAYER, SPECS, llama_cpp_mix
+    assert set(TRUNK["llama_cpp"]) <= set(SPECS)
+    n = defs.config_settings(defs.GGUF_CONFIG)["n_layer"]
+    for spec, grid in (("Q3_K_S", "Q3_K"), ("Q2_K_S", "Q2_K")):
+        assert set(llama_cpp_mix(spec, True, n).values()) == set(llama_cpp_mix(spec, True, N_LAYER).values()) == {grid}
 
 
 def test_the_phase_arms_fork_from_the_trunk_with_the_overrides_written_out():
@@ -243,6 +253,8 @@ FILES = {"Q8_0+imatrix": ({1: 1.201, 2: 1.211, 3: 1.191}, 8.5),
          "Q3_K_M+imatrix": ({1: 1.260, 2: 1.276, 3: 1.252}, 4.2708333),
          "Q2_K+imatrix": ({1: 1.400, 2: 1.420, 3: 1.380}, 3.1666667),
          "Q4_0": ({1: 1.240, 2: 1.250, 3: 1.236}, 4.5), "Q3_K_M": ({1: 1.280, 2: 1.300, 3: 1.270}, 4.2708333),
+         "Q3_K_S+imatrix": ({1: 1.330, 2: 1.335, 3: 1.318}, 3.4375),
+         "Q2_K_S+imatrix": ({1: 1.700, 2: 1.760, 3: 1.650}, 2.625),
          1: ({1: 1.215, 2: 1.222, 3: 1.205}, 4.5),  # STE phase q4_0
          2: ({1: 1.214, 2: 1.226}, 4.5),  # STE phase q4_k
          3: ({1: 1.300, 2: 1.290}, 3.4375),  # STE phase q3_k
@@ -313,7 +325,7 @@ def test_each_file_is_in_the_class_of_its_bits_per_weight():
 def test_the_rows_hold_each_files_llama_cpp_loss_and_its_increase_over_bf16(reported):
     _, results, _, _ = reported
     rows = {(r["arm"], r["spec"]): r for r in results["rows"]}
-    assert len(rows) == 7 + 8
+    assert len(rows) == 9 + 8
     r = rows["llama.cpp Q4_0+imatrix", "Q4_0+imatrix"]
     assert r["seeds"] == 3 and r["seeds_total"] == 3 and r["class"] == "~4.5" and r["imatrix"] and r["llama_cpp"]
     assert r["val_loss"]["mean"] == pytest.approx((1.230 + 1.244 + 1.226) / 3, rel=1e-12)
@@ -358,7 +370,7 @@ def test_the_share_of_llama_cpps_imatrix_loss_each_trained_file_removes(reported
     _, results, text, _ = reported
     findings = {f["class"]: f for f in results["findings"]}
     shares = {s["spec"]: s for s in findings["~4.5"]["shares"]}
-    assert findings["~4.5"]["reference"]["arm"] == "llama.cpp Q4_0+imatrix"
+    assert shares["q4_0"]["reference"]["arm"] == "llama.cpp Q4_0+imatrix"
     per_seed = [(loss("Q4_0+imatrix", s) - loss(1, s)) / (loss("Q4_0+imatrix", s) - BF16[s]) for s in (1, 2, 3)]
     mean = sum(per_seed) / 3
     sd = math.sqrt(sum((v - mean) ** 2 for v in per_seed) / 2)
@@ -366,12 +378,19 @@ def test_the_share_of_llama_cpps_imatrix_loss_each_trained_file_removes(reported
     assert got["n"] == 3 and got["mean"] == pytest.approx(mean, rel=1e-9)
     assert got["ci95"] == pytest.approx(4.303 * sd / math.sqrt(3), rel=1e-4)
     assert set(shares) == {"q4_0", "q4_k"}  # the trained files of the class, not llama.cpp's
-    mixes = {s["spec"]: s for s in findings["~3.4-4.3"]["shares"]}
-    assert findings["~3.4-4.3"]["reference"]["arm"] == "llama.cpp Q3_K_M+imatrix"
-    assert set(mixes) == {"q3_k", "auto-gguf@4.2708", "error-gguf@4.2708"}
-    want = [(loss("Q3_K_M+imatrix", s) - loss(5, s)) / (loss("Q3_K_M+imatrix", s) - BF16[s]) for s in (1, 2)]
-    assert mixes["auto-gguf@4.2708"]["removed"]["mean"] == pytest.approx(sum(want) / 2, rel=1e-9)
+    # each trained file against llama.cpp's imatrix file nearest its size: the pure types against Q3_K_S
+    # and Q2_K_S (the same bytes), the mixes against Q3_K_M and Q2_K (whose sizes they are trained at)
+    refs = {s["spec"]: (s["reference"]["arm"], s["removed"]["mean"]) for f in findings.values() for s in f["shares"]}
+    for spec, i, ref in (("q3_k", 3, "Q3_K_S+imatrix"), ("auto-gguf@4.2708", 5, "Q3_K_M+imatrix"),
+                         ("error-gguf@4.2708", 6, "Q3_K_M+imatrix"), ("q2_k", 4, "Q2_K_S+imatrix"),
+                         ("auto-gguf@3.1666", 7, "Q2_K+imatrix"), ("error-gguf@3.1666", 8, "Q2_K+imatrix")):
+        want = [(loss(ref, s) - loss(i, s)) / (loss(ref, s) - BF16[s]) for s in (1, 2)]
+        assert refs[spec] == (f"llama.cpp {ref}", pytest.approx(sum(want) / 2, rel=1e-9)), spec
+    assert set(refs) == {"q4_0", "q4_k", "q3_k", "q2_k", *(f"{m}@{b}" for m in ("auto-gguf", "error-gguf")
+                                                             for b in ("4.2708", "3.1666"))}
     assert "Share of llama.cpp Q4_0+imatrix's loss over bf16 (4.5000 bits per weight) removed: " in text
+    assert ("Share of llama.cpp Q3_K_S+imatrix's loss over bf16 (3.4375 bits per weight) removed: STE phase (q3_k) "
+            "at 3.4375 bits") in text
 
 
 def test_the_figures_curves_are_each_files_loss_over_its_seeds_bf16_and_the_lowest_trained_file_at_each_size(
@@ -392,8 +411,8 @@ def test_the_figures_curves_are_each_files_loss_over_its_seeds_bf16_and_the_lowe
            for kind, points in curves.items()}
     imatrix = sorted(point(k) for k in FILES if isinstance(k, str) and k.endswith("+imatrix"))
     assert got["llama-quantize with imatrix"] == imatrix
-    assert [label for *_, label in curves["llama-quantize with imatrix"]] == ["Q2_K", "Q3_K_M", "Q4_0", "Q4_K_M",
-                                                                              "Q8_0"]
+    assert [label for *_, label in curves["llama-quantize with imatrix"]] == ["Q2_K_S", "Q2_K", "Q3_K_S", "Q3_K_M",
+                                                                              "Q4_0", "Q4_K_M", "Q8_0"]
     assert got["llama-quantize without imatrix"] == sorted(point(k) for k in ("Q4_0", "Q3_K_M"))
     sizes = [(1, 2), (3,), (4,), (5, 6), (7, 8)]  # q4_0 and q4_k; q3_k; q2_k; the mixes at Q3_K_M's; at Q2_K's
     want = sorted(min((point(i) for i in size), key=lambda p: p[1]) for size in sizes)

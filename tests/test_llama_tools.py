@@ -31,7 +31,8 @@ from test_gguf_grids import BITS, VAL_LOSS_TO_OURS
 
 gguf = pytest.importorskip("gguf", reason="GGUF files are read with the gguf package (requirements.txt)")
 
-SPECS = ["Q8_0+imatrix", "Q4_0+imatrix", "Q4_K_M+imatrix", "Q3_K_M+imatrix", "Q2_K+imatrix", "Q4_0", "Q3_K_M"]
+SPECS = ["Q8_0+imatrix", "Q4_0+imatrix", "Q4_K_M+imatrix", "Q3_K_M+imatrix", "Q2_K+imatrix", "Q4_0", "Q3_K_M",
+         "Q3_K_S+imatrix", "Q2_K_S+imatrix"]
 CHUNKS = 32  # chunks of block_size (64) training tokens in the tests' importance matrix
 N_LAYER = 2
 BITS = {**BITS, "F32": 32.0, "Q4_1": 20 * 8 / 32}  # ggml-common.h: Q4_1 = fp16 d and m, 16 bytes of nibbles
@@ -107,6 +108,10 @@ def llama_cpp_mix(qtype, imatrix, n_layer):
             types = ("Q5_K" if i < 2 else "Q4_K", "Q4_K", "Q3_K", "Q5_K" if i < n_layer // 16 else "Q4_K")
         elif qtype == "Q2_K":
             types = ("Q3_K", "Q3_K", "Q2_K", "Q3_K")
+        elif qtype == "Q3_K_S":  # its exceptions are for mixtures of experts only
+            types = ("Q3_K",) * 4
+        elif qtype == "Q2_K_S":  # attn_v is Q4_K only from 4 query heads a key head
+            types = ("Q2_K", "Q2_K", "Q2_K", "Q4_K" if i < n_layer // 8 else "Q2_K")
         elif qtype == "Q4_0":  # with an importance matrix the first eighth's ffn_down is Q4_1
             types = ("Q4_0", "Q4_0", "Q4_0", "Q4_1" if imatrix and i < n_layer // 8 else "Q4_0")
         else:
