@@ -203,8 +203,8 @@ def gguf_markdown(results):
              "Per size class (bits per weight of the block Linears), the file with the lowest llama.cpp val loss, "
              "then each other file's val loss minus that one's, paired by seed (inside the noise when the 95 % "
              "interval holds 0); and the share of the loss over bf16 of llama.cpp's imatrix file nearest its "
-             "size in the class that each trained file removes, (L_llama.cpp - L_file) / (L_llama.cpp - L_bf16) per seed (1: all of "
-             "it, 0: none, below 0: worse than llama.cpp):", "", *findings_markdown(results["findings"]), "",
+             "size in the class that each trained file removes, (L_llama.cpp - L_file) / (L_llama.cpp - L_bf16) "
+             "per seed (1: all of it, 0: none, below 0: worse than llama.cpp):", "", *findings_markdown(results["findings"]), "",
              "## The files", ""]
     head = ["class", "arm", "file", "seeds", "bits/w", "bytes", "llama.cpp val loss", "over bf16",
             "own train min (steps)", "missing"]
