@@ -487,7 +487,7 @@ def print_train_table(records, args):
     say(markdown_table(["method", "grad_accum", "tokens/s", "overhead vs bf16"] + ["overhead (CPU time)"] * cpu
                        + ["begin+end_step / bf16 step", "extra bytes/param"],
                        [(r["method"], r["grad_accum"], f"{r['tokens_per_s']:.1f}", f"{r['overhead_pct']:+.2f} %")
-                        + (f"{r['overhead_cpu_time_pct']:+.2f} %",) * cpu
+                        + ((f"{r['overhead_cpu_time_pct']:+.2f} %",) if cpu else ())
                         + (share(r), f"{r['extra_bytes_per_param']:.3f}")
                         for r in records]))
     for r in records:

@@ -157,9 +157,11 @@ def findings_markdown(findings):
     lines = []
     for f in findings:
         b = f["best"]
+        # a trained arm can finish before its trunk does: then there is no bf16 loss to compare with yet
+        over = "no finished bf16 trunk" if b["increase_pct"] is None else f"{b['increase_pct']:+.2f} % over bf16"
         line = (f"- **{f['class']} bits per weight**: {called(b['arm'], b['spec'])} is lowest (llama.cpp val loss "
-                f"{b['val_loss']:.4f}, {b['increase_pct']:+.2f} % over bf16, {b['bits_per_weight']:.4f} bits per "
-                f"weight, {b['seeds']} of {b['seeds_total']} seeds)")
+                f"{b['val_loss']:.4f}, {over}, {b['bits_per_weight']:.4f} bits per weight, {b['seeds']} of "
+                f"{b['seeds_total']} seeds)")
         behind = [f"{called(o['arm'], o['spec'])} " + (ci(o["minus_best"]) + f", {o['verdict']}" if o["minus_best"]["n"]
                                                      else "(no common seed)") for o in f["others"]]
         lines.append(line + ("; then " + "; ".join(behind) if behind else "") + ".")

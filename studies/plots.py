@@ -87,7 +87,7 @@ def gguf_curves(rows):
     size", the trained file with the lowest mean increase at each size (the trained curve beside
     llama.cpp's)."""
     curves = {}
-    for r in (r for r in rows if r["seeds"]):
+    for r in (r for r in rows if r["increase_pct"]["n"]):  # done, and its seed's trunk too (the curves' zero)
         kind = ("llama-quantize with imatrix" if r["imatrix"] else "llama-quantize without imatrix" if r["llama_cpp"]
                 else r["arm"].split(" at ")[0])
         inc = r["increase_pct"]

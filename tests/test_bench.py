@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -144,6 +145,22 @@ def test_train_figures_are_those_of_the_step_times(tmp_path, monkeypatch):
     assert by_method["diffq[od]"]["pqt_weight_params"] == 5 * 64 * 64
     # TrainStep's begin and end do nothing without PQT layers; with them they make w_hat and apply Eq. 4.
     assert max(real_pqt["bf16"]) < min(real_pqt["gaussws[all]"])
+
+
+def test_the_table_of_a_cuda_run_has_no_cpu_time_column(capsys):
+    """On CUDA the step's CPU time is not recorded (None): the table leaves its column out, as a GPU's
+    first bench.py train showed it must (it formatted None)."""
+    args = types.SimpleNamespace(model="llama2-134m", batch_size=24, block_size=2048, device="cuda",
+                                 recompute_w_hat=False, rounds=5)
+    records = [dict(method=m, grad_accum=1, tokens_per_s=t, overhead_pct=o, overhead_cpu_time_pct=None,
+                    pqt_share_pct=s, extra_bytes_per_param=b, switch_s=None, memory_measure="cuda_max_memory_allocated")
+               for m, t, o, s, b in (("bf16", 303248.5, 0.0, 54.74, 0.0), ("gaussws[all]", 246003.2, 19.17, 77.44, 0.489))]
+    bench.print_train_table(records, args)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == [
+        "method", "grad_accum", "tokens/s", "overhead vs bf16", "begin+end_step / bf16 step", "extra bytes/param"]
+    assert [c.strip() for c in lines[3].strip("|").split("|")] == [
+        "gaussws[all]", "1", "246003.2", "+19.17 %", "77.44 %", "0.489"]
 
 
 def test_train_writes_a_record_per_method_and_grad_accum(tmp_path):

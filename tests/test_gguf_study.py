@@ -429,6 +429,23 @@ def test_the_figure_is_written(reported):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_mix_finished_before_its_trunk_is_reported_without_an_increase_over_bf16(tmp_path):
+    """A runner can finish a phase arm while its seed's trunk still trains: the class whose lowest file is
+    that arm's has no bf16 loss to compare with, and says so instead of an increase."""
+    root = str(tmp_path / "root")
+    for i in (5, 7):  # the learned mixes of seed 1, and no finished trunk
+        write_run(root, i, 1)
+    with contextlib.redirect_stdout(io.StringIO()):
+        runner.write_results("gguf", STUDY, root)
+    with open(os.path.join(root, "gguf", "results.md")) as f:
+        text = f.read()
+    assert ("- **~2.6-3.2 bits per weight**: learned mix at Q2_K's size (auto-gguf@3.1666) is lowest (llama.cpp val "
+            f"loss {loss(7, 1):.4f}, no finished bf16 trunk, 3.1650 bits per weight, 1 of 3 seeds).") in text
+    assert "| ~3.4-4.3 | learned mix at Q3_K_M's size | auto-gguf@4.2708 | 1 of 3 | 4.2604 |" in text
+    assert "over bf16, " not in text.split("## The files")[0]
+    assert os.path.exists(os.path.join(root, "gguf", "plots", "gguf.png"))  # without the points it cannot place
+
+
 def test_the_report_refuses_a_run_cut_short_in_one_line_and_writes_nothing(tmp_path):
     root = str(tmp_path / "root")
     for i in range(len(STUDY["arms"])):
