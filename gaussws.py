@@ -309,26 +309,28 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         if not self.active or self.recompute or hasattr(self.weight, "full_tensor"):
             return
         k = _kernels(self.backend, self.weight.device)
-        max_bl = block_absmax(self.weight)
+        with torch.enable_grad():  # the scale keeps its graph to b_i: Eq. 4 backpropagates through it at the end
+            scale = scale_bl(block_absmax(self.weight), self.b_t)
         r_store = k.gen(self.weight.numel(), int(self.noise_seed), self.method, self.weight.device)
-        w_hat = k.apply(self.weight.detach(), r_store, scale_bl(max_bl, self.b_t), self.method)
-        self._eq4 = (max_bl, r_store, self.weight._version)
+        w_hat = k.apply(self.weight.detach(), r_store, scale.detach(), self.method)
+        self._eq4 = (scale, r_store, self.weight._version)
         with torch.enable_grad():
             self.w_hat = ste.StraightThrough.apply(self.weight, w_hat)
 
     @torch.no_grad()
     def _end(self, apply_eq4=True):
+        """Release the step. With apply_eq4, a step-mode layer returns (scale_bl, sum_bl(dL/dw_hat * R)):
+        backpropagating the sums through the scale is Eq. 4, then Eq. 11's chain rule, into b_i.grad,
+        which TrainStep.end does for all layers at once; else None."""
         self._end_formats(apply_eq4)
         state, self._eq4, self.w_hat, self.in_step = self._eq4, None, None, False
         if state is None or not apply_eq4 or self.weight.grad is None:
-            return
-        max_bl, r_store, version = state
+            return None
+        scale, r_store, version = state
         if self.weight._version != version:
             raise RuntimeError("PQTLinear: the weight changed inside the step, so Eq. 4 would use a stale R; "
                                "optimizer.step() belongs after the `with gaussws.TrainStep(...)` block")
-        sums = _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
-        with torch.enable_grad():  # Eq. 4, then Eq. 11's chain rule, into b_i.grad
-            scale_bl(max_bl, self.b_t).backward(sums)
+        return scale, _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
 
     def extra_repr(self):
         return (f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"
@@ -406,8 +408,10 @@ class TrainStep:
     def end(self, apply_eq4=True):
         """Release the step; with apply_eq4, first add Eq. 4's b_t gradient to the b_i.grad of step-mode
         layers."""
-        for layer in self.layers:
-            layer._end(apply_eq4)
+        eq4 = [pair for pair in (layer._end(apply_eq4) for layer in self.layers) if pair is not None]
+        if eq4:  # one autograd call for every layer: on a GPU each call costs the host far more than its arithmetic
+            scales, sums = zip(*eq4)
+            torch.autograd.backward(scales, sums)
 
     def __enter__(self):
         return self.begin()
