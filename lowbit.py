@@ -59,14 +59,14 @@ def block_linears(state_dict, arch):
 
 
 def build_model(state_dict, arch_args):
-    """The model with the checkpoint's weights, b_i, format_ids and ggml_type aside: an eval-mode PQT or
-    STE layer is a plain Linear."""
+    """The model with the checkpoint's weights, b_i and the STE's state (ste.FORMAT_STATE: format_ids,
+    ggml_type, error-gguf's imatrix) aside: an eval-mode PQT or STE layer is a plain Linear."""
     try:
         model = GPT(ModelConfig(**arch_args))
         result = model.load_state_dict(state_dict, strict=False)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ExportError(f"the checkpoint does not fit this project's model: {first_line(e)}")
-    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", ".format_ids", ".ggml_type"))]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", *ste.FORMAT_STATE))]
     if result.missing_keys or unexpected:
         raise ExportError(f"the checkpoint does not fit this project's model: missing {result.missing_keys[:3]}, "
                           f"unexpected {unexpected[:3]}")

@@ -465,6 +465,24 @@ def test_error_gguf_sums_the_squared_inputs_of_the_steps_before_the_switch(budge
     assert {k: gguf_type(t).value for k, t in expected.items()} == chosen
 
 
+@pytest.mark.parametrize("name", BUDGETS)
+def test_a_budget_run_exports_to_gguf_in_the_types_it_trained_on(budget_runs, name):
+    """export.py of a budget run's checkpoint (an error-gguf one holds its imatrix sums too): every block
+    Linear of the GGUF file has the type it trained on, as gguf's reader reads the file."""
+    from test_gguf import our_key
+    out_dir, run, _, _ = budget_runs[name]
+    kw = BUDGETS[name]
+    assert any(k.endswith(".imatrix") for k in run[STEPS][0]) == kw["target_format"].startswith("error")
+    r = subprocess.run([sys.executable, "export.py", f"--out_dir={out_dir}", f"--format={kw['target_format']}",
+                        f"--bits_per_weight={kw['bits_per_weight']}", "--gguf=True", "--evaluate=False", "--plot=False"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    path = out_dir / f"model-{kw['target_format']}.gguf"
+    types = {our_key(t.name, "gpt2"): int(t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
+    chosen = ggml_types(run[STEPS][0])
+    assert {k: types[k + ".weight"] for k in chosen} == chosen
+
+
 @pytest.mark.parametrize("name, stop", [("auto", 10), ("auto", 15), ("error", 10), ("error", 19), ("error-pqt", 5)])
 def test_a_budget_run_stopped_before_or_after_its_switch_resumes_as_the_uninterrupted_one(budget_runs, data_dir,
                                                                                           tmp_path, name, stop):
