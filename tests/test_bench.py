@@ -148,8 +148,8 @@ def test_train_figures_are_those_of_the_step_times(tmp_path, monkeypatch):
 
 
 def test_the_table_of_a_cuda_run_has_no_cpu_time_column(capsys):
-    """On CUDA the step's CPU time is not recorded (None): the table leaves its column out, as a GPU's
-    first bench.py train showed it must (it formatted None)."""
+    """On CUDA the step's CPU time is not recorded (None): the table leaves its column out rather than
+    format a None."""
     args = types.SimpleNamespace(model="llama2-134m", batch_size=24, block_size=2048, device="cuda",
                                  recompute_w_hat=False, rounds=5)
     records = [dict(method=m, grad_accum=1, tokens_per_s=t, overhead_pct=o, overhead_cpu_time_pct=None,
