@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT
 
 REPO = pathlib.Path(ROOT)
@@ -33,8 +35,8 @@ NOT_RUN = {
     r"^llama-cli": "llama.cpp's own program, not a Python package",
     r"^python export_gguf\.py": "llama-cpp-python, built from source (tests/test_gguf.py runs it where present)",
     r"^python -m studies fig1b\s*(#|$)": "hours of training",
-    r"out/gguf_bf16|out/gguf_q4_0": "the gguf study's 6,400-step schedule, 2 h on a CPU; shortened to 4 steps its fork "
-                                   "has nothing to train (test_the_trained_gguf_commands_run_as_written_at_8_steps)",
+    r"out/gguf_": "the gguf study's 6,400-step schedule, 2 h on a CPU; shortened to 4 steps its fork has nothing to "
+                  "train (test_the_trained_gguf_commands_run_as_written_at_8_steps)",
 }
 
 SHIM = f"""#!/bin/sh
@@ -111,20 +113,36 @@ def test_readme_examples_run_in_order_in_a_fresh_clone(tmp_path):
     assert status == "", f"the README's examples leave files git does not ignore:\n{status}"
 
 
-def test_the_trained_gguf_commands_run_as_written_at_8_steps(tmp_path):
-    """The README's bf16 run and its two commands to a trained GGUF, as written but for the schedule (the
-    switch at step 6 of 8 instead of 5440 of 6400) and the out_dirs (under tmp_path): the bf16 run stops
-    before its switch, the STE phase forks from its checkpoint, and the export writes every block Linear
-    as Q4_0."""
+# The README's commands to a trained GGUF: the bf16 run's checkpoint they fork from, the file they end with
+GGUF_RECIPES = {"q4_0": ("out/gguf_bf16/ckpt.pt", "gguf_q4_0/model-q4_0.gguf"),
+                "auto-gguf": ("out/gguf_bf16_70/ckpt.pt", "gguf_mix/model-auto-gguf.gguf")}
+K_MIX = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"}  # the types a mix in a budget chooses from
+
+
+@pytest.mark.parametrize("recipe", sorted(GGUF_RECIPES))
+def test_the_trained_gguf_commands_run_as_written_at_8_steps(tmp_path, recipe):
+    """The README's bf16 run and its commands to a trained GGUF, as written but for the schedule (steps
+    4480, 5440 and 6400 become 4, 6 and 8) and the out_dirs (under tmp_path): the bf16 run stops at its
+    switch, the phase forks from its checkpoint, and the export writes the type trained on. Read back by
+    gguf's reader: q4_0 writes every block Linear as Q4_0; the mix one K-quant or Q8_0 per tensor whose
+    bytes, counted from the file, stay within the budget of 3.1666 bits per weight."""
     import gguf
-    block, = [b for b in blocks((REPO / "README.md").read_text()) if any("--fork_from=out/gguf_bf16" in x for x in b)]
+    fork, path = GGUF_RECIPES[recipe]
+    block, = [b for b in blocks((REPO / "README.md").read_text()) if any(f"--fork_from={fork}" in x for x in b)]
     for line in block:
-        cmd = line.split("#")[0].replace("5440", "6").replace("6400", "8").replace("out/", f"{tmp_path}/out/")
+        cmd = line.split("#")[0].replace("4480", "4").replace("5440", "6").replace("6400", "8")
+        cmd = cmd.replace("out/", f"{tmp_path}/out/")
         cmd += " --eval_interval=2 --eval_iters=1" if "train.py" in cmd else " --eval_iters=1"
         assert cmd.startswith("python ")
         p = subprocess.run(["bash", "-c", sys.executable + cmd[len("python"):]], cwd=REPO, capture_output=True,
                            text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, f"{cmd}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    reader = gguf.GGUFReader(tmp_path / "out" / "gguf_q4_0" / "model-q4_0.gguf")
+    reader = gguf.GGUFReader(tmp_path / "out" / path)
     linears = [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-    assert linears and {t.tensor_type for t in linears} == {gguf.GGMLQuantizationType.Q4_0}
+    types = {t.tensor_type.name for t in linears}
+    if recipe == "q4_0":
+        assert linears and types == {"Q4_0"}
+    else:
+        assert linears and types <= K_MIX, types
+        bits = 8 * sum(int(t.n_bytes) for t in linears) / sum(int(t.n_elements) for t in linears)
+        assert bits <= 3.1666, bits
