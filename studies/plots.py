@@ -113,8 +113,16 @@ def plot_gguf(rows, path):
     format. Returns path."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
-    stacked = {}
-    for k, (kind, points) in enumerate(gguf_curves(rows).items()):
+    curves = gguf_curves(rows)
+    # the trained files' labels at one size, stacked in the order of their points: the lowest label lowest
+    stack = {}
+    for kind, points in curves.items():
+        if not kind.startswith(("trained files", "llama-quantize")):
+            for xi, yi, _, label in points:
+                stack.setdefault(round(xi, 2), []).append((yi, label))
+    rank = {(size, label): n - (len(ys) - 1) / 2
+            for size, ys in stack.items() for n, (_, label) in enumerate(sorted(ys))}
+    for k, (kind, points) in enumerate(curves.items()):
         x, y, err, labels = zip(*points)
         envelope, curve = kind.startswith("trained files"), kind.startswith("llama-quantize")
         ax.errorbar(x, y, yerr=None if envelope else err, marker=None if envelope else DEPLOY_MARKERS[k % 12],
@@ -124,10 +132,9 @@ def plot_gguf(rows, path):
         # llama.cpp's types to the right of their points (the curve without the importance matrix has the
         # same ones), the trained files' to the left, stacked where several share a size
         for xi, yi, label in zip(x, y, labels) if not (envelope or "without" in kind) else ():
-            n = stacked.setdefault((curve, round(xi, 2)), 0)
-            stacked[(curve, round(xi, 2))] += 1
-            ax.annotate(label, (xi, yi), fontsize=6, xytext=(4, 2) if curve else (-4, 2 - 7 * n),
-                        textcoords="offset points", ha="left" if curve else "right")
+            offset = (4, 2) if curve else (-4, -2 + 7 * rank[(round(xi, 2), label)])
+            ax.annotate(label, (xi, yi), fontsize=6, xytext=offset, textcoords="offset points",
+                        ha="left" if curve else "right")
     ax.axhline(0.0, color="k", lw=0.8, ls=":", label="bf16 (train.py), each seed's own")
     ax.set_xlabel("bits per weight of the block Linears (scales included)")
     ax.set_ylabel("llama.cpp val loss over bf16 (%)")
