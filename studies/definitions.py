@@ -194,13 +194,16 @@ GGUF_STE_FORMATS = ("q4_0", "q4_k", "q3_k", "q2_k")  # the STE phases' grids (st
 LLAMA_CPP_SPECS = ("Q8_0+imatrix", "Q4_0+imatrix", "Q4_K_M+imatrix", "Q3_K_M+imatrix", "Q2_K+imatrix", "Q4_0",
                    "Q3_K_M", "Q3_K_S+imatrix", "Q2_K_S+imatrix")
 # The type llama-quantize gives each block Linear of a GPT2 (no grouped-query attention, no experts) in
-# the two mixes whose sizes the per-tensor mixes are trained at, by role and layer i of n, as llama.cpp's
+# the mixes whose sizes the per-tensor mixes are trained at, by role and layer i of n, as llama.cpp's
 # llama_tensor_get_type chooses it (src/llama-quant.cpp). It counts the fused attn_qkv as attn_v: Q3_K_M
 # gives the first two Q5_K, the others Q4_K; Q2_K gives it Q3_K (fewer than 4 query heads per KV head).
-# ffn_down: Q5_K in the first n/16 layers (none of 4), else Q4_K (any architecture but Falcon).
+# ffn_down: Q5_K in the first n/16 layers (none of 4), else Q4_K (any architecture but Falcon). Q3_K_S is
+# Q3_K throughout: a mix at its size has the bytes of the STE q3_k phase's file, so the two compare a
+# learned allocation with one type everywhere at equal size.
 LLAMA_MIXES = {
     "Q3_K_M": lambda role, i, n: {"qkv": "Q5_K" if i < 2 else "Q4_K", "out": "Q4_K",
                                   "down": "Q5_K" if i < n // 16 else "Q4_K", "up": "Q3_K"}[role],
+    "Q3_K_S": lambda role, i, n: "Q3_K",
     "Q2_K": lambda role, i, n: "Q2_K" if role == "up" else "Q3_K",
 }
 # What a step costs on one core of a 2-core AMD EPYC (FP32, OMP_NUM_THREADS=1): bf16 1.14 s (the config's
@@ -237,7 +240,8 @@ def llama_mix_bits(mix, config=GGUF_CONFIG):
     return bits / (n * sum(o * k for o, k in shapes.values()))
 
 
-# The budgets of the per-tensor mixes: llama.cpp's Q3_K_M and Q2_K sizes on this model (4.2708 and 3.1666),
+# The budgets of the per-tensor mixes: llama.cpp's Q3_K_M, Q3_K_S and Q2_K sizes on this model (4.2708, 3.4375
+# and 3.1666),
 # fixed here, not read from the trunk's llama.cpp files, since they name the runs and their train.py
 # arguments before any run; rounded down to 4 decimals, so that a trained mix never holds more bytes.
 GGUF_MIX_BITS = {mix: math.floor(llama_mix_bits(mix) * 1e4) / 1e4 for mix in LLAMA_MIXES}

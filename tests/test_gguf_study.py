@@ -54,7 +54,7 @@ def test_the_phase_arms_fork_from_the_trunk_with_the_overrides_written_out():
     arms = STUDY["arms"][1:]
     want = [("STE phase", f, {"method": "ste[all]", "target_format": f, "pqt_start": 5440})
             for f in ("q4_0", "q4_k", "q3_k", "q2_k")]
-    for mix, bits in (("Q3_K_M", 4.2708), ("Q2_K", 3.1666)):
+    for mix, bits in (("Q3_K_M", 4.2708), ("Q3_K_S", 3.4375), ("Q2_K", 3.1666)):
         for kind, fmt in (("learned mix", "auto-gguf"), ("error mix", "error-gguf")):
             want.append((f"{kind} at {mix}'s size", f"{fmt}@{bits:g}",
                          {"method": "gaussws[all]", "target_format": fmt, "bits_per_weight": bits, "pqt_start": 4480,
@@ -64,7 +64,7 @@ def test_the_phase_arms_fork_from_the_trunk_with_the_overrides_written_out():
     assert defs.run_name(arms[0], 2) == "gpt2_gguf-ste_all-eval1600-decay6400-n6400-from5440-q4_0-s2"
     assert defs.run_name(arms[4], 1) == \
         "gpt2_gguf-gaussws_all-bpw4.2708-eval1600-decay6400-n6400-from4480-ste5440-auto-gguf-s1"
-    assert len({n for n, _, _ in defs.runs_of(STUDY)}) == len(defs.runs_of(STUDY)) == 27
+    assert len({n for n, _, _ in defs.runs_of(STUDY)}) == len(defs.runs_of(STUDY)) == 33
 
 
 def resolved(a, seed=1):
@@ -92,14 +92,16 @@ def test_train_accepts_every_arm_and_each_forks_from_its_trunk():
 
 def test_the_mix_budgets_are_llama_quantizes_bits_per_weight_on_this_model():
     """4 layers of Linears 768x256 (qkv), 256x256 (out), 1024x256 (up), 256x1024 (down). Q3_K_M: qkv Q5_K
-    in the first two layers, Q4_K after; out and down Q4_K; up Q3_K. Q2_K: up Q2_K, the rest Q3_K."""
+    in the first two layers, Q4_K after; out and down Q4_K; up Q3_K. Q3_K_S: Q3_K throughout. Q2_K: up Q2_K,
+    the rest Q3_K."""
     qkv, out, up, down = 768 * 256, 256 * 256, 1024 * 256, 256 * 1024
     total = 4 * (qkv + out + up + down)
     q3_k_m = (2 * qkv * BITS["Q5_K"] + (2 * qkv + 4 * out + 4 * down) * BITS["Q4_K"] + 4 * up * BITS["Q3_K"]) / total
     q2_k = (4 * (qkv + out + down) * BITS["Q3_K"] + 4 * up * BITS["Q2_K"]) / total
     assert defs.llama_mix_bits("Q3_K_M") == pytest.approx(q3_k_m, rel=1e-12) and round(q3_k_m, 4) == 4.2708
     assert defs.llama_mix_bits("Q2_K") == pytest.approx(q2_k, rel=1e-12) and round(q2_k, 4) == 3.1667
-    assert defs.GGUF_MIX_BITS == {"Q3_K_M": 4.2708, "Q2_K": 3.1666}  # rounded down: never more bytes
+    assert defs.llama_mix_bits("Q3_K_S") == BITS["Q3_K"] == 3.4375
+    assert defs.GGUF_MIX_BITS == {"Q3_K_M": 4.2708, "Q3_K_S": 3.4375, "Q2_K": 3.1666}  # rounded down: never more bytes
     import ggml_quants
     for t, bits in BITS.items():
         assert defs.type_bits(t) == bits == ggml_quants.bits_per_weight(t)
@@ -108,7 +110,7 @@ def test_the_mix_budgets_are_llama_quantizes_bits_per_weight_on_this_model():
 @pytest.fixture(scope="module")
 def llama_quantized(tmp_path_factory):
     """A checkpoint of the study's model shape (random weights, a tiny corpus's vocabulary) as an F32 GGUF,
-    then llama-quantize's Q3_K_M and Q2_K of it (no --pure: llama.cpp's own mixes): {mix: path}."""
+    then llama-quantize's Q3_K_M, Q3_K_S and Q2_K of it (no --pure: llama.cpp's own mixes): {mix: path}."""
     import tokenizer
     from test_gguf import write_data
     from test_gguf_grids import export, make_run
@@ -261,8 +263,10 @@ FILES = {"Q8_0+imatrix": ({1: 1.201, 2: 1.211, 3: 1.191}, 8.5),
          4: ({1: 1.600, 2: 1.650}, 2.625),  # STE phase q2_k
          5: ({1: 1.240, 2: 1.249}, 4.2604),  # learned mix at Q3_K_M's size
          6: ({1: 1.245, 2: 1.251}, 4.2708),  # error mix at Q3_K_M's size
-         7: ({1: 1.350, 2: 1.330}, 3.1650),  # learned mix at Q2_K's size
-         8: ({1: 1.360, 2: 1.370}, 3.1666)}  # error mix at Q2_K's size
+         7: ({1: 1.285, 2: 1.280}, 3.4300),  # learned mix at Q3_K_S's size
+         8: ({1: 1.310, 2: 1.300}, 3.4375),  # error mix at Q3_K_S's size
+         9: ({1: 1.350, 2: 1.330}, 3.1650),  # learned mix at Q2_K's size
+         10: ({1: 1.360, 2: 1.370}, 3.1666)}  # error mix at Q2_K's size
 MS = 1500.0  # each trained run's logged time a step
 
 
@@ -325,7 +329,7 @@ def test_each_file_is_in_the_class_of_its_bits_per_weight():
 def test_the_rows_hold_each_files_llama_cpp_loss_and_its_increase_over_bf16(reported):
     _, results, _, _ = reported
     rows = {(r["arm"], r["spec"]): r for r in results["rows"]}
-    assert len(rows) == 9 + 8
+    assert len(rows) == 9 + 10
     r = rows["llama.cpp Q4_0+imatrix", "Q4_0+imatrix"]
     assert r["seeds"] == 3 and r["seeds_total"] == 3 and r["class"] == "~4.5" and r["imatrix"] and r["llama_cpp"]
     assert r["val_loss"]["mean"] == pytest.approx((1.230 + 1.244 + 1.226) / 3, rel=1e-12)
@@ -379,18 +383,21 @@ def test_the_share_of_llama_cpps_imatrix_loss_each_trained_file_removes(reported
     assert got["ci95"] == pytest.approx(4.303 * sd / math.sqrt(3), rel=1e-4)
     assert set(shares) == {"q4_0", "q4_k"}  # the trained files of the class, not llama.cpp's
     # each trained file against llama.cpp's imatrix file nearest its size: the pure types against Q3_K_S
-    # and Q2_K_S (the same bytes), the mixes against Q3_K_M and Q2_K (whose sizes they are trained at)
+    # and Q2_K_S (the same bytes), the mixes against Q3_K_M, Q3_K_S and Q2_K (whose sizes they are trained at)
     refs = {s["spec"]: (s["reference"]["arm"], s["removed"]["mean"]) for f in findings.values() for s in f["shares"]}
     for spec, i, ref in (("q3_k", 3, "Q3_K_S+imatrix"), ("auto-gguf@4.2708", 5, "Q3_K_M+imatrix"),
-                         ("error-gguf@4.2708", 6, "Q3_K_M+imatrix"), ("q2_k", 4, "Q2_K_S+imatrix"),
-                         ("auto-gguf@3.1666", 7, "Q2_K+imatrix"), ("error-gguf@3.1666", 8, "Q2_K+imatrix")):
+                         ("error-gguf@4.2708", 6, "Q3_K_M+imatrix"), ("auto-gguf@3.4375", 7, "Q3_K_S+imatrix"),
+                         ("error-gguf@3.4375", 8, "Q3_K_S+imatrix"), ("q2_k", 4, "Q2_K_S+imatrix"),
+                         ("auto-gguf@3.1666", 9, "Q2_K+imatrix"), ("error-gguf@3.1666", 10, "Q2_K+imatrix")):
         want = [(loss(ref, s) - loss(i, s)) / (loss(ref, s) - BF16[s]) for s in (1, 2)]
         assert refs[spec] == (f"llama.cpp {ref}", pytest.approx(sum(want) / 2, rel=1e-9)), spec
     assert set(refs) == {"q4_0", "q4_k", "q3_k", "q2_k", *(f"{m}@{b}" for m in ("auto-gguf", "error-gguf")
-                                                             for b in ("4.2708", "3.1666"))}
+                                                             for b in ("4.2708", "3.4375", "3.1666"))}
     assert "Share of llama.cpp Q4_0+imatrix's loss over bf16 (4.5000 bits per weight) removed: " in text
-    assert ("Share of llama.cpp Q3_K_S+imatrix's loss over bf16 (3.4375 bits per weight) removed: STE phase (q3_k) "
-            "at 3.4375 bits") in text
+    # the trained files of one reference in the order of their mean loss
+    assert ("Share of llama.cpp Q3_K_S+imatrix's loss over bf16 (3.4375 bits per weight) removed: learned mix at "
+            "Q3_K_S's size (auto-gguf@3.4375) at 3.4300 bits ") in text
+    assert "; STE phase (q3_k) at 3.4375 bits " in text
 
 
 def test_the_figures_curves_are_each_files_loss_over_its_seeds_bf16_and_the_lowest_trained_file_at_each_size(
@@ -414,11 +421,12 @@ def test_the_figures_curves_are_each_files_loss_over_its_seeds_bf16_and_the_lowe
     assert [label for *_, label in curves["llama-quantize with imatrix"]] == ["Q2_K_S", "Q2_K", "Q3_K_S", "Q3_K_M",
                                                                               "Q4_0", "Q4_K_M", "Q8_0"]
     assert got["llama-quantize without imatrix"] == sorted(point(k) for k in ("Q4_0", "Q3_K_M"))
-    sizes = [(1, 2), (3,), (4,), (5, 6), (7, 8)]  # q4_0 and q4_k; q3_k; q2_k; the mixes at Q3_K_M's; at Q2_K's
+    sizes = [(1, 2), (3, 7, 8), (4,), (5, 6), (9, 10)]  # q4_0, q4_k; q3_k and the mixes at Q3_K_S's size; q2_k;
+    # the mixes at Q3_K_M's; at Q2_K's
     want = sorted(min((point(i) for i in size), key=lambda p: p[1]) for size in sizes)
     assert got["trained files, lowest at each size"] == want
     assert [label for *_, label in curves["trained files, lowest at each size"]] == [
-        "q2_k", "auto-gguf@3.1666", "q3_k", "auto-gguf@4.2708", "q4_0"]
+        "q2_k", "auto-gguf@3.1666", "auto-gguf@3.4375", "auto-gguf@4.2708", "q4_0"]
 
 
 def test_the_figure_is_written(reported):
@@ -433,14 +441,14 @@ def test_a_mix_finished_before_its_trunk_is_reported_without_an_increase_over_bf
     """A runner can finish a phase arm while its seed's trunk still trains: the class whose lowest file is
     that arm's has no bf16 loss to compare with, and says so instead of an increase."""
     root = str(tmp_path / "root")
-    for i in (5, 7):  # the learned mixes of seed 1, and no finished trunk
+    for i in (5, 9):  # the learned mixes at Q3_K_M's and Q2_K's size of seed 1, and no finished trunk
         write_run(root, i, 1)
     with contextlib.redirect_stdout(io.StringIO()):
         runner.write_results("gguf", STUDY, root)
     with open(os.path.join(root, "gguf", "results.md")) as f:
         text = f.read()
     assert ("- **~2.6-3.2 bits per weight**: learned mix at Q2_K's size (auto-gguf@3.1666) is lowest (llama.cpp val "
-            f"loss {loss(7, 1):.4f}, no finished bf16 trunk, 3.1650 bits per weight, 1 of 3 seeds).") in text
+            f"loss {loss(9, 1):.4f}, no finished bf16 trunk, 3.1650 bits per weight, 1 of 3 seeds).") in text
     assert "| ~3.4-4.3 | learned mix at Q3_K_M's size | auto-gguf@4.2708 | 1 of 3 | 4.2604 |" in text
     assert "over bf16, " not in text.split("## The files")[0]
     assert os.path.exists(os.path.join(root, "gguf", "plots", "gguf.png"))  # without the points it cannot place
@@ -464,7 +472,7 @@ def test_the_dry_run_lists_every_run_and_each_arms_cost(tmp_path, capsys, monkey
     assert entry.main(["gguf", "--dry_run", f"--root={tmp_path}"]) == 0
     out = capsys.readouterr().out
     runs = [line for line in out.splitlines() if "[to run]" in line]
-    assert len(runs) == 27
+    assert len(runs) == 33
     assert runs[0].endswith("python train.py config/mini_gpt2_gguf.py --method=bf16 --max_iters=6400 "
                             f"--lr_decay_iters=6400 --eval_interval=1600 --seed=1 --out_dir="
                             f"{os.path.join(str(tmp_path), 'runs', 'gpt2_gguf-bf16-eval1600-decay6400-n6400-s1')}")
