@@ -240,10 +240,10 @@ def llama_mix_bits(mix, config=GGUF_CONFIG):
     return bits / (n * sum(o * k for o, k in shapes.values()))
 
 
-# The budgets of the per-tensor mixes: llama.cpp's Q3_K_M, Q3_K_S and Q2_K sizes on this model (4.2708, 3.4375
-# and 3.1666),
-# fixed here, not read from the trunk's llama.cpp files, since they name the runs and their train.py
-# arguments before any run; rounded down to 4 decimals, so that a trained mix never holds more bytes.
+# The budgets of the per-tensor mixes: llama.cpp's Q3_K_M, Q3_K_S and Q2_K sizes on this model (4.2708,
+# 3.4375 and 3.1666), fixed here, not read from the trunk's llama.cpp files, since they name the runs and
+# their train.py arguments before any run; rounded down to 4 decimals, so that a trained mix never holds
+# more bytes.
 GGUF_MIX_BITS = {mix: math.floor(llama_mix_bits(mix) * 1e4) / 1e4 for mix in LLAMA_MIXES}
 
 
