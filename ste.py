@@ -475,6 +475,16 @@ def tensor_b_t(b_t, shape):
     return (top + 0.5 * torch.log2((n * torch.exp2(2 * (b_t.double() - top))).sum() / n.sum())).item()
 
 
+def imatrix_error(w, name, columns):
+    """error-gguf's proxy of a weight w (out, in) on format `name`: its squared rounding error per weight,
+    each input column weighted by `columns`, the summed squares of that column's inputs (llama.cpp's
+    importance matrix); the squared error of the layer's outputs over those inputs, were the input
+    columns uncorrelated."""
+    w = w.detach().float()
+    errors = (fake_quantize(w, name).double() - w.double()).square().sum(0)
+    return (errors * columns.double().to(w.device)).sum().item() / w.numel()
+
+
 def gguf_types(fmt, weights, budget, *, b_t=None, imatrix=None):
     """{layer: GGML type name of GGUF_BUDGET_TYPES} for a mean of `budget` bits per weight (each type's
     bits, scales included) over the layers' weights together (weights: {layer: weight (out, in)}); each
@@ -483,9 +493,8 @@ def gguf_types(fmt, weights, budget, *, b_t=None, imatrix=None):
     bit they cost:
       - auto-gguf (b_t: {layer: tensor_b_t}): 4^b_t * rounding_error(type), the type's excess noise
         over what the tensor's blocks learned to bear;
-      - error-gguf (imatrix: {layer: the input columns' summed squared activations}): the squared
-        rounding error of the weight at each type, each column weighted by imatrix, which is
-        llama.cpp's importance-matrix error (its output's expected squared error), per weight."""
+      - error-gguf (imatrix: {layer: the input columns' summed squared activations}): imatrix_error,
+        llama.cpp's importance-matrix error of the weight at each type."""
     layers = list(weights)
     allowed = [_allowed(weights[k].shape[1]) for k in layers]
     numel = [weights[k].numel() for k in layers]
@@ -494,10 +503,7 @@ def gguf_types(fmt, weights, budget, *, b_t=None, imatrix=None):
         if fmt == "auto-gguf":
             proxy.append([4.0 ** b_t[k] * rounding_error(t) for t, _ in types])
         else:
-            w = weights[k].detach().float()
-            columns = imatrix[k].double().to(w.device)
-            proxy.append([((fake_quantize(w, t).double() - w.double()).square().sum(0) * columns).sum().item()
-                          / w.numel() for t, _ in types])
+            proxy.append([imatrix_error(weights[k], t, imatrix[k]) for t, _ in types])
     u = max(len(types) for types in allowed) - 1
     priority = torch.full((len(layers), max(u, 1)), -torch.inf, dtype=torch.float64)
     cost = torch.full(priority.shape, torch.inf, dtype=torch.float64)

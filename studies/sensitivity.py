@@ -1,0 +1,137 @@
+"""Which block Linears a bit per weight helps most: by the val loss and by error-gguf's proxy.
+
+    python -m studies.sensitivity --checkpoint=RUN/ckpt_4480.pt --types=q2_k,q3_k,q4_k --json=s.json
+
+For each block Linear of a checkpoint and each type (cheapest first), on train.py's evaluation batches
+of its run: the val loss with that tensor alone on the type's grid (llama.cpp's reference rounding,
+without an importance matrix) less the checkpoint's own, and error-gguf's proxy of it (ste.imatrix_error,
+the importance matrix taken over the same batches). Then, for each step up the types, what one bit per
+weight buys by each measure (the drop per weight and per bit: what ste.gguf_types' greedy allocator ranks
+upgrades by), and Spearman's correlation of the tensors' two rankings: how well the proxy orders the
+tensors as the loss does. The rounding is after training (no STE phase adapts the weights to it), so it
+measures which tensors are sensitive, not what a trained mix reaches.
+"""
+import json
+import os
+import sys
+
+import torch
+
+import checkpoint
+import configurator
+import ggml_quants
+import llama_tools
+import lowbit
+import ste
+from util import UserError, cli, write_atomic
+
+DEFAULTS = dict(
+    checkpoint="out/ckpt.pt",  # a checkpoint of train.py, or the run directory that holds one
+    types="q2_k,q3_k,q4_k",  # llama.cpp types, cheapest first (of ste.GGUF_BUDGET_TYPES)
+    eval_iters=0,  # evaluation batches; 0 -> the run's own eval_iters
+    json="",  # also write the measurements to this file
+    threads=0,  # torch's CPU threads; 0 -> torch's default
+)
+
+
+def spearman(a, b):
+    """Spearman's rank correlation of two sequences of distinct values: the correlation of their ranks."""
+    ra, rb = (torch.tensor(v, dtype=torch.float64).argsort().argsort().double() for v in (a, b))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return (ra @ rb / (ra.norm() * rb.norm())).item()
+
+
+@torch.no_grad()
+def _val_loss(model, batches):
+    return sum(model(x, y)[1].item() for x, y in batches) / len(batches)
+
+
+@torch.no_grad()
+def measure(ckpt, types, eval_iters):
+    """{val_loss, batches, tensors: [{tensor, role, numel, loss: {type: val loss change}, proxy: {type:
+    imatrix_error}}]} of checkpoint.read's dict, the evaluation batches train.py draws for its run."""
+    model = lowbit.build_model(ckpt["model"], ckpt["model_args"])
+    layers = lowbit.block_linears(ckpt["model"], model.config.arch)
+    for name in layers:
+        width = model.get_submodule(name).weight.shape[1]
+        odd = [t for t in types if width % ggml_quants.block_size(ste.GGML_FORMATS[t])]
+        if odd:
+            raise UserError(f"{name} reads {width} inputs, which {odd[0]}'s blocks of "
+                            f"{ggml_quants.block_size(ste.GGML_FORMATS[odd[0]])} do not divide: choose other --types")
+    batches = llama_tools.eval_batches(ckpt["config"], model.config.block_size, eval_iters)
+    columns = dict.fromkeys(layers, 0.0)
+
+    def collect(name):
+        def hook(module, inputs, output):
+            x = inputs[0].double()
+            columns[name] = columns[name] + x.square().reshape(-1, x.shape[-1]).sum(0)
+        return hook
+    hooks = [model.get_submodule(name).register_forward_hook(collect(name)) for name in layers]
+    base = _val_loss(model, batches)
+    for hook in hooks:
+        hook.remove()
+    tensors = []
+    for name, role in layers.items():
+        weight = model.get_submodule(name).weight
+        w = weight.detach().clone()
+        row = dict(tensor=name, role=role, numel=w.numel(), loss={}, proxy={})
+        for t in types:
+            weight.copy_(ste.fake_quantize(w, t))
+            row["loss"][t] = _val_loss(model, batches) - base
+            row["proxy"][t] = ste.imatrix_error(w, t, columns[name])
+        weight.copy_(w)
+        tensors.append(row)
+    return dict(val_loss=base, batches=len(batches), tensors=tensors)
+
+
+def upgrades(tensors, types):
+    """For each step up the types ("q2_k->q3_k"): per tensor, the loss and the proxy dropped per weight
+    and per bit, and Spearman's correlation of the two over the tensors."""
+    bits = {t: ggml_quants.bits_per_weight(ste.GGML_FORMATS[t]) for t in types}
+    steps = {}
+    for lo, hi in zip(types, types[1:]):
+        extra = bits[hi] - bits[lo]
+        loss = [(r["loss"][lo] - r["loss"][hi]) / (r["numel"] * extra) for r in tensors]
+        proxy = [(r["proxy"][lo] - r["proxy"][hi]) / extra for r in tensors]
+        steps[f"{lo}->{hi}"] = dict(loss_per_bit=loss, proxy_per_bit=proxy, spearman=spearman(loss, proxy))
+    return steps
+
+
+def main(argv):
+    c = dict(DEFAULTS)
+    configurator.configure(c, argv, usage="usage: python -m studies.sensitivity [--key=value ...]")
+    types = [t.strip() for t in c["types"].split(",") if t.strip()]
+    unknown = [t for t in types if t not in ste.GGUF_BUDGET_TYPES]
+    if len(types) < 2 or unknown:
+        raise UserError(f"--types={c['types']!r}: expected two or more of {', '.join(ste.GGUF_BUDGET_TYPES)}")
+    configurator.check_at_least(c, {"eval_iters": 0, "threads": 0})
+    path = c["json"]
+    if path in ("True", "False") or os.path.isdir(path) or (path and not os.path.isdir(os.path.dirname(
+            os.path.abspath(path)))):
+        raise UserError(f"--json={path}: give the path of the JSON file to write, in a folder that exists "
+                        f"(e.g. --json=sensitivity.json)")
+    if c["threads"]:
+        torch.set_num_threads(c["threads"])
+    ckpt = checkpoint.read(c["checkpoint"])
+    result = dict(checkpoint=ckpt["path"], iter_num=ckpt["iter_num"], types=types,
+                  **measure(ckpt, types, c["eval_iters"]))
+    result["upgrades"] = upgrades(result["tensors"], types)
+    print(f"{ckpt['path']} (step {ckpt['iter_num']}): val loss {result['val_loss']:.5f} on {result['batches']} "
+          f"evaluation batches; each tensor alone on a type: the val loss change, then what a bit per weight "
+          f"buys (loss, proxy: rank of {len(result['tensors'])}, 1 = most)")
+    ranks = {s: [sorted(v[k], reverse=True).index(x) + 1 for k in ("loss_per_bit", "proxy_per_bit") for x in v[k]]
+             for s, v in result["upgrades"].items()}
+    n = len(result["tensors"])
+    for i, r in enumerate(result["tensors"]):
+        changes = " ".join(f"{t} {r['loss'][t]:+.5f}" for t in types)
+        buys = " ".join(f"{s} {ranks[s][i]:2d} {ranks[s][n + i]:2d}" for s in ranks)
+        print(f"  {r['tensor']:<30} {changes}  {buys}")
+    print("Spearman (loss, proxy) per step: " + ", ".join(f"{s} {v['spearman']:+.2f}"
+                                                         for s, v in result["upgrades"].items()))
+    if c["json"]:
+        write_atomic(c["json"], json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(main))
