@@ -56,7 +56,7 @@ from data import loader
 from data.common import DataError
 from formats import FORMATS, GGML_FORMATS, GGUF_BUDGETS, block_weights
 from lowbit import ExportError, block_linears, build_model
-from util import cli, remove_stale_temporaries, unusable_dir, write_atomic
+from util import check_json_path, cli, remove_stale_temporaries, unusable_dir, write_atomic
 
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
@@ -240,7 +240,7 @@ def check_args(cfg):
         raise ExportError(f"--eval_iters={cfg['eval_iters']}: expected >= 1 batches, or 0 for the run's own")
     check_device(cfg)
     check_budget(formats, cfg["bits_per_weight"], cfg["format"])
-    check_json_path(cfg["json"])
+    check_json_path(cfg["json"], "export.json")
     export_dir = cfg["export_dir"] or cfg["out_dir"]
     why = unusable_dir(export_dir)
     if why:
@@ -251,24 +251,6 @@ def check_args(cfg):
             if os.path.exists(path):
                 raise ExportError(f"{path} exists; pass --overwrite=True to replace it, or choose another --export_dir")
     return formats, export_dir, paths
-
-
-def check_json_path(path):
-    """--json names a file to write (as bench.py's --json): not a bool, not a directory, in a folder that
-    exists and can be written."""
-    if path in ("True", "False"):
-        raise ExportError(f"--json={path}: --json takes the path of the JSON file to write, e.g. --json=export.json")
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ExportError(f"--json={path} is a directory; give the path of the JSON file to write, e.g. "
-                          f"--json={os.path.join(path, 'export.json')}")
-    if not os.path.isdir(folder):
-        raise ExportError(f"--json={path}: its folder {folder} does not exist; make it, or choose another path")
-    why = unusable_dir(folder)
-    if why:
-        raise ExportError(f"--json={path} cannot be written: {why}; choose another path")
 
 
 def cannot_write(path, e, option="--export_dir"):

@@ -29,7 +29,7 @@ import time
 import gguf_file
 import llama_tools
 from configurator import ConfigError, configure
-from util import cli, write_atomic
+from util import check_json_path, cli, write_atomic
 
 # -----------------------------------------------------------------------------------------------
 DEFAULTS = dict(
@@ -91,11 +91,7 @@ def check_table_args(cfg, with_ours):
     ours = [p.strip() for p in cfg["gguf"].split(",") if p.strip()] if with_ours else []
     if cfg["imatrix_chunks"] < 0 or cfg["threads"] < 0 or cfg["eval_iters"] < 0:
         raise ConfigError("--imatrix_chunks, --threads and --eval_iters take a count >= 1, or 0 for the default")
-    path = cfg["json"]
-    if path in ("True", "False") or os.path.isdir(path) or (path and not os.path.isdir(os.path.dirname(
-            os.path.abspath(path)))):
-        raise ConfigError(f"--json={path}: give the path of the JSON file to write, in a folder that exists "
-                          f"(e.g. --json=llama_cpp.json)")
+    check_json_path(cfg["json"], "llama_cpp.json")
     return specs, ours
 
 

@@ -211,6 +211,24 @@ def atomic_open(path, mode="wb"):
         raise
 
 
+def check_json_path(path, example="out.json"):
+    """A --json option names a file to write: not a bool, not a directory, in a folder that exists and can
+    be written; else UserError, one line (example: the file name its advice shows)."""
+    if path in ("True", "False"):
+        raise UserError(f"--json={path}: --json takes the path of the JSON file to write, e.g. --json={example}")
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UserError(f"--json={path} is a directory; give the path of the JSON file to write, e.g. "
+                        f"--json={os.path.join(path, example)}")
+    if not os.path.isdir(folder):
+        raise UserError(f"--json={path}: its folder {folder} does not exist; make it, or choose another path")
+    why = unusable_dir(folder)
+    if why:
+        raise UserError(f"--json={path} cannot be written: {why}; choose another path")
+
+
 def write_atomic(path, data):
     """bytes or str to path through atomic_open: a reader sees the old file or the new one."""
     with atomic_open(path, "wb" if isinstance(data, (bytes, bytearray, memoryview)) else "w") as f:

@@ -12,7 +12,6 @@ tensors as the loss does. The rounding is after training (no STE phase adapts th
 measures which tensors are sensitive, not what a trained mix reaches.
 """
 import json
-import os
 import sys
 
 import torch
@@ -23,7 +22,7 @@ import ggml_quants
 import llama_tools
 import lowbit
 import ste
-from util import UserError, cli, write_atomic
+from util import UserError, check_json_path, cli, write_atomic
 
 DEFAULTS = dict(
     checkpoint="out/ckpt.pt",  # a checkpoint of train.py, or the run directory that holds one
@@ -105,11 +104,7 @@ def main(argv):
     if len(types) < 2 or unknown:
         raise UserError(f"--types={c['types']!r}: expected two or more of {', '.join(ste.GGUF_BUDGET_TYPES)}")
     configurator.check_at_least(c, {"eval_iters": 0, "threads": 0})
-    path = c["json"]
-    if path in ("True", "False") or os.path.isdir(path) or (path and not os.path.isdir(os.path.dirname(
-            os.path.abspath(path)))):
-        raise UserError(f"--json={path}: give the path of the JSON file to write, in a folder that exists "
-                        f"(e.g. --json=sensitivity.json)")
+    check_json_path(c["json"], "sensitivity.json")
     if c["threads"]:
         torch.set_num_threads(c["threads"])
     ckpt = checkpoint.read(c["checkpoint"])

@@ -5,6 +5,8 @@ from ggml-common.h's block sizes, and Spearman's correlation against its textboo
 import contextlib
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 import ste
 import tokenizer
 import util
+from conftest import ROOT
 from model import GPT, ModelConfig
 from studies import sensitivity
 from test_gguf import write_data
@@ -140,9 +143,6 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path):
 
 
 def test_help_lists_the_keys_and_an_unknown_key_is_one_line(tmp_path):
-    import subprocess
-    import sys
-    from conftest import ROOT
     r = subprocess.run([sys.executable, "-m", "studies.sensitivity", "--help"], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage: python -m studies.sensitivity [--key=value ...]")
