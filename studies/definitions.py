@@ -247,34 +247,44 @@ def llama_mix_bits(mix, config=GGUF_CONFIG):
 GGUF_MIX_BITS = {mix: math.floor(llama_mix_bits(mix) * 1e4) / 1e4 for mix in LLAMA_MIXES}
 
 
+def gguf_trunk(config, steps, seeds, step_s):
+    """A llama.cpp study's bf16 trunk of `steps` steps, kept at the phases' fork steps (70 %: the mixes'
+    gaussws phase, 85 %: the STE phases) and exported by llama-quantize (LLAMA_CPP_SPECS)."""
+    trunk = arm(config, method="bf16", max_iters=steps, lr_decay_iters=steps, eval_interval=steps // 4)
+    trunk.update(kind="bf16", seeds=seeds, keep=sorted({round(MIX_PHASE * steps), round(PHASE * steps)}),
+                 llama_cpp=list(LLAMA_CPP_SPECS), step_s=step_s)
+    return trunk
+
+
 def gguf_arm(kind, spec, trunk, step_s, **overrides):
-    """A phase arm of the llama.cpp study, forked from the trunk; spec: its GGUF file (export.py's format,
-    at @bits for a budget); step_s: its seconds per step (GGUF_STEP_S)."""
-    a = arm(GGUF_CONFIG, **overrides, max_iters=GGUF_STEPS, lr_decay_iters=GGUF_STEPS, eval_interval=GGUF_STEPS // 4)
-    return {**a, "kind": kind, "seeds": GGUF_SEEDS, "trunk": trunk, "gguf": [spec], "step_s": step_s}
+    """A phase arm of a llama.cpp study, forked from its trunk (its config, length and seeds); spec: its GGUF
+    file (export.py's format, at @bits for a budget); step_s: its seconds per step (GGUF_STEP_S)."""
+    steps = trunk["overrides"]["max_iters"]
+    a = arm(trunk["config"], **overrides, max_iters=steps, lr_decay_iters=steps, eval_interval=steps // 4)
+    return {**a, "kind": kind, "seeds": trunk["seeds"], "trunk": trunk, "gguf": [spec], "step_s": step_s}
 
 
-def gguf_arms():
-    """The llama.cpp study's arms: per seed, the bf16 trunk, kept at the phases' fork steps, and exported by
-    llama-quantize (LLAMA_CPP_SPECS); STE phases over the last 15 % on each grid of GGUF_STE_FORMATS; and
-    at each llama.cpp mix's size (GGUF_MIX_BITS) the learned per-tensor mix (a gaussws phase from 70 %
-    whose b_t rank the tensors, then STE on the types chosen from 85 %) and the error-ranked one (the same
-    phases, the tensors ranked by their imatrix-weighted rounding error)."""
-    trunk = arm(GGUF_CONFIG, method="bf16", max_iters=GGUF_STEPS, lr_decay_iters=GGUF_STEPS,
-                eval_interval=GGUF_STEPS // 4)
-    trunk.update(kind="bf16", seeds=GGUF_SEEDS,
-                 keep=sorted({round(MIX_PHASE * GGUF_STEPS), round(PHASE * GGUF_STEPS)}))
-    trunk.update(llama_cpp=list(LLAMA_CPP_SPECS), step_s=GGUF_STEP_S["bf16"])
-    phase, mix_phase = round(PHASE * GGUF_STEPS), round(MIX_PHASE * GGUF_STEPS)
+MIX_KINDS = {"learned mix": "auto-gguf", "error mix": "error-gguf"}  # a per-tensor mix's ranking: its budget format
+
+
+def gguf_arms(config=GGUF_CONFIG, steps=GGUF_STEPS, seeds=GGUF_SEEDS, ste_formats=GGUF_STE_FORMATS,
+              mixes=tuple(MIX_KINDS)):
+    """A llama.cpp study's arms: per seed, the bf16 trunk (gguf_trunk); STE phases over the last 15 % on
+    each grid of ste_formats; and for each kind of mixes (MIX_KINDS), at each llama.cpp mix's size (GGUF_MIX_BITS) the learned
+    per-tensor mix (a gaussws phase from 70 % whose b_t rank the tensors, then STE on the types chosen from
+    85 %) and the error-ranked one (the same phases, the tensors ranked by their imatrix-weighted rounding
+    error)."""
+    trunk = gguf_trunk(config, steps, seeds, GGUF_STEP_S["bf16"])
+    phase, mix_phase = round(PHASE * steps), round(MIX_PHASE * steps)
     arms = [trunk]
     arms += [gguf_arm("STE phase", f, trunk, GGUF_STEP_S[f], method="ste[all]", target_format=f, pqt_start=phase)
-             for f in GGUF_STE_FORMATS]
+             for f in ste_formats]
     # a mix: the gaussws phase, then as long an STE phase on the K-quants (their mean cost)
     ste_k = statistics.mean(GGUF_STEP_S[f] for f in GGUF_STE_FORMATS if f.endswith("_k"))
-    mix_s = round(((phase - mix_phase) * GGUF_STEP_S["gaussws"] + (GGUF_STEPS - phase) * ste_k)
-                  / (GGUF_STEPS - mix_phase), 2)
+    mix_s = round(((phase - mix_phase) * GGUF_STEP_S["gaussws"] + (steps - phase) * ste_k) / (steps - mix_phase), 2)
     for mix, bits in GGUF_MIX_BITS.items():
-        for kind, fmt in (("learned mix", "auto-gguf"), ("error mix", "error-gguf")):
+        for kind in mixes:
+            fmt = MIX_KINDS[kind]
             arms.append(gguf_arm(f"{kind} at {mix}'s size", f"{fmt}@{bits:g}", trunk, mix_s,
                                  method="gaussws[all]", target_format=fmt, bits_per_weight=bits,
                                  pqt_start=mix_phase, ste_start=phase))
@@ -285,6 +295,22 @@ STUDIES["gguf"] = dict(
     about="Trained GGUF files against llama.cpp's quantizer (beyond the paper): STE phases on llama.cpp's grids "
           "and learned per-tensor types, against llama-quantize with an importance matrix, judged by llama.cpp",
     arms=gguf_arms(), seeds=GGUF_SEEDS, export=(), export_bf16=False, report="gguf")
+
+# The same comparison at 2 tokens per parameter (1,600 steps of the GPT2): the arms that decide the headline
+# (the trunk and llama.cpp's files of it, STE q4_0, the learned mixes), to see how the trained files' lead
+# moves with training length. And on a Llama (config/mini_llama2_gguf.py, 8 tokens per parameter).
+GGUF_SHORT_STEPS = 1600
+GGUF_LLAMA_CONFIG, GGUF_LLAMA_STEPS = "config/mini_llama2_gguf.py", 6900
+STUDIES["gguf_short"] = dict(
+    about="The llama.cpp study's headline arms at 2 tokens per parameter (1,600 steps): bf16 and llama-quantize, "
+          "STE q4_0, the learned per-tensor mixes",
+    arms=gguf_arms(steps=GGUF_SHORT_STEPS, ste_formats=("q4_0",), mixes=("learned mix",)), seeds=GGUF_SEEDS,
+    export=(), export_bf16=False, report="gguf")
+STUDIES["gguf_llama"] = dict(
+    about="The llama.cpp study on a Llama (config/mini_llama2_gguf.py, llama.cpp's llama architecture): bf16 and "
+          "llama-quantize, STE phases on llama.cpp's grids",
+    arms=gguf_arms(GGUF_LLAMA_CONFIG, GGUF_LLAMA_STEPS, mixes=()), seeds=GGUF_SEEDS, export=(),
+    export_bf16=False, report="gguf")
 
 # --- the runs of an arm ---------------------------------------------------------------------------
 SHORT = {"method": "", "learning_rate": "lr", "optimizer": "", "b_init": "binit", "b_target": "btarget",
