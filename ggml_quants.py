@@ -1,5 +1,5 @@
 """llama.cpp's block types as grids to train on and to write bit for bit: Q4_0, Q8_0, Q4_K, Q5_K, Q3_K,
-Q2_K, Q6_K and MXFP4.
+Q2_K, Q6_K, MXFP4, IQ4_NL and IQ4_XS.
 
     q = quantize(w, "q4_k")         # w: float32 (m, n); blocks run along each row; codes and scales
     w_hat = dequantize(q, "q4_k")   # float32, exactly as ggml's dequantize_row_q4_K computes it
@@ -20,6 +20,8 @@ block or sub-block, blocks in row order:
     Q2_K   d, dmin (m, n/256) f16; sc, m (m, n/256, 16) u8 0..15; q (m, n) u8 0..3, x = d*sc*q - dmin*m
     Q3_K   d (m, n/256) f16; sc (m, n/256, 16) u8 0..63; q (m, n) u8 0..7, x = d*(sc-32)*(q-4)
     Q6_K   d (m, n/256) f16; sc (m, n/256, 16) i8; q (m, n) u8 0..63, x = d*sc*(q-32)
+    IQ4_NL d (m, n/32) f16; q (m, n) u8 0..15, x = d*kvalues[q] (KVALUES_IQ4NL, ggml-common.h's kvalues_iq4nl)
+    IQ4_XS d (m, n/256) f16; sc (m, n/256, 8) u8 0..63; q (m, n) u8 0..15, x = d*(sc-32)*kvalues[q]
 
 Scale rules, and why:
 
@@ -60,8 +62,22 @@ Scale rules, and why:
     rounding at the midpoints).
   Q4_0, Q8_0 and MXFP4 are idempotent (a weight on the grid stays there: its block's largest lands on
   the extreme code, which gives back the same scale); the K-quants are not: a sub-block whose weights
-  miss its extreme codes starts again from a narrower range and may settle on another grid.
-- FP16 scales: Q4_0 and Q8_0 round d to nearest as llama.cpp does (a tiny block's d may be subnormal,
+  miss its extreme codes starts again from a narrower range and may settle on another grid; nor are IQ4_NL
+  and IQ4_XS, whose search may find another scale.
+- IQ4_NL and IQ4_XS are llama.cpp's quantize_iq4_nl and quantize_iq4_xs (quantize_row_iq4_nl_impl with
+  ntry 7), operation for operation in FP32 (sums in the C's order, _sequential_sum), so that llama-quantize
+  writes the bytes pack(quantize(w)) writes, with its importance matrix too (quantize's `weights`: each
+  input column's imatrix value). Per 32 weights: each weight's importance (x^2, or imatrix * sqrt(sigma2
+  + x^2), sigma2 twice the mean square of the block's 32 or 256 weights), then the least-squares scale of
+  the codes nearest at 16 trial scales (the block's signed largest weight at +-127 and at -127 + k for k in
+  -7..7; the 16-level grid is asymmetric, -127..113), the one whose weighted fit is best. IQ4_NL stores it
+  in FP16 and takes each weight's nearest level against the FP32 scale; IQ4_XS stores the super-block's
+  d = -(the signed largest of its 8 scales)/32 in FP16 and each scale as a 6-bit code l = round(scale/d)
+  in -32..31, then each weight's nearest level against d*l in FP32. As for Q4_0, a code is not always
+  the nearest point of the stored grid. A block whose largest magnitude is below 1e-15 is all zero (its
+  codes the level 1, index 8); an IQ4_XS super-block of zeros stores d = -0. (quantize_row_iq4_nl_ref,
+  which ggml's CPU backend uses to quantize activations, differs: one trial scale, the mirrored one.)
+- FP16 scales: Q4_0, Q8_0, IQ4_NL and IQ4_XS round d to nearest as llama.cpp does (a tiny block's d may be subnormal,
   or zero: then the block is all zeros). The K-quants' d and dmin round to nearest unless that would
   put the largest sub-block's code beyond its range (a subnormal d rounded to nearest can be a third
   too small, a non-zero one 0), then to the FP16 value above: a tiny non-zero block keeps a scale and
@@ -85,9 +101,12 @@ import util
 from kernels.torch_noise import Compiled
 
 T = GGMLQuantizationType
-TYPES = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q3_K, T.Q2_K, T.Q6_K, T.MXFP4)
+TYPES = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q3_K, T.Q2_K, T.Q6_K, T.MXFP4, T.IQ4_NL, T.IQ4_XS)
 QK_K = 256  # weights per K-quant super-block
 KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # ggml's: twice E2M1's value of each code
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml-common.h's
+IQ4_TRIES = 7  # quantize_iq4_nl/_xs's ntry: trial scales with the largest weight at -127 + k, k in -7..7
+GROUP_MAX_EPS = 1e-15  # ggml-quants.c's: a block whose largest magnitude is below it is all zero
 LLOYD_ROUNDS = 2  # K-quants' least-squares refits of the sub-block scales: 2 take most of the gain (docs/GGUF.md)
 
 
@@ -297,6 +316,108 @@ def _quantize_symmetric(x, t, check, qneg, cneg):
     return {"d": d, "sc": sc + 32 if t == T.Q3_K else sc, "q": q}
 
 
+# --- IQ4_NL, IQ4_XS: llama.cpp's rule (quantize_row_iq4_nl_impl) ----------------------------------------
+
+def _sequential_sum(t):
+    """The sum over the first dimension in index order from +0, each addition rounded to FP32: a C loop's
+    `float s = 0; for (j...) s += t[j];` (ggml-base has no FMA to contract it)."""
+    s = torch.zeros(t.shape[1:], dtype=t.dtype, device=t.device)
+    for term in t:
+        s.add_(term)
+    return s
+
+
+def _divide(a, b):
+    """a / b for a number a and a tensor b: one correctly rounded FP32 division each, as C's (torch's own
+    a / b multiplies by b's reciprocal)."""
+    return torch.full_like(b, a) / b
+
+
+# best_index_int8 as tables over floor(x) (the levels are integers, so kvalues[l] <= x exactly where
+# kvalues[l] <= floor(x)): for each integer i from -127 to 113, the level l of KVALUES_IQ4NL (at most 14) with
+# kvalues[l] <= i, and the two levels around it
+_IQ4_BELOW = [max(k for k in range(15) if KVALUES_IQ4NL[k] <= i) for i in range(-127, 114)]
+_IQ4_AROUND = [[KVALUES_IQ4NL[k] for k in _IQ4_BELOW], [KVALUES_IQ4NL[k + 1] for k in _IQ4_BELOW]]
+
+
+def _iq4_nearest(x):
+    """best_index_int8 of each value of x (finite) on KVALUES_IQ4NL, as (its level's value, whether it is the
+    upper of the two around x): around x the levels lo <= x < hi (the lowest two below the grid, the highest
+    two above it), then hi unless x - lo < hi - x, both differences in FP32, which gives the lowest level
+    below the grid and the highest above it, as the C's early returns do."""
+    at = x.clamp(-127, 113).floor_().add_(127).long().flatten()
+    around = torch.tensor(_IQ4_AROUND, dtype=torch.float32, device=x.device)
+    lo, hi = around[0].index_select(0, at).view_as(x), around[1].index_select(0, at).view_as(x)
+    upper = (x - lo) >= (hi - x)
+    return torch.where(upper, hi, lo), upper
+
+
+def _iq4_codes(x):
+    """The level index (0..15) best_index_int8 gives each value of x, as floats."""
+    _, upper = _iq4_nearest(x)
+    at = x.clamp(-127, 113).floor_().add_(127).long().flatten()
+    below = torch.tensor(_IQ4_BELOW, dtype=torch.float32, device=x.device).index_select(0, at).view_as(x)
+    return below + upper
+
+
+def _iq4_scales(x, weight):
+    """Each 32-weight block's FP32 scale (the first loop of quantize_row_iq4_nl_impl), x and weight (32, ...):
+    the least-squares scale of the codes at the block's signed largest weight / 127, then at each of
+    IQ4_TRIES' trial scales, keeping the one with the best weighted fit sumqx^2 / sumq2 (the first at ties);
+    each sum in the C's order, each product (w*q)*x rounded. 0 for a block of magnitude below GROUP_MAX_EPS
+    (whose trials are made at 0 and not used)."""
+    top = _first_absmax(x.movedim(0, -1))
+    zero = top.abs() < GROUP_MAX_EPS
+    top = torch.where(zero, 1.0, top)
+    trials = [_divide(1, (-top) / torch.full_like(top, -127.0))]
+    trials += [_divide(k - 127, top) for k in range(-IQ4_TRIES, IQ4_TRIES + 1)]
+    inverse = torch.where(zero, 0.0, torch.stack(trials))  # (trials, ...)
+    q, _ = _iq4_nearest(inverse * x[:, None])  # (32, trials, ...)
+    wq = weight[:, None] * q
+    sumqx, sumq2 = _sequential_sum(wq * x[:, None]), _sequential_sum(wq.mul_(q))
+    d = torch.where(sumq2[0] > 0, _div_or_zero(sumqx[0], sumq2[0]), 0.0)
+    best = d * sumqx[0]
+    for k in range(1, len(trials)):
+        better = (sumq2[k] > 0) & (sumqx[k] * sumqx[k] > best * sumq2[k])
+        d = torch.where(better, _div_or_zero(sumqx[k], sumq2[k]), d)
+        best = torch.where(better, d * sumqx[k], best)
+    return torch.where(zero, 0.0, d)
+
+
+def _iq4_weights(x, weights, sub):
+    """Each weight's importance in the fit, x (32, rows, super-blocks, sub / 32): x^2 without an importance
+    matrix; with one (weights: (columns,), the same for every row), weights * sqrt(sigma2 + x^2), sigma2 = 2
+    / sub * the sum of squares of its super-block of sub weights."""
+    if weights is None:
+        return x * x
+    sigma2 = _sequential_sum((x * x).movedim(-1, 0).flatten(0, 1)) * (2 / sub)  # its blocks in order
+    root = torch.sqrt((sigma2[..., None] + x * x).double()).float()  # correctly rounded, as C's sqrtf (torch's is not)
+    return weights.float().view(-1, sub // 32, 32).permute(2, 0, 1)[:, None] * root
+
+
+def _quantize_iq4(x, t, check, weights=None):
+    """quantize_iq4_nl (x: (m, blocks, 32)) and quantize_iq4_xs (x: (m, super-blocks, 256)): the scales of the
+    32-weight blocks (_iq4_scales), then IQ4_NL's in FP16 with each weight's level against the FP32 scale;
+    IQ4_XS's as 6-bit codes of d = -(the super-block's signed largest scale) / 32 (the first block of the
+    largest magnitude; +0 where all are 0, so that d is -0), d in FP16, each weight's level against d * code
+    in FP32. The weights are laid out (32, rows, super-blocks, blocks) inside, so that each sum over a
+    block's 32 weights runs over contiguous slices."""
+    sub = x.shape[-1]
+    xt = x.unflatten(-1, (sub // 32, 32)).permute(3, 0, 1, 2).contiguous()
+    scale = _iq4_scales(xt, _iq4_weights(xt, weights, sub))  # (rows, super-blocks, blocks)
+    if t == T.IQ4_NL:
+        fields = {"d": _fp16(scale[..., 0], t, "scale d", check)}
+        inverse = torch.where(scale != 0, _divide(1, scale), 0.0)
+    else:
+        d = -_first_absmax(scale) / 32
+        sc = (torch.where(d != 0, _divide(1, d), 0.0)[..., None] * scale).round_().clamp_(-32, 31)  # nearest_int
+        dl = d[..., None] * sc
+        fields = {"d": _fp16(d, t, "scale d", check), "sc": sc + 32}
+        inverse = torch.where(dl != 0, _divide(1, dl), 0.0)
+    q = _iq4_codes(inverse * xt)  # (32, rows, super-blocks, blocks)
+    return {**fields, "q": q.permute(1, 2, 3, 0).reshape(x.shape)}
+
+
 _QUANTIZE = {
     T.Q4_0: _quantize_q4_0,
     T.Q8_0: _quantize_q8_0,
@@ -306,29 +427,52 @@ _QUANTIZE = {
     T.Q2_K: lambda x, t, check: _quantize_affine(x, t, check, 16, 3, 15),
     T.Q3_K: lambda x, t, check: _quantize_symmetric(x, t, check, 4, 32),
     T.Q6_K: lambda x, t, check: _quantize_symmetric(x, t, check, 32, 128),
+    T.IQ4_NL: _quantize_iq4,
+    T.IQ4_XS: _quantize_iq4,
 }
+# llama.cpp's searched rule: quantize takes its importance weights; fake_quantize stays eager on CPU (compiled, its
+# 16 trial scales of every block ran no faster, after half a minute of compiling a weight's loop)
+IQ4 = (T.IQ4_NL, T.IQ4_XS)
 _SIGNED = {T.Q8_0: "q", T.Q6_K: "sc"}  # the one int8 field of these types; every other code is uint8
 
 
-def _quantize_float(w, t, check):
+def _importance(weights, t, n):
+    """quantize's importance weights as a float32 (n,) tensor, or a one-line QuantError: for IQ4_NL and IQ4_XS
+    only (the other types' rules weigh every weight alike), one finite value >= 0 per input column."""
+    if t not in IQ4:
+        raise QuantError(f"{t.name} takes no importance weights (its rule weighs every weight alike); "
+                         f"{' and '.join(x.name for x in IQ4)} do")
+    weights = torch.as_tensor(weights).float()
+    if weights.shape != (n,) or not bool((torch.isfinite(weights) & (weights >= 0)).all()):
+        raise QuantError(f"{t.name}: importance weights are one finite value >= 0 per input column ({n}); got "
+                         f"shape {tuple(weights.shape)}" + ("" if weights.shape != (n,) else " with others"))
+    return weights
+
+
+def _quantize_float(w, t, check, weights=None):
     """quantize's fields with the integer codes still in FP32 (what fake_quantize dequantizes directly)."""
     w = _check(w, t, check)
     m, n = w.shape
     bs = GGML_QUANT_SIZES[t][0]
-    q = _QUANTIZE[t](w.reshape(m, n // bs, bs), t, check)
+    x = w.reshape(m, n // bs, bs)
+    if weights is None:
+        q = _QUANTIZE[t](x, t, check)
+    else:
+        q = _QUANTIZE[t](x, t, check, _importance(weights, t, n).to(w.device))
     q["q"] = q["q"].reshape(m, n)
     return q
 
 
 @torch.compiler.disable
 @torch.no_grad()
-def quantize(w, type, check=True):
+def quantize(w, type, check=True, weights=None):
     """Codes and scales of w (float (m, n), n a multiple of the type's block) on the type's grid by the
     module's scale rules: a dict of tensors on w's device, laid out as the module docstring lists.
     check=False skips the host-device synchronisations that refuse non-finite weights and FP16-overflowing
-    scales (for a training step, whose loss is checked)."""
+    scales (for a training step, whose loss is checked). weights: IQ4_NL's and IQ4_XS's importance of each
+    input column, llama.cpp's importance matrix (llama-quantize --imatrix); None: each weight's square."""
     t = ggml_type(type)
-    q = _quantize_float(w, t, check)
+    q = _quantize_float(w, t, check, weights)
     return {k: v if v.dtype == torch.float16 else v.to(torch.int8 if _SIGNED.get(t) == k else torch.uint8)
             for k, v in q.items()}
 
@@ -351,6 +495,12 @@ def _dequantize_mxfp4(q):
     return values[q["q"].long()].reshape(*d.shape, 32) * d[..., None]
 
 
+def _dequantize_iq4(q, d):
+    """ggml's dequantize_row_iq4_nl/_xs: d (per 32 weights) * kvalues[q], exact in FP32 (11 + 6 + 7 bits)."""
+    values = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=q["q"].device)
+    return values[q["q"].long()].reshape(*d.shape, 32) * d[..., None]
+
+
 _DEQUANTIZE = {
     T.Q4_0: lambda q: (q["q"].reshape(*q["d"].shape, 32).float() - 8) * q["d"].float()[..., None],
     T.Q8_0: lambda q: q["q"].reshape(*q["d"].shape, 32).float() * q["d"].float()[..., None],
@@ -360,6 +510,8 @@ _DEQUANTIZE = {
     T.Q2_K: lambda q: _dequantize_affine(q, 16),
     T.Q3_K: lambda q: _dequantize_symmetric(q, q["sc"].float() - 32, 4),
     T.Q6_K: lambda q: _dequantize_symmetric(q, q["sc"], 32),
+    T.IQ4_NL: lambda q: _dequantize_iq4(q, q["d"].float()),
+    T.IQ4_XS: lambda q: _dequantize_iq4(q, q["d"].float()[..., None] * (q["sc"].float() - 32)),
 }
 
 
@@ -394,7 +546,7 @@ def fake_quantize(w, type, check=True):
     """dequantize(quantize(w, type)), bit for bit: w on the type's grid, the STE forward's weight. With
     check=False (no host-device synchronisation) a CPU weight goes through one compiled loop."""
     t = ggml_type(type)
-    if not check and w.device.type == "cpu":
+    if not check and w.device.type == "cpu" and t not in IQ4:
         return _fake_quantize_compiled(w, int(t))
     return _fake_quantize(w, t, check)
 
@@ -451,6 +603,13 @@ def _pack_blocks(t, q):
         return [scale, _nibbles(codes, 16)]
     if t == T.Q8_0:
         return [_f16_bytes(q["d"]), codes.view(np.uint8)]
+    if t == T.IQ4_NL:
+        return [_f16_bytes(q["d"]), _nibbles(codes, 16)]
+    if t == T.IQ4_XS:  # d, scales_h (uint16: bits 2j, 2j+1 the top of scale j), scales_l (nibbles: j even low)
+        sc = q["sc"].astype(np.uint16)
+        high = np.bitwise_or.reduce((sc >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=-1)
+        return [_f16_bytes(q["d"]), high[..., None].astype("<u2").view(np.uint8),
+                (sc[..., 0::2] & 0xF) | ((sc[..., 1::2] & 0xF) << 4), _nibbles(codes, 16)]
     if t == T.Q4_K:
         return [_f16_bytes(q["d"]), _f16_bytes(q["dmin"]), _k_scales(q["sc"], q["m"]), _nibbles(codes, 32)]
     if t == T.Q5_K:
