@@ -61,8 +61,9 @@ BY_NAME = {f.name: i for i, f in enumerate(FORMATS)}
 
 # llama.cpp's block types (ggml_quants.py) as formats of a whole weight: our name -> the GGML type's.
 # mxfp4_row is GGUF's MXFP4, one E8M0 scale per 32 weights of a row; mxfp4 above is our 32x32 block.
+# A file stores the name's position here (lowbit's format order): append, never reorder.
 GGML_FORMATS = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q3_k": "Q3_K", "q2_k": "Q2_K",
-                "q6_k": "Q6_K", "mxfp4_row": "MXFP4"}
+                "q6_k": "Q6_K", "mxfp4_row": "MXFP4", "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS"}
 GGML_NAMES = {t: name for name, t in GGML_FORMATS.items()}
 GGUF_BUDGETS = ("auto-gguf", "error-gguf")  # one GGML type per weight at a mean bits per weight: by b_t, by error
 

@@ -83,6 +83,7 @@ def _q8_k(x):
 # ggml-cpu.c's type_traits_cpu).
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 ACTIVATIONS = {Q.Q4_0: _q8_0, Q.Q8_0: _q8_0, Q.MXFP4: _q8_0, **dict.fromkeys(K_QUANTS, _q8_k),
+               Q.IQ4_NL: _q8_0, Q.IQ4_XS: _q8_k,
                Q.BF16: lambda x: x.bfloat16().type_as(x), Q.F16: lambda x: x.half().type_as(x), Q.F32: lambda x: x}
 
 

@@ -37,21 +37,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from formats import (BY_NAME, FORMATS, block_weights, budget_format_ids, e8m0_exponents, greedy_upgrades, int_scales,
-                     pow2)
+from formats import (BY_NAME, FORMATS, GGML_FORMATS, block_weights, budget_format_ids, e8m0_exponents, greedy_upgrades,
+                     int_scales, pow2)
 from kernels import BL
 from kernels.torch_noise import block_absmax
 
 STE_FORMATS = tuple(f"int{b}" for b in range(2, 9)) + ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3",
-                                                        "mxfp8_e5m2")
-# llama.cpp's block types as target formats, by the type's GGML name (ggml_quants.py); mxfp4_row is GGUF's
-# MXFP4 (one E8M0 scale per 32 weights of a row), "mxfp4" our 32x32 one
-GGML_FORMATS = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q3_k": "Q3_K", "q2_k": "Q2_K",
-                "q6_k": "Q6_K", "mxfp4_row": "MXFP4"}
+                                                        "mxfp8_e5m2")  # and llama.cpp's types, GGML_FORMATS
 INT_BUDGETS = ("auto-int", "error-int")  # int2/int3/int4 per block at bits_per_weight: ranked by b_t, by error
 GGUF_BUDGETS = ("auto-gguf", "error-gguf")  # one GGML type per tensor at bits_per_weight: by b_t, by weighted error
 BUDGET_TARGETS = INT_BUDGETS + GGUF_BUDGETS
-GGUF_BUDGET_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0")  # what a GGUF budget mixes, in bits order
+# What a GGUF budget mixes, in the order of their bits per weight (scales included): Q2_K 2.625, Q3_K 3.4375,
+# IQ4_XS 4.25, Q4_K 4.5, IQ4_NL 4.5, Q5_K 5.5, Q6_K 6.5625, Q8_0 8.5. IQ4_XS is below Q4_K in bits (super-blocks of
+# 256 as Q4_K's, 6-bit scales and no mins) and 6 % above it in rounding error on Gaussian weights (rounding_error).
+# IQ4_NL has the bits of Q4_K and of Q4_0 (which a budget does not mix): 4.8 % more error than Q4_K, 22 % less than
+# Q4_0. Of two types of equal bits a ladder keeps the first (budget_ladder): a tensor Q4_K fits takes Q4_K, and
+# IQ4_NL is the 4.5-bit step of a width that is a multiple of 32 and not of 256.
+GGUF_BUDGET_TYPES = ("q2_k", "q3_k", "iq4_xs", "q4_k", "iq4_nl", "q5_k", "q6_k", "q8_0")
 IMATRIX_STEPS = 16  # error-gguf: optimizer steps before the switch whose input activations weight the error
 FORMAT_STATE = (".format_ids", ".ggml_type", ".imatrix")  # what BlockFormats adds to a layer's state dict
 UNCHOSEN = 255  # format_ids and ggml_type before the budget chose them (no format or GGML type has this id)
@@ -125,12 +127,12 @@ def check_layers(shapes, fmt, bits_per_weight=0.0):
         raise ValueError(f"{name} has input width {width}{more}, which target_format={fmt!r} cannot hold ({what}): "
                          f"{works}")
     if fmt in GGUF_BUDGETS and shapes:
-        bits = {name: _allowed(shape[1])[0][1] for name, shape in shapes.items()}
+        bits = {name: budget_ladder(shape[1])[0][1] for name, shape in shapes.items()}
         total = sum(out * width for out, width in shapes.values())
         least = sum(bits[name] * out * width for name, (out, width) in shapes.items()) / total
         if bits_per_weight < least:
             raise ValueError(f"bits_per_weight={bits_per_weight:g} is below what these Linears can take at the "
-                             f"least, {least:.4g} bits per weight (Q2_K, or Q8_0 where the input width is not a "
+                             f"least, {least:.4g} bits per weight (Q2_K, or IQ4_NL where the input width is not a "
                              f"multiple of 256): raise bits_per_weight, or use widths that are multiples of 256")
 
 
@@ -456,11 +458,16 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _allowed(width):
-    """[(type name, bits per weight)] of GGUF_BUDGET_TYPES a row of `width` weights can be, in bits order."""
+def budget_ladder(width):
+    """[(type name, bits per weight)] of GGUF_BUDGET_TYPES a row of `width` weights can be, in bits order, each
+    step more bits than the one below (of two types of equal bits, the first)."""
     G = _ggml()
-    return [(t, G.bits_per_weight(GGML_FORMATS[t])) for t in GGUF_BUDGET_TYPES
-            if width % G.block_size(GGML_FORMATS[t]) == 0]
+    ladder = []
+    for t in GGUF_BUDGET_TYPES:
+        bits = G.bits_per_weight(GGML_FORMATS[t])
+        if width % G.block_size(GGML_FORMATS[t]) == 0 and (not ladder or bits > ladder[-1][1]):
+            ladder.append((t, bits))
+    return ladder
 
 
 def tensor_b_t(b_t, shape):
@@ -496,7 +503,7 @@ def gguf_types(fmt, weights, budget, *, b_t=None, imatrix=None):
       - error-gguf (imatrix: {layer: the input columns' summed squared activations}): imatrix_error,
         llama.cpp's importance-matrix error of the weight at each type."""
     layers = list(weights)
-    allowed = [_allowed(weights[k].shape[1]) for k in layers]
+    allowed = [budget_ladder(weights[k].shape[1]) for k in layers]
     numel = [weights[k].numel() for k in layers]
     proxy = []
     for k, types in zip(layers, allowed):

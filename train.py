@@ -187,7 +187,8 @@ def matched_b_t(method, name):
     whole block max, is where the two part most. For the MX formats r depends on how the weights fill
     each binade, and for the GGML types on their 32- or 16-weight sub-block scales, hence the
     measurement. gaussws (diffq): q2_k 3.73 (2.83), q3_k 4.63 (3.73), q4_0 5.42 (4.52), q4_k 5.63
-    (4.73), q5_k 6.64 (5.73), q6_k 7.66 (6.75), q8_0 9.43 (8.52), mxfp4_row 5.00 (4.10): a row block's
+    (4.73), q5_k 6.64 (5.73), q6_k 7.66 (6.75), q8_0 9.43 (8.52), mxfp4_row 5.00 (4.10), iq4_xs 5.59
+    (4.68), iq4_nl 5.60 (4.69): a row block's
     scale follows its own 32 (or 16) weights, so the error relative to the 32x32 block max falls below
     that of int-b at the same code bits (int4 4.71).
     """
@@ -199,11 +200,11 @@ def matched_b_t(method, name):
 def budget_level(method, bits, fmt="auto-int"):
     """The b_t level of a bit budget of `bits` bits per weight, linear in bits between the matched_b_t
     of the two formats it mixes around it (our choice): for the int budgets int<b> at b element bits;
-    for the GGUF ones (fmt auto-gguf, error-gguf) the types of ste.GGUF_BUDGET_TYPES at their bits per
-    weight, scales included (Q2_K's level at 2.625, Q3_K's at 3.4375, ...)."""
+    for the GGUF ones (fmt auto-gguf, error-gguf) the types of a K-quant row's ladder (ste.budget_ladder:
+    every type of ste.GGUF_BUDGET_TYPES but IQ4_NL, which has Q4_K's bits) at their bits per weight, scales
+    included (Q2_K's level at 2.625, Q3_K's at 3.4375, IQ4_XS's at 4.25, ...)."""
     if fmt in ste.GGUF_BUDGETS:
-        import ggml_quants
-        points = [(ggml_quants.bits_per_weight(ste.GGML_FORMATS[t]), t) for t in ste.GGUF_BUDGET_TYPES]
+        points = [(b, t) for t, b in ste.budget_ladder(256)]
     else:
         points = [(b, f"int{b}") for b in (2, 3, 4)]
     i = max(1, min(len(points) - 1, next((i for i, (b, _) in enumerate(points) if b > bits), len(points))))

@@ -1,7 +1,7 @@
-"""The STE on llama.cpp's block types (--target_format=q4_0 ... mxfp4_row) and one GGML type per tensor at
-a GGUF budget (auto-gguf, error-gguf), held against truths outside the code: gguf's own dequantizer for
-the grid, the gradient by hand, a naive re-measurement of the matched b_t levels, and a budget's bits
-counted from gguf's block sizes."""
+"""The STE on llama.cpp's block types (--target_format=q4_0 ... mxfp4_row, iq4_nl, iq4_xs) and one GGML type
+per tensor at a GGUF budget (auto-gguf, error-gguf), held against truths outside the code: gguf's own
+dequantizer for the grid, the gradient by hand, a naive re-measurement of the matched b_t levels, and a
+budget's bits counted from gguf's block sizes."""
 import math
 import re
 import statistics
@@ -122,13 +122,18 @@ def test_the_matched_level_of_each_type_is_a_naive_measurement_on_a_shuffled_til
 
 
 def test_the_gguf_budgets_level_lies_between_its_types_levels_by_their_bits():
+    """At each type's bits the level is its own (IQ4_NL's 4.5 bits are Q4_K's, the first of the two in the
+    ladder), between two types linear in bits: 4.0 lies between Q3_K (3.4375) and IQ4_XS (4.25)."""
+    ladder = ("q2_k", "q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q8_0")  # a row of 256: every type but iq4_nl
+    assert [t for t, _ in ste.budget_ladder(256)] == list(ladder)
     for method in SECOND_MOMENT:
         levels = {t: train.matched_b_t(method, t) for t in ste.GGUF_BUDGET_TYPES}
-        for t in ste.GGUF_BUDGET_TYPES:
+        for t in ladder:
             assert train.budget_level(method, bits_per_weight(gguf_type(t)), "error-gguf") == levels[t]
-        q3, q4 = bits_per_weight(gguf_type("q3_k")), bits_per_weight(gguf_type("q4_k"))
+        assert train.budget_level(method, 4.5, "error-gguf") == levels["q4_k"] != levels["iq4_nl"]
+        q3, xs = bits_per_weight(gguf_type("q3_k")), bits_per_weight(gguf_type("iq4_xs"))
         assert train.budget_level(method, 4.0, "auto-gguf") == pytest.approx(
-            levels["q3_k"] + (4.0 - q3) / (q4 - q3) * (levels["q4_k"] - levels["q3_k"]), abs=0.005)
+            levels["q3_k"] + (4.0 - q3) / (xs - q3) * (levels["iq4_xs"] - levels["q3_k"]), abs=0.005)
     c = dict(pqt_start=50, ste_start=150, max_iters=200, target_format="auto-gguf", bits_per_weight=4.5, b_init=6.0,
              b_target=4.0)
     level = train.matched_b_t("gaussws", "q4_k")
@@ -234,7 +239,8 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_run_bit_for_bit(type_runs, d
     (dict(method="ste[down]", target_format="q2_k", n_embd=256, ffn_hidden=320),
      r"^error: transformer\.h\.0\.mlp\.c_proj has input width 320, which target_format='q2_k'"),
     (dict(target_format="error-gguf", bits_per_weight=4.0, pqt_start=5, n_embd=288),
-     r"bits_per_weight=4 is below what these Linears can take at the least, 8\.5 bits per weight"),
+     r"bits_per_weight=4 is below what these Linears can take at the least, 4\.5 bits per weight \(Q2_K, or "
+     r"IQ4_NL where"),
     (dict(target_format="error-gguf", bits_per_weight=4.0),
      r"error-gguf' weights each tensor's error by its input activations of the 16 steps before the switch, and "
      r"this one is at step 0"),
@@ -289,10 +295,15 @@ def test_auto_gguf_upgrades_tensors_in_the_order_of_their_b_t_within_the_budget(
     assert ste.gguf_types("auto-gguf", weights, q2, b_t=b_t) == dict.fromkeys("abcd", "q2_k")
     assert ste.gguf_types("auto-gguf", weights, q2 + (q3 - q2) / 4, b_t=b_t) == dict(a="q2_k", b="q3_k", c="q2_k",
                                                                                     d="q2_k")
-    assert ste.gguf_types("auto-gguf", weights, q2 + (q3 - q2) / 2, b_t=b_t) == dict(a="q2_k", b="q3_k", c="q2_k",
-                                                                                    d="q3_k")
+    # two upgrades of Q3_K's extra bits: b's second (to IQ4_XS, as many bits again) buys more per bit than d's
+    # first, 4^6.5 (r(q3_k) - r(iq4_xs)) > 4^5.5 (r(q2_k) - r(q3_k)), the proxies auto-gguf ranks by
+    r = {t: ste.rounding_error(t) for t in ("q2_k", "q3_k", "iq4_xs")}
+    assert 4 ** 6.5 * (r["q3_k"] - r["iq4_xs"]) > 4 ** 5.5 * (r["q2_k"] - r["q3_k"])
+    assert bits_per_weight(gguf_type("iq4_xs")) - q3 == q3 - q2
+    assert ste.gguf_types("auto-gguf", weights, q2 + (q3 - q2) / 2, b_t=b_t) == dict(a="q2_k", b="iq4_xs", c="q2_k",
+                                                                                    d="q2_k")
     rank = sorted(b_t, key=b_t.get)
-    order = list(ste.GGUF_BUDGET_TYPES)
+    order = ["q2_k", "q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q8_0"]  # a row of 512: iq4_nl has q4_k's bits
     for budget in np.linspace(q2, 8.5, 41):
         types = ste.gguf_types("auto-gguf", weights, budget, b_t=b_t)
         assert spent(types, weights) <= budget + 1e-12
@@ -308,7 +319,7 @@ def test_auto_gguf_upgrades_tensors_in_the_order_of_their_b_t_within_the_budget(
 
 def test_error_gguf_weights_each_tensors_error_by_its_input_activations():
     """Two equal weights: the one whose inputs are larger takes the one upgrade there is; a width that
-    no K-quant takes stays Q8_0 and its bits count in the budget."""
+    no K-quant takes (a multiple of 32, not of 256) is IQ4_NL at the least, Q8_0 above, its bits counted."""
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
     weights = {"quiet": w, "loud": w.clone()}
     imatrix = {"quiet": torch.ones(512), "loud": torch.full((512,), 100.0)}
@@ -324,8 +335,12 @@ def test_error_gguf_weights_each_tensors_error_by_its_input_activations():
     error = {k: ((gguf_grid(v, gguf_type("q2_k")) - v) ** 2).sum(0)[:16].sum() for k, v in (("a", a), ("b", b))}
     assert error["a"] > error["b"] and got == dict(a="q3_k", b="q2_k")
     narrow = {"wide": torch.zeros(64, 256), "narrow": torch.zeros(64, 96)}
-    types = ste.gguf_types("error-gguf", narrow, 8.0, imatrix={"wide": torch.ones(256), "narrow": torch.ones(96)})
-    assert types["narrow"] == "q8_0" and spent(types, narrow) <= 8.0
+    columns = {"wide": torch.ones(256), "narrow": torch.ones(96)}
+    least = (2.625 * 256 + 4.5 * 96) / (256 + 96)  # Q2_K and IQ4_NL, by their bits
+    assert ste.gguf_types("error-gguf", narrow, least, imatrix=columns) == dict(wide="q2_k", narrow="iq4_nl")
+    assert ste.gguf_types("error-gguf", narrow, 8.5, imatrix=columns) == dict(wide="q8_0", narrow="q8_0")
+    types = ste.gguf_types("error-gguf", narrow, 8.0, imatrix=columns)
+    assert types["narrow"] in ("iq4_nl", "q8_0") and spent(types, narrow) <= 8.0
 
 
 # --- the per-tensor budget through train.py: one switch, kept on resume --------------------------------

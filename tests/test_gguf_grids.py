@@ -1,8 +1,8 @@
-"""export.py's formats on llama.cpp's own grids (q4_0, q8_0, q4_k, q5_k, q3_k, q2_k, q6_k, mxfp4_row)
-and the per-weight types a run trained at a budget (auto-gguf, error-gguf): the .safetensors and the
+"""export.py's formats on llama.cpp's own grids (q4_0, q8_0, q4_k, q5_k, q3_k, q2_k, q6_k, mxfp4_row, iq4_nl,
+iq4_xs) and the per-weight types a run trained at a budget (auto-gguf, error-gguf): the .safetensors and the
 GGUF hold each weight's GGML blocks, which gguf's dequantizer reads back as ggml_quants.fake_quantize
 of the checkpoint's master weights, bit for bit; transformers and llama.cpp run every file;
-llama-quantize of the F32 file writes our Q4_0 and Q8_0 bytes.
+llama-quantize of the F32 file writes our Q4_0, Q8_0, IQ4_NL and IQ4_XS bytes.
 
 The models are a one-layer GPT2 and Llama2 whose every Linear reads a width of a multiple of 256 (the
 K-quants' rows: n_embd 256, GPT2's MLP 1024, Llama2's 768), on the default corpus's bytes."""
@@ -33,9 +33,10 @@ gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf 
 # Our format names and the GGML type of each, written out; the bits per weight of each type from
 # ggml-common.h's block sizes by hand: (bytes per block) * 8 / (weights per block).
 TYPES = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q3_k": "Q3_K", "q2_k": "Q2_K",
-         "q6_k": "Q6_K", "mxfp4_row": "MXFP4"}
+         "q6_k": "Q6_K", "mxfp4_row": "MXFP4", "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS"}
 BITS = {"Q4_0": 18 * 8 / 32, "Q8_0": 34 * 8 / 32, "Q4_K": 144 * 8 / 256, "Q5_K": 176 * 8 / 256,
-        "Q3_K": 110 * 8 / 256, "Q2_K": 84 * 8 / 256, "Q6_K": 210 * 8 / 256, "MXFP4": 17 * 8 / 32}
+        "Q3_K": 110 * 8 / 256, "Q2_K": 84 * 8 / 256, "Q6_K": 210 * 8 / 256, "MXFP4": 17 * 8 / 32,
+        "IQ4_NL": 18 * 8 / 32, "IQ4_XS": 136 * 8 / 256}
 ARCHS = {"gpt2": dict(arch="gpt2", n_layer=1, n_head=4, n_embd=256, vocab_size=256, block_size=64, gelu="tanh"),
          "llama2": dict(arch="llama2", n_layer=1, n_head=4, n_kv_head=2, n_embd=256, vocab_size=256, block_size=64)}
 # How close llama.cpp's val loss is to its arithmetic reproduced in our code and to ours (relative), and
@@ -205,7 +206,7 @@ def q8_k_reference(x):
 
 def test_llama_cpps_activations_against_a_k_quant_weight_are_q8_k():
     """llama.cpp's CPU matmul quantizes a Linear's input to its weight type's vec_dot_type: Q8_K for Q2_K ...
-    Q6_K (ggml-cpu.c). The rounding LlamaCppArithmetic applies is ggml's reference Q8_K, written out here,
+    Q6_K and IQ4_XS (ggml-cpu.c). The rounding LlamaCppArithmetic applies is ggml's reference Q8_K, written out here,
     on values spread over 40 octaves, with ties of +a and -a, zero blocks and exact halves."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 512, generator=gen) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=gen).float())
@@ -213,13 +214,13 @@ def test_llama_cpps_activations_against_a_k_quant_weight_are_q8_k():
     x[4, :256] = torch.linspace(-127, 127, 256).round()  # +127 and -127 tie; integers: the steps are exact
     x[5, :256] = torch.arange(256) % 7 - 3.5  # halves of the step
     want = q8_k_reference(x.numpy())
-    for qtype in llama_tools.K_QUANTS:
+    for qtype in (*llama_tools.K_QUANTS, gguf.GGMLQuantizationType.IQ4_XS):
         assert np.array_equal(bits(llama_tools.ACTIVATIONS[qtype](x).numpy()), bits(want)), qtype.name
 
 
 def q8_0_x86(x):
     """ggml-cpu's quantize_row_q8_0 for x86 (AVX), which llama.cpp's CPU matmul runs on a Linear's input
-    against Q4_0, Q8_0 and MXFP4, in numpy FP32: per 32 values, d = amax / 127 in FP16, id = 127 / amax
+    against Q4_0, Q8_0, MXFP4 and IQ4_NL, in numpy FP32: per 32 values, d = amax / 127 in FP16, id = 127 / amax
     (one correctly rounded division), q = x * id rounded half to even."""
     v = x.reshape(x.shape[0], -1, 32)
     amax = np.abs(v).max(-1, keepdims=True)
@@ -229,13 +230,13 @@ def q8_0_x86(x):
 
 
 def test_llama_cpps_activations_against_a_32_weight_block_are_x86s_q8_0():
-    """The rounding LlamaCppArithmetic applies against Q4_0, Q8_0 and MXFP4 is x86's Q8_0 (written out
+    """The rounding LlamaCppArithmetic applies against Q4_0, Q8_0, MXFP4 and IQ4_NL is x86's Q8_0 (written out
     here): 127 / amax divided once, where torch's 127 / tensor multiplies by a reciprocal and is a step
     off at a quarter of the values."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4096, 256, generator=gen) * torch.exp2(torch.randint(-20, 20, (4096, 1), generator=gen).float())
     want = q8_0_x86(x.numpy())
-    for qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4):
+    for qtype in (gguf.GGMLQuantizationType[t] for t in ("Q4_0", "Q8_0", "MXFP4", "IQ4_NL")):
         assert np.array_equal(bits(llama_tools.ACTIVATIONS[qtype](x).numpy()), bits(want)), qtype.name
 
 
@@ -243,10 +244,10 @@ def test_llama_cpps_activations_against_a_32_weight_block_are_x86s_q8_0():
 @pytest.mark.parametrize("fmt", TYPES)
 def test_llama_cpps_logits_and_val_loss_of_every_type_are_ours_within_the_bound(grids, fmt):
     """python export_gguf.py's check on train.py's evaluation batches: llama.cpp's logits are the file's
-    model's within twice the effect of its roundings (Q8_K activations against the K-quants, Q8_0 against
-    Q4_0, Q8_0, MXFP4; docs/GGUF.md), the arithmetic accounts for most of that difference (RMS_LEFT), and
-    its val loss is its arithmetic's within VAL_LOSS_TO_ARITHMETIC and ours (export.py's, FP32) within
-    VAL_LOSS_TO_OURS."""
+    model's within twice the effect of its roundings (Q8_K activations against the K-quants and IQ4_XS, Q8_0
+    against Q4_0, Q8_0, MXFP4, IQ4_NL; docs/GGUF.md), the arithmetic accounts for most of that difference
+    (RMS_LEFT), and its val loss is its arithmetic's within VAL_LOSS_TO_ARITHMETIC and ours (export.py's, FP32)
+    within VAL_LOSS_TO_OURS."""
     r = llama_tools.check_llama_cpp(str(grids.run / f"model-{fmt}.gguf"), eval_iters=1, plain_cpu=True)
     left = r["rms_logit_difference_arithmetic"] / r["rms_logit_difference_file"]
     print(f"llama.cpp {grids.arch} {fmt}: val loss to its arithmetic "
@@ -263,9 +264,9 @@ def test_llama_cpps_logits_and_val_loss_of_every_type_are_ours_within_the_bound(
 
 @pytest.mark.skipif(llama_tools.llama_cpp_tool("llama-quantize") is None,
                     reason="llama-quantize not found: set LLAMA_CPP_BIN to the directory of llama.cpp's tools, or "
-                           "put them on PATH, to compare its Q4_0 and Q8_0 files with ours")
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-def test_llama_quantize_of_the_f32_file_writes_our_q4_0_and_q8_0_bytes(grids, fmt, tmp_path):
+                           "put them on PATH, to compare its Q4_0, Q8_0, IQ4_NL and IQ4_XS files with ours")
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "iq4_nl", "iq4_xs"])
+def test_llama_quantize_of_the_f32_file_writes_our_q4_0_q8_0_and_iq4_bytes(grids, fmt, tmp_path):
     """llama-quantize --pure (no importance matrix) of model-fp32.gguf, embeddings and head kept in BF16 as
     ours: every tensor of its file has the type and the bytes of our model-<fmt>.gguf's."""
     dst = llama_tools.llama_quantize(grids.run / "model-fp32.gguf", tmp_path / "theirs.gguf", TYPES[fmt])
@@ -279,8 +280,8 @@ def test_llama_quantize_of_the_f32_file_writes_our_q4_0_and_q8_0_bytes(grids, fm
 # --- one type per weight: what a run trained at a budget ---------------------------------------------------
 
 # The GGML type each block Linear's STE trained on, by role: every type at least once over the two models.
-MIX = {"gpt2": {"attn.c_attn": "Q3_K", "attn.c_proj": "Q8_0", "mlp.c_fc": "Q2_K", "mlp.c_proj": "Q4_K"},
-       "llama2": {"attn.q": "Q3_K", "attn.k": "Q4_0", "attn.v": "Q5_K", "attn.out": "Q4_K", "mlp.gate": "Q2_K",
+MIX = {"gpt2": {"attn.c_attn": "IQ4_XS", "attn.c_proj": "Q8_0", "mlp.c_fc": "Q2_K", "mlp.c_proj": "Q4_K"},
+       "llama2": {"attn.q": "Q3_K", "attn.k": "Q4_0", "attn.v": "Q5_K", "attn.out": "IQ4_NL", "mlp.gate": "Q2_K",
                   "mlp.up": "MXFP4", "mlp.down": "Q6_K"}}
 BUDGET = 4.5  # the bits per weight the runs below trained their types at
 
@@ -325,7 +326,8 @@ def test_auto_gguf_writes_the_type_each_weight_trained_on(arch, tmp_path):
 
 @needs_llama_cpp
 def test_llama_cpp_runs_a_per_weight_mix(tmp_path):
-    """The Llama2 of MIX (seven types in one file) loads and runs in llama.cpp within the bound."""
+    """The Llama2 of MIX (seven types in one file, IQ4_NL among them) loads and runs in llama.cpp within the
+    bound."""
     write_data(str(tmp_path / "data"), tokenizer.Tokenizer("bytes", "bytes"))
     make_run(tmp_path / "run", tmp_path / "data", "llama2", pqt=budget_pqt(), types=trained_types("llama2"))
     assert export(tmp_path / "run", "--format=auto-gguf", f"--bits_per_weight={BUDGET}", "--gguf=True",
