@@ -14,7 +14,7 @@ Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoi
    (OCP Microscaling (MX) v1.0), either the same format for all blocks or, with `auto`/`auto-int`,
    the format that the block's own b_t asks for, or, with --bits_per_weight, int2/int3/int4 at that
    mean ranked by b_t (auto-int) or by each block's own error (error-int); or puts each weight whole
-   on one of llama.cpp's block types (q4_0, q8_0, q4_k, q5_k, q3_k, q2_k, q6_k, mxfp4_row: their GGML
+   on one of llama.cpp's block types (q4_0, q8_0, q4_k, q5_k, q3_k, q2_k, q6_k, mxfp4_row, iq4_nl, iq4_xs: their GGML
    blocks, the bytes a GGUF file holds; auto-gguf, error-gguf at --bits_per_weight: the type each
    weight of a run that trained at that budget trained on); writes model-<format>.safetensors: packed
    element codes, scales, per-block format ids or GGML blocks, what it takes to rebuild the model (no

@@ -6,9 +6,10 @@ with llama.cpp's own Python writer, the gguf package, and read back verified.
     reader = gguf_file.read("out/model-mxfp4.gguf")  # gguf's reader, after the checksums below
 
 Weights. A weight export.py quantized to one of llama.cpp's block types (formats.GGML_FORMATS: q4_0,
-q8_0, q4_k, q5_k, q3_k, q2_k, q6_k -> Q4_0 ... Q6_K, mxfp4_row -> MXFP4; auto-gguf and error-gguf one
-of them per weight) goes to GGUF as the .safetensors holds it: its GGML blocks' bytes, written raw
-(GGUFWriter.add_tensor's raw_dtype), never quantized again, so the two files hold the same bytes.
+q8_0, q4_k, q5_k, q3_k, q2_k, q6_k -> Q4_0 ... Q6_K, mxfp4_row -> MXFP4, iq4_nl, iq4_xs -> IQ4_NL, IQ4_XS;
+auto-gguf and error-gguf one of them per weight) goes to GGUF as the .safetensors holds it: its GGML
+blocks' bytes, written raw (GGUFWriter.add_tensor's raw_dtype), never quantized again, so the two files
+hold the same bytes.
 For our 32x32 formats: a GGUF block is 32 consecutive weights of one row with one scale; ours is a
 32x32 block with one scale, so each of its 32 rows becomes a GGUF block carrying the block's scale,
 and no value changes where the GGUF type can hold the element format: mxfp4 -> MXFP4 (codes and E8M0 scale

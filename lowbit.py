@@ -10,7 +10,7 @@ blocks in row-major order) and W.<format>.scales (E8M0 bytes, or BF16 for intege
 tensor under its own name; metadata with the architecture, the PQT settings, the format and its
 mix, the training config, the dataset's meta.json and the SHA-256 of every tensor and of the
 metadata (no pickle). A weight in one of llama.cpp's block types (formats.GGML_FORMATS: q4_0 ...
-q6_k, mxfp4_row) is instead one tensor, W.ggml: its blocks' bytes as GGML stores them, uint8 (rows,
+q6_k, mxfp4_row, iq4_nl, iq4_xs) is instead one tensor, W.ggml: its blocks' bytes as GGML stores them, uint8 (rows,
 bytes per row) (ggml_quants.pack of ggml_quants.quantize), the bytes a GGUF file of it holds; its type
 is in the metadata's "ggml_types" ({W: "Q4_K"}), and such a file has export version 3 ("pqt_export"),
 which an export.py that reads only version 2 refuses in one line. load rebuilds those weights with
