@@ -426,20 +426,24 @@ def block_linear_names(config):
 def describe_file(path, reader, config):
     """A GGUF file of the model config: its size on disk in bytes, its block Linears' tensor types
     ({type: count}) and their bits per weight, counted from the types' block sizes (GGML_QUANT_SIZES:
-    weights and bytes per block); embeddings, norms, biases and head are not counted."""
+    weights and bytes per block); and each block Linear's own (tensors: {llama.cpp's name: {type,
+    bits_per_weight, weights}}, in the file's order), what a mix chose. Embeddings, norms, biases and head
+    are not counted."""
     names = block_linear_names(config)
     found = {t.name: t for t in reader.tensors if t.name in names}
     if len(found) != len(names):
         raise GGUFError(f"{path} lacks block Linears of the run's model ({sorted(names - set(found))[0]}, ...): it is "
                         f"a file of another model")
-    types, bits, weights = {}, 0, 0
-    for t in found.values():
+    types, tensors, bits, weights = {}, {}, 0, 0
+    for name, t in found.items():
         per_block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        tensors[name] = dict(type=t.tensor_type.name, bits_per_weight=8 * block_bytes / per_block,
+                             weights=int(t.n_elements))
         bits += 8 * block_bytes * int(t.n_elements) // per_block
         weights += int(t.n_elements)
     return dict(bytes=os.path.getsize(path), tensor_types=dict(sorted(types.items())),
-                block_bits_per_weight=bits / weights)
+                block_bits_per_weight=bits / weights, tensors=tensors)
 
 
 @torch.no_grad()

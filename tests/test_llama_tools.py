@@ -32,10 +32,15 @@ from test_gguf_grids import BITS, VAL_LOSS_TO_OURS
 gguf = pytest.importorskip("gguf", reason="GGUF files are read with the gguf package (requirements.txt)")
 
 SPECS = ["Q8_0+imatrix", "Q4_0+imatrix", "Q4_K_M+imatrix", "Q3_K_M+imatrix", "Q2_K+imatrix", "Q4_0", "Q3_K_M",
-         "Q3_K_S+imatrix", "Q2_K_S+imatrix"]
+         "Q3_K_S+imatrix", "Q2_K_S+imatrix", "IQ2_XS+imatrix", "IQ2_M+imatrix", "IQ3_XXS+imatrix", "IQ3_S+imatrix",
+         "IQ4_XS+imatrix", "IQ4_NL+imatrix", "Q5_K_M+imatrix", "Q6_K+imatrix"]
 CHUNKS = 32  # chunks of block_size (64) training tokens in the tests' importance matrix
 N_LAYER = 2
-BITS = {**BITS, "F32": 32.0, "Q4_1": 20 * 8 / 32}  # ggml-common.h: Q4_1 = fp16 d and m, 16 bytes of nibbles
+# ggml-common.h: Q4_1 = fp16 d and m, 16 bytes of nibbles (32 weights); per 256 weights, IQ2_XS = fp16 d, qs 32
+# uint16, scales 8 bytes; IQ2_S = fp16 d, qs 64 bytes, qh 8, scales 8; IQ3_XXS = fp16 d, qs 96 bytes; IQ3_S =
+# fp16 d, qs 64 bytes, qh 8, signs 32, scales 4
+BITS = {**BITS, "F32": 32.0, "Q4_1": 20 * 8 / 32, "IQ2_XS": 74 * 8 / 256, "IQ2_S": 82 * 8 / 256,
+        "IQ3_XXS": 98 * 8 / 256, "IQ3_S": 110 * 8 / 256}
 KEYS = ("spec", "path", "type", "imatrix", "bytes", "block_bits_per_weight", "val_loss_llama_cpp", "val_loss_source")
 needs_tools = pytest.mark.skipif(
     any(llama_tools.llama_cpp_tool(name) is None for name in ("llama-quantize", "llama-imatrix"))
@@ -97,12 +102,25 @@ def llama_cpp_mix(qtype, imatrix, n_layer):
     """{tensor: type} of a GPT2's block Linears in llama-quantize's file of qtype (not --pure), written out from
     llama_tensor_get_type_impl (src/llama-quant.cpp of llama-cpp-python 0.3.36's llama.cpp): GPT2's fused
     attn_qkv is its attn_v (category_is_attn_v), with one query head per key head (n_gqa 1); use_more_bits
-    picks the first eighth, the last eighth and every third layer between for more bits."""
+    picks the first eighth, the last eighth and every third layer between for more bits. Each mix's own type
+    (IQ2_M's is IQ2_S) where no rule changes it; the types in the order attn_qkv, attn_output, ffn_up, ffn_down."""
     def more(i):
         return i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
     mix = {}
     for i in range(n_layer):
-        if qtype == "Q4_K_M":
+        first = i < n_layer // 8  # the first eighth of ffn_down
+        if qtype == "IQ2_XS":  # attn_v Q2_K (n_gqa below 4), the first eighth's ffn_down Q2_K
+            types = ("Q2_K", "IQ2_XS", "IQ2_XS", "Q2_K" if first else "IQ2_XS")
+        elif qtype == "IQ2_M":  # attn_v, attn_output and the first eighth's ffn_down IQ3_S, the rest IQ2_S
+            types = ("IQ3_S", "IQ3_S", "IQ2_S", "IQ3_S" if first else "IQ2_S")
+        elif qtype == "IQ3_XXS":  # attn_output IQ3_S; without an imatrix attn_v IQ3_S, ffn_down Q4_K / Q3_K
+            types = ("IQ3_XXS" if imatrix else "IQ3_S", "IQ3_S", "IQ3_XXS",
+                     "IQ3_XXS" if imatrix else "Q4_K" if first else "Q3_K")
+        elif qtype in ("IQ4_XS", "IQ4_NL"):  # without an imatrix the first eighth's ffn_down Q5_K
+            types = (qtype, qtype, qtype, "Q5_K" if first and not imatrix else qtype)
+        elif qtype == "Q5_K_M":
+            types = ("Q6_K" if more(i) else "Q5_K", "Q5_K", "Q5_K", "Q6_K" if more(i) else "Q5_K")
+        elif qtype == "Q4_K_M":
             types = ("Q6_K" if more(i) else "Q4_K", "Q4_K", "Q4_K", "Q6_K" if more(i) else "Q4_K")
         elif qtype == "Q3_K_M":
             types = ("Q5_K" if i < 2 else "Q4_K", "Q4_K", "Q3_K", "Q5_K" if i < n_layer // 16 else "Q4_K")
@@ -149,7 +167,8 @@ def test_the_command_writes_llama_cpps_files_and_one_table_of_them_and_ours(tabl
 @pytest.mark.parametrize("spec", SPECS)
 def test_each_llama_quantize_file_has_llama_cpps_type_mix_and_keeps_the_rest(table, spec):
     """gguf's reader: the block Linears of llama-quantize's file in the types llama.cpp's rules give (written out
-    here); every other tensor (embeddings BF16, norms and biases F32) the F32 file's, byte for byte."""
+    here), and the table's record of each; every other tensor (embeddings BF16, norms and biases F32) the F32
+    file's, byte for byte."""
     qtype, imatrix = spec.split("+")[0], spec.endswith("+imatrix")
     theirs = tensors(table["dir"] / f"llama-{spec.replace('+imatrix', '-imatrix')}.gguf")
     f32 = tensors(table["dir"] / "model-fp32.gguf")
@@ -162,6 +181,8 @@ def test_each_llama_quantize_file_has_llama_cpps_type_mix_and_keeps_the_rest(tab
             assert np.array_equal(np.asarray(theirs[name].data).view(np.uint8), np.asarray(t.data).view(np.uint8))
     row = table["rows"][spec]
     assert row["tensor_types"] == {t: list(want.values()).count(t) for t in sorted(set(want.values()))}
+    assert row["tensors"] == {n: dict(type=t, bits_per_weight=BITS[t], weights=int(theirs[n].n_elements))
+                              for n, t in want.items()}  # each tensor's own: what a mix chose
 
 
 @needs_tools
