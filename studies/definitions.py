@@ -186,32 +186,50 @@ STUDIES["deploy"] = dict(
 GGUF_CONFIG = "config/mini_gpt2_gguf.py"
 GGUF_STEPS = 6400
 GGUF_SEEDS = (1, 2, 3)
-GGUF_STE_FORMATS = ("q4_0", "q4_k", "q3_k", "q2_k")  # the STE phases' grids (ste.GGML_FORMATS)
+GGUF_STE_FORMATS = ("q4_0", "q4_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs")  # the STE phases' grids (ste.GGML_FORMATS)
 # llama-quantize of each trunk's last checkpoint (export_gguf.py --llama_quantize): each type or mix with the
 # importance matrix of the training split (+imatrix), and the two most used without it. Q3_K_S and Q2_K_S are
 # there because on this model their mixes are Q3_K and Q2_K on every block Linear (tests/test_llama_tools.py):
 # llama.cpp's file of the STE q3_k and q2_k phases' bytes, where Q3_K_M (4.27 bits) and Q2_K (3.17) are larger.
+# Then what llama.cpp's users download at 2-4.5 bits, the IQ types with the importance matrix (IQ2_XS, IQ2_M,
+# IQ3_XXS, IQ3_S, IQ4_XS, IQ4_NL: lattice and non-uniform grids, which lose less than a K-quant of their bytes),
+# and the K-quant mixes above Q4_K_M (Q5_K_M, Q6_K), so that every trained file has llama.cpp's best file of no
+# more bytes to be judged against (studies/gguf_report.py).
 LLAMA_CPP_SPECS = ("Q8_0+imatrix", "Q4_0+imatrix", "Q4_K_M+imatrix", "Q3_K_M+imatrix", "Q2_K+imatrix", "Q4_0",
-                   "Q3_K_M", "Q3_K_S+imatrix", "Q2_K_S+imatrix")
-# The type llama-quantize gives each block Linear of a GPT2 (no grouped-query attention, no experts) in
-# the mixes whose sizes the per-tensor mixes are trained at, by role and layer i of n, as llama.cpp's
-# llama_tensor_get_type chooses it (src/llama-quant.cpp). It counts the fused attn_qkv as attn_v: Q3_K_M
-# gives the first two Q5_K, the others Q4_K; Q2_K gives it Q3_K (fewer than 4 query heads per KV head).
-# ffn_down: Q5_K in the first n/16 layers (none of 4), else Q4_K (any architecture but Falcon). Q3_K_S is
-# Q3_K throughout: a mix at its size has the bytes of the STE q3_k phase's file, so the two compare a
-# learned allocation with one type everywhere at equal size.
+                   "Q3_K_M", "Q3_K_S+imatrix", "Q2_K_S+imatrix", "IQ2_XS+imatrix", "IQ2_M+imatrix", "IQ3_XXS+imatrix",
+                   "IQ3_S+imatrix", "IQ4_XS+imatrix", "IQ4_NL+imatrix", "Q5_K_M+imatrix", "Q6_K+imatrix")
+# The type llama-quantize gives each block Linear in the mixes whose sizes the per-tensor mixes are trained at,
+# by llama.cpp's tensor name and layer i of n, as llama.cpp's llama_tensor_get_type chooses it
+# (src/llama-quant.cpp) for a model without experts, not Falcon, with fewer than 4 query heads per KV head (these
+# GPT2s and Llamas: one): GPT2's fused attn_qkv counts as attn_v. Q3_K_M: attn_v Q5_K in the first two layers,
+# Q4_K after; attn_output Q4_K; ffn_down Q5_K in the first n/16 layers (none of 4), else Q4_K; the rest (attn_q,
+# attn_k, ffn_gate, ffn_up) the mix's Q3_K. Q3_K_S: Q3_K throughout (its exceptions are for experts), so a mix
+# at its size has the bytes of the STE q3_k phase's file: a learned allocation against one type everywhere at
+# equal size. Q2_K: attn_v, attn_output and ffn_down Q3_K, the rest Q2_K.
+ATTN_V = ("attn_v", "attn_qkv")
+
+
+def _q3_k_m(name, i, n):
+    if name in ATTN_V:
+        return "Q5_K" if i < 2 else "Q4_K"
+    return {"attn_output": "Q4_K", "ffn_down": "Q5_K" if i < n // 16 else "Q4_K"}.get(name, "Q3_K")
+
+
 LLAMA_MIXES = {
-    "Q3_K_M": lambda role, i, n: {"qkv": "Q5_K" if i < 2 else "Q4_K", "out": "Q4_K",
-                                  "down": "Q5_K" if i < n // 16 else "Q4_K", "up": "Q3_K"}[role],
-    "Q3_K_S": lambda role, i, n: "Q3_K",
-    "Q2_K": lambda role, i, n: "Q2_K" if role == "up" else "Q3_K",
+    "Q3_K_M": _q3_k_m,
+    "Q3_K_S": lambda name, i, n: "Q3_K",
+    "Q2_K": lambda name, i, n: "Q3_K" if name in (*ATTN_V, "attn_output", "ffn_down") else "Q2_K",
 }
 # What a step costs on one core of a 2-core AMD EPYC (FP32, OMP_NUM_THREADS=1): bf16 1.14 s (the config's
 # measurement, uncontended); the others the CPU time of steps 5-25 of a run of each method on this model,
 # beside two such runs of bf16 measured alike at 1.04 and 1.24 s (mean 1.14): the STE on llama.cpp's grids
 # (its fake quantization made once a step) and gaussws cost a bf16 step within that spread on this small
-# model. `python -m studies gguf --dry_run` prints each arm's cost from these.
-GGUF_STEP_S = {"bf16": 1.14, "q4_0": 1.18, "q4_k": 1.18, "q3_k": 1.16, "q2_k": 1.13, "gaussws": 1.17}
+# model. IQ4_NL and IQ4_XS search 16 scales for each block of 32 (ggml_quants), a step 44 % and 40 % dearer
+# than bf16's: CPU seconds of steps 5-25 of train.py's runs of each beside bf16's and q4_k's, on a busier core
+# (bf16 1.32, q4_k 1.33, iq4_nl 1.90, iq4_xs 1.84 with OMP_NUM_THREADS=1), scaled here by 1.14 / 1.32.
+# `python -m studies gguf --dry_run` prints each arm's cost from these.
+GGUF_STEP_S = {"bf16": 1.14, "q4_0": 1.18, "q4_k": 1.18, "q3_k": 1.16, "q2_k": 1.13, "gaussws": 1.17,
+               "iq4_nl": 1.64, "iq4_xs": 1.60}
 
 
 def type_bits(name):
@@ -223,28 +241,34 @@ def type_bits(name):
 
 
 def block_linear_shapes(config):
-    """{role: (out, in)} of a GPT2 config's block Linears (model.py's: qkv, out, up, down), and its layers."""
+    """{llama.cpp's tensor name: (out, in)} of a config's block Linears (model.py's GPT2: attn_qkv,
+    attn_output, ffn_up, ffn_down; its Llama2: attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up,
+    ffn_down), and its layers; the defaults of n_kv_head and ffn_hidden are model.ModelConfig's."""
+    from model import ModelConfig
     c = config_settings(config)
-    if c.get("arch", "gpt2") != "gpt2":
-        raise StudyError(f"{config} is a {c['arch']}; the llama.cpp mixes here are those of a GPT2")
-    e = c["n_embd"]
-    h = c.get("ffn_hidden") or 4 * e
-    return {"qkv": (3 * e, e), "out": (e, e), "up": (h, e), "down": (e, h)}, c["n_layer"]
+    m = ModelConfig(**{k: c[k] for k in ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden") if k in c})
+    e, h, kv = m.n_embd, m.ffn_hidden, m.n_kv_head * (m.n_embd // m.n_head)
+    if m.arch == "gpt2":
+        return {"attn_qkv": (3 * e, e), "attn_output": (e, e), "ffn_up": (h, e), "ffn_down": (e, h)}, m.n_layer
+    return {"attn_q": (e, e), "attn_k": (kv, e), "attn_v": (kv, e), "attn_output": (e, e), "ffn_gate": (h, e),
+            "ffn_up": (h, e), "ffn_down": (e, h)}, m.n_layer
 
 
 def llama_mix_bits(mix, config=GGUF_CONFIG):
     """The bits per weight of the block Linears in llama-quantize's mix (LLAMA_MIXES) of config's model:
     each Linear's type's bits weighted by its weights."""
     shapes, n = block_linear_shapes(config)
-    bits = sum(type_bits(LLAMA_MIXES[mix](role, i, n)) * o * k for i in range(n) for role, (o, k) in shapes.items())
+    bits = sum(type_bits(LLAMA_MIXES[mix](name, i, n)) * o * k for i in range(n) for name, (o, k) in shapes.items())
     return bits / (n * sum(o * k for o, k in shapes.values()))
 
 
-# The budgets of the per-tensor mixes: llama.cpp's Q3_K_M, Q3_K_S and Q2_K sizes on this model (4.2708,
-# 3.4375 and 3.1666), fixed here, not read from the trunk's llama.cpp files, since they name the runs and
-# their train.py arguments before any run; rounded down to 4 decimals, so that a trained mix never holds
-# more bytes.
-GGUF_MIX_BITS = {mix: math.floor(llama_mix_bits(mix) * 1e4) / 1e4 for mix in LLAMA_MIXES}
+# The budgets of the per-tensor mixes, per model: llama.cpp's Q3_K_M, Q3_K_S and Q2_K sizes on it (the GPT2's
+# 4.2708, 3.4375 and 3.1666; the Llama's 3.8846, 3.4375 and 2.9375), fixed here, not read from the trunk's
+# llama.cpp files, since they name the runs and their train.py arguments before any run; rounded down to 4
+# decimals, so that a trained mix never holds more bytes.
+GGUF_LLAMA_CONFIG, GGUF_LLAMA_STEPS = "config/mini_llama2_gguf.py", 6900
+GGUF_MIX_BITS = {config: {mix: math.floor(llama_mix_bits(mix, config) * 1e4) / 1e4 for mix in LLAMA_MIXES}
+                 for config in (GGUF_CONFIG, GGUF_LLAMA_CONFIG)}
 
 
 def gguf_trunk(config, steps, seeds, step_s):
@@ -270,10 +294,10 @@ MIX_KINDS = {"learned mix": "auto-gguf", "error mix": "error-gguf"}  # a per-ten
 def gguf_arms(config=GGUF_CONFIG, steps=GGUF_STEPS, seeds=GGUF_SEEDS, ste_formats=GGUF_STE_FORMATS,
               mixes=tuple(MIX_KINDS)):
     """A llama.cpp study's arms: per seed, the bf16 trunk (gguf_trunk); STE phases over the last 15 % on
-    each grid of ste_formats; and for each kind of mixes (MIX_KINDS), at each llama.cpp mix's size (GGUF_MIX_BITS) the learned
-    per-tensor mix (a gaussws phase from 70 % whose b_t rank the tensors, then STE on the types chosen from
-    85 %) and the error-ranked one (the same phases, the tensors ranked by their imatrix-weighted rounding
-    error)."""
+    each grid of ste_formats; and for each kind of mixes (MIX_KINDS), at each llama.cpp mix's size on the
+    config's model (GGUF_MIX_BITS) the learned per-tensor mix (a gaussws phase from 70 % whose b_t rank
+    the tensors, then STE on the types chosen from 85 %) and the error-ranked one (the same phases, the
+    tensors ranked by their imatrix-weighted rounding error)."""
     trunk = gguf_trunk(config, steps, seeds, GGUF_STEP_S["bf16"])
     phase, mix_phase = round(PHASE * steps), round(MIX_PHASE * steps)
     arms = [trunk]
@@ -282,7 +306,7 @@ def gguf_arms(config=GGUF_CONFIG, steps=GGUF_STEPS, seeds=GGUF_SEEDS, ste_format
     # a mix: the gaussws phase, then as long an STE phase on the K-quants (their mean cost)
     ste_k = statistics.mean(GGUF_STEP_S[f] for f in GGUF_STE_FORMATS if f.endswith("_k"))
     mix_s = round(((phase - mix_phase) * GGUF_STEP_S["gaussws"] + (steps - phase) * ste_k) / (steps - mix_phase), 2)
-    for mix, bits in GGUF_MIX_BITS.items():
+    for mix, bits in GGUF_MIX_BITS[config].items():
         for kind in mixes:
             fmt = MIX_KINDS[kind]
             arms.append(gguf_arm(f"{kind} at {mix}'s size", f"{fmt}@{bits:g}", trunk, mix_s,
@@ -300,7 +324,6 @@ STUDIES["gguf"] = dict(
 # (the trunk and llama.cpp's files of it, STE q4_0, the learned mixes), to see how the trained files' lead
 # moves with training length. And on a Llama (config/mini_llama2_gguf.py, 8 tokens per parameter).
 GGUF_SHORT_STEPS = 1600
-GGUF_LLAMA_CONFIG, GGUF_LLAMA_STEPS = "config/mini_llama2_gguf.py", 6900
 STUDIES["gguf_short"] = dict(
     about="The llama.cpp study's headline arms at 2 tokens per parameter (1,600 steps): bf16 and llama-quantize, "
           "STE q4_0, the learned per-tensor mixes",
@@ -308,9 +331,10 @@ STUDIES["gguf_short"] = dict(
     export=(), export_bf16=False, report="gguf")
 STUDIES["gguf_llama"] = dict(
     about="The llama.cpp study on a Llama (config/mini_llama2_gguf.py, llama.cpp's llama architecture): bf16 and "
-          "llama-quantize, STE phases on llama.cpp's grids",
-    arms=gguf_arms(GGUF_LLAMA_CONFIG, GGUF_LLAMA_STEPS, mixes=()), seeds=GGUF_SEEDS, export=(),
-    export_bf16=False, report="gguf")
+          "llama-quantize, STE phases on llama.cpp's grids, learned and error-ranked per-tensor mixes at the sizes "
+          "of llama.cpp's Q3_K_M, Q3_K_S and Q2_K on this model",
+    arms=gguf_arms(GGUF_LLAMA_CONFIG, GGUF_LLAMA_STEPS), seeds=GGUF_SEEDS, export=(), export_bf16=False,
+    report="gguf")
 
 # --- the runs of an arm ---------------------------------------------------------------------------
 SHORT = {"method": "", "learning_rate": "lr", "optimizer": "", "b_init": "binit", "b_target": "btarget",

@@ -72,9 +72,14 @@ def _run_export(run_dir, formats, budget):
 # --- GGUF files measured by llama.cpp (the llama.cpp study) -----------------------------------------
 GGUF_DIR = "gguf"  # the run directory's folder of its GGUF files
 # What gguf.json keeps of export_gguf.py's record of a file: its GGML type (or llama.cpp's mix), whether an
-# importance matrix made it, its size, the bits per weight of its block Linears (scales included), and
-# llama.cpp's val loss on train.py's evaluation batches with what computed it
-GGUF_KEPT = ("type", "imatrix", "bytes", "block_bits_per_weight", "val_loss_llama_cpp", "val_loss_source")
+# importance matrix made it, its size, the bits per weight of its block Linears (scales included),
+# llama.cpp's val loss on train.py's evaluation batches with what computed it; and its block Linears' types: how
+# many of each, and each one's (type, bits per weight, weights), what a mix chose
+GGUF_KEPT = ("type", "imatrix", "bytes", "block_bits_per_weight", "val_loss_llama_cpp", "val_loss_source",
+             "tensor_types", "tensors")
+# The record, among a bf16 run's llama.cpp files, of the run as an F32 GGUF (export_gguf.py's model-fp32.gguf,
+# which llama-quantize quantizes): llama.cpp's val loss of the unquantized model, every share's denominator
+F32_SPEC = "F32"
 # Embeddings and head in BF16 in every file, so that files differ by their block Linears alone: export.py's
 # --other_dtype, as llama_tools.llama_quantize keeps them (its keep="bf16") in export_gguf.py's files
 OTHER_DTYPE = "bfloat16"
@@ -83,13 +88,14 @@ OTHER_DTYPE = "bfloat16"
 def llama_cpp_files(run_dir, specs):
     """{spec: record, or a line saying why there is none} of llama-quantize's files of a bf16 run's
     checkpoint, spec a type or mix of llama.cpp with "+imatrix" where made with the importance matrix of
-    the training split ("Q4_K_M+imatrix", "Q4_0").
+    the training split ("Q4_K_M+imatrix", "Q4_0"), and F32_SPEC's: the F32 file they are made from.
 
     The one place that knows export_gguf.py's command line for them: `python export_gguf.py
     --out_dir=RUN --llama_quantize=S1,S2 --export_dir=DIR --json=PATH --threads=1` writes the files into
     DIR and one JSON object to PATH whose "files" hold a record per file with its "spec" (GGUF_KEPT's
-    fields and "path"). Kept in the run directory (gguf.json) under the run's lock, each spec made once."""
-    return _gguf_records(run_dir, specs, _llama_cpp_records)
+    fields and "path"), the F32 file's first with none. Kept in the run directory (gguf.json) under the
+    run's lock, each spec made once."""
+    return _gguf_records(run_dir, [F32_SPEC, *specs], _llama_cpp_records)
 
 
 def trained_files(run_dir, specs):
@@ -150,15 +156,18 @@ def _command(cmd, report):
 
 
 def _llama_cpp_records(run_dir, specs):
-    """One export_gguf.py call for all the specs (one importance matrix serves every +imatrix file)."""
+    """One export_gguf.py call for all the specs (one importance matrix serves every +imatrix file); the F32
+    file's record (spec null: this call names none of ours) under F32_SPEC."""
+    quantized = [s for s in specs if s != F32_SPEC]
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "gguf.json")
-        out = _command(["export_gguf.py", f"--out_dir={run_dir}", f"--llama_quantize={','.join(specs)}",
+        out = _command(["export_gguf.py", f"--out_dir={run_dir}",
+                        *([f"--llama_quantize={','.join(quantized)}"] if quantized else []),
                         f"--export_dir={os.path.join(run_dir, GGUF_DIR)}", f"--json={report}", "--threads=1"], report)
     if isinstance(out, str):
         return out
     try:
-        return {f["spec"]: f for f in out["files"]}
+        return {f["spec"] or F32_SPEC: f for f in out["files"]}
     except (KeyError, TypeError):
         return "export_gguf.py's --json file holds no \"files\" with a \"spec\" each"
 

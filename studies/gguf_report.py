@@ -5,23 +5,32 @@ plots/gguf.png (studies.plots): bits per weight against the val loss over bf16, 
 one curve, the trained files as points and their lowest at each size as another curve.
 
 A size class is a range of the block Linears' bits per weight (scales included) as measured in the
-files; a trained file's reference is llama.cpp's imatrix file of its class nearest its size, and the
-loss it "removes" is (L_ref - L_file) / (L_ref - L_bf16), per seed: 1 is the bf16 model's loss at the
-reference's size or less, 0 llama.cpp's, below 0 worse than llama.cpp.
+files. A trained file's reference is the best file a llama.cpp user can make of the same model in no more
+bytes: of llama-quantize's files with the importance matrix (Q, K and IQ types and mixes), the one of
+the lowest mean llama.cpp val loss among those whose block Linears hold no more bits per weight (the
+files differ in their block Linears alone). The loss it "removes" is (L_ref - L_file) / (L_ref - L_F32)
+per seed, L_F32 llama.cpp's val loss of the seed's F32 file (the unquantized model as llama.cpp computes
+it, the same evaluation as every other figure): 1 is the unquantized model's loss or less, 0 llama.cpp's,
+below 0 worse than llama.cpp. The same share over PyTorch's FP32 val loss of the trunk (train.py's) is
+given beside it, and the two denominators per seed. Records made before the F32 file's loss and each
+file's per-tensor types were kept (gguf.json) are reported as lacking them.
 """
 import os
 import statistics
 
 from studies.definitions import arm_label, run_name
-from studies.exports import llama_cpp_files, trained_files
+from studies.exports import F32_SPEC, llama_cpp_files, trained_files
 from studies.plots import plot_gguf
 from studies.report import done_run, results_head, run_figures, write_results
 from studies.stats import interval, stats
 
-# (label, lowest bits per weight, up to (not including)): Q8_0; Q4_K_M (5.10 on this model); Q4_0 and the
-# other grids of 4.5 bits; Q3_K_M (4.27 on this model: its Q4_K and Q5_K tensors are a larger share of a
-# small model than of a large one) with Q3_K (3.44); Q2_K's mix (3.17) with Q2_K itself (2.63)
-CLASSES = (("8.5", 7.0, 9.0), ("~5.1", 4.75, 7.0), ("~4.5", 4.4, 4.75), ("~3.4-4.3", 3.3, 4.4), ("~2.6-3.2", 2.5, 3.3))
+# (label, lowest bits per weight, up to (not including)), on the study's GPT2 and Llama: Q8_0; Q5_K_M (5.8) and
+# Q6_K (6.56); Q4_K_M (5.10, the Llama's 4.82); Q4_0, IQ4_NL and the other grids of 4.5 bits; IQ4_XS (4.25) with
+# Q3_K_M (4.27, the Llama's 3.88: its Q4_K and Q5_K tensors are a larger share of a small model than of a large
+# one); Q3_K, IQ3_S (3.44); IQ3_XXS (3.09, 3.02), Q2_K's mix (3.17, 2.94), IQ2_M (2.85, 2.70); Q2_K itself
+# (2.63) and IQ2_XS (2.39, 2.34)
+CLASSES = (("8.5", 7.0, 9.0), ("~5.5-6.6", 5.3, 7.0), ("~5.1", 4.75, 5.3), ("~4.5", 4.4, 4.75),
+           ("~3.9-4.3", 3.7, 4.4), ("~3.4", 3.3, 3.7), ("~2.7-3.2", 2.65, 3.3), ("~2.3-2.6", 2.0, 2.65))
 
 
 def size_class(bits):
@@ -43,6 +52,7 @@ def gguf_runs(study, root):
                 run_dir = os.path.join(root, "runs", run_name(a, seed))
                 fig["files"] = {**(llama_cpp_files(run_dir, a["llama_cpp"]) if a.get("llama_cpp") else {}),
                                 **(trained_files(run_dir, a["gguf"]) if a.get("gguf") else {})}
+                fig["f32"] = fig["files"].pop(F32_SPEC, None)  # a trunk's F32 file: its record, or why none
             first = a["overrides"]["pqt_start"] if a.get("trunk") else 0
             fig["trained_steps"] = a["overrides"]["max_iters"] - first
             # its own steps' time: the median logged step time (robust to a runner paused on a shared
@@ -59,6 +69,7 @@ def file_row(a, i, spec, trunk, runs):
     seeds = [s for s in a["seeds"] if runs.get((i, s), {}).get("status") == "finished"]
     done = {s: runs[i, s]["files"][spec] for s in seeds if isinstance(runs[i, s]["files"].get(spec), dict)}
     bf16 = {s: runs[trunk, s]["val_loss"] for s in a["seeds"] if runs.get((trunk, s), {}).get("status") == "finished"}
+    f32 = {s: runs[trunk, s]["f32"]["val_loss_llama_cpp"] for s in bf16 if isinstance(runs[trunk, s]["f32"], dict)}
     llama = bool(a.get("llama_cpp"))
     bits = stats([f["block_bits_per_weight"] for f in done.values()])
     return {"arm": f"llama.cpp {spec}" if llama else a["kind"], "spec": spec, "llama_cpp": llama,
@@ -68,6 +79,11 @@ def file_row(a, i, spec, trunk, runs):
             "bf16_by_seed": {str(s): v for s, v in bf16.items()},
             "increase_pct": stats([100 * (f["val_loss_llama_cpp"] / bf16[s] - 1)
                                    for s, f in done.items() if s in bf16]),
+            "f32_by_seed": {str(s): v for s, v in f32.items()},
+            "increase_f32_pct": stats([100 * (f["val_loss_llama_cpp"] / f32[s] - 1)
+                                       for s, f in done.items() if s in f32]),
+            "tensors_by_seed": {str(s): f.get("tensors") for s, f in done.items()},
+            "by_seed_bits": {str(s): f["block_bits_per_weight"] for s, f in done.items()},
             "bits_per_weight": bits, "bytes": stats([f["bytes"] for f in done.values()]),
             "class": size_class(bits["mean"]) if bits["n"] else None,
             "missing": sorted({runs[i, s]["files"].get(spec) or "not measured" for s in seeds if s not in done}),
@@ -97,47 +113,57 @@ def paired(r, best):
     return d, verdict
 
 
-def share_removed(r, ref):
-    """The share of ref's (llama.cpp's imatrix file's) loss over bf16 that r removes, per seed (L_ref -
-    L_r) / (L_ref - L_bf16), L_bf16 the trunk's val loss of that seed; with its 95 % interval."""
-    seeds = sorted(set(r["by_seed"]) & set(ref["by_seed"]) & set(ref["bf16_by_seed"]), key=int)
-    return interval([(ref["by_seed"][s] - r["by_seed"][s]) / (ref["by_seed"][s] - ref["bf16_by_seed"][s])
-                     for s in seeds])
+def share_removed(r, ref, base="f32_by_seed"):
+    """The share of ref's (llama.cpp's file's) loss that r removes, per seed (L_ref - L_r) / (L_ref - L_base),
+    L_base the unquantized model's val loss of that seed: llama.cpp's of the F32 file (base "f32_by_seed") or
+    PyTorch's of the trunk (train.py's, "bf16_by_seed"); with its 95 % interval over the seeds that have all
+    three."""
+    seeds = sorted(set(r["by_seed"]) & set(ref["by_seed"]) & set(ref[base]), key=int)
+    return interval([(ref["by_seed"][s] - r["by_seed"][s]) / (ref["by_seed"][s] - ref[base][s]) for s in seeds])
 
 
 def reference(r, refs):
-    """llama.cpp's imatrix file of r's class nearest r in bits per weight (the larger of two as near): the
-    file of llama-quantize that r is judged against."""
-    return min(refs, key=lambda q: (abs(q["bits_per_weight"]["mean"] - r["bits_per_weight"]["mean"]),
-                                    -q["bits_per_weight"]["mean"]))
+    """The best file a llama.cpp user can make in no more bytes than r: of refs (llama-quantize's files with the
+    importance matrix), the one of the lowest mean llama.cpp val loss among those whose block Linears hold no more
+    bits per weight than r's; None where every one holds more."""
+    fits = [q for q in refs if q["bits_per_weight"]["mean"] <= r["bits_per_weight"]["mean"] + 1e-9]
+    return min(fits, key=lambda q: q["val_loss"]["mean"]) if fits else None
 
 
 def gguf_findings(rows):
     """Per size class (CLASSES' order): its rows by mean val loss, the lowest, each other's paired
-    difference to it; and for each trained file llama.cpp's imatrix file of the class nearest its size (its
-    reference) and the share of the reference's loss it removes."""
+    difference to it; and for each trained file its reference (the best llama.cpp imatrix file of no more
+    bytes, of any class) and the share of the reference's loss it removes, over llama.cpp's F32 file and
+    over PyTorch's FP32 loss."""
     findings = []
+    refs = [r for r in rows if r["imatrix"] and r["seeds"]]
     for label, _, _ in CLASSES:
         rs = sorted((r for r in rows if r["class"] == label and r["seeds"]), key=lambda r: r["val_loss"]["mean"])
         if not rs:
             continue
-        refs = [r for r in rs if r["imatrix"]]
         others = []
         for r in rs[1:]:
             d, verdict = paired(r, rs[0])
             others.append({"arm": r["arm"], "spec": r["spec"], "minus_best": d, "verdict": verdict})
         shares = []
-        for r in (r for r in rs if refs and not r["llama_cpp"]):
+        for r in (r for r in rs if not r["llama_cpp"]):
             ref = reference(r, refs)
-            shares.append({"arm": r["arm"], "spec": r["spec"], "bits_per_weight": r["bits_per_weight"]["mean"],
-                           "reference": {"arm": ref["arm"], "val_loss": ref["val_loss"]["mean"],
-                                         "bits_per_weight": ref["bits_per_weight"]["mean"]},
-                           "removed": share_removed(r, ref)})
+            share = {"arm": r["arm"], "spec": r["spec"], "bits_per_weight": r["bits_per_weight"]["mean"],
+                     "reference": None, "why": "every llama.cpp file with the importance matrix has more bytes"
+                     if refs else "no llama.cpp file with the importance matrix measured yet"}
+            if ref is not None:
+                share.update(reference={"arm": ref["arm"], "val_loss": ref["val_loss"]["mean"],
+                                        "bits_per_weight": ref["bits_per_weight"]["mean"]},
+                             removed=share_removed(r, ref), removed_pytorch=share_removed(r, ref, "bf16_by_seed"),
+                             f32_lacking=sorted(set(r["by_seed"]) & set(ref["by_seed"]) - set(ref["f32_by_seed"]),
+                                                key=int))
+            shares.append(share)
         best = rs[0]
         findings.append({"class": label,
                          "best": {"arm": best["arm"], "spec": best["spec"], "val_loss": best["val_loss"]["mean"],
                                   "bits_per_weight": best["bits_per_weight"]["mean"], "seeds": best["seeds"],
-                                  "seeds_total": best["seeds_total"], "increase_pct": best["increase_pct"]["mean"]},
+                                  "seeds_total": best["seeds_total"], "increase_pct": best["increase_pct"]["mean"],
+                                  "increase_f32_pct": best["increase_f32_pct"]["mean"]},
                          "others": others, "shares": shares})
     return findings
 
@@ -153,27 +179,98 @@ def ci(d, digits=4):
     return f"{d['mean']:+.{digits}f}{half} (n={d['n']})"
 
 
+def over(increase_pct, increase_f32_pct):
+    """A file's loss over the unquantized model as the text gives it: over llama.cpp's F32 file where recorded,
+    and over PyTorch's FP32 val loss (bf16, train.py's); a trained arm can finish before its trunk does."""
+    if increase_pct is None:
+        return "no finished bf16 trunk"
+    f32 = "the F32 file's llama.cpp loss not recorded" if increase_f32_pct is None else \
+        f"{increase_f32_pct:+.2f} % over the F32 file (llama.cpp)"
+    return f"{f32}, {increase_pct:+.2f} % over bf16 (PyTorch)"
+
+
+def share_text(s):
+    """One trained file's share of its reference's loss removed, over llama.cpp's F32 file and over PyTorch's."""
+    head = f"{called(s['arm'], s['spec'])} at {s['bits_per_weight']:.4f} bits"
+    if not s["removed_pytorch"]["n"]:
+        return f"{head} (no common seed)"
+    lacking = s["f32_lacking"]
+    f32 = ci(s["removed"], 2) if not lacking else \
+        f"not recorded (no llama.cpp loss of the F32 file for seed{'s' * (len(lacking) > 1)} {', '.join(lacking)})"
+    return f"{head}: over the F32 file {f32}, over bf16 {ci(s['removed_pytorch'], 2)}"
+
+
 def findings_markdown(findings):
     lines = []
     for f in findings:
         b = f["best"]
-        # a trained arm can finish before its trunk does: then there is no bf16 loss to compare with yet
-        over = "no finished bf16 trunk" if b["increase_pct"] is None else f"{b['increase_pct']:+.2f} % over bf16"
         line = (f"- **{f['class']} bits per weight**: {called(b['arm'], b['spec'])} is lowest (llama.cpp val loss "
-                f"{b['val_loss']:.4f}, {over}, {b['bits_per_weight']:.4f} bits per weight, {b['seeds']} of "
-                f"{b['seeds_total']} seeds)")
+                f"{b['val_loss']:.4f}, {over(b['increase_pct'], b['increase_f32_pct'])}, {b['bits_per_weight']:.4f} "
+                f"bits per weight, {b['seeds']} of {b['seeds_total']} seeds)")
         behind = [f"{called(o['arm'], o['spec'])} " + (ci(o["minus_best"]) + f", {o['verdict']}" if o["minus_best"]["n"]
                                                      else "(no common seed)") for o in f["others"]]
         lines.append(line + ("; then " + "; ".join(behind) if behind else "") + ".")
-        for ref in dict.fromkeys(s["reference"]["arm"] for s in f["shares"]):
-            group = [s for s in f["shares"] if s["reference"]["arm"] == ref]
-            bits = group[0]["reference"]["bits_per_weight"]
-            shares = [f"{called(s['arm'], s['spec'])} at {s['bits_per_weight']:.4f} bits"
-                      + (" (more than llama.cpp's)" if s["bits_per_weight"] > bits + 1e-9 else "") + " "
-                      + (ci(s["removed"], 2) if s["removed"]["n"] else "(no common seed)") for s in group]
-            lines.append(f"  Share of {ref}'s loss over bf16 ({bits:.4f} bits per weight) removed: "
-                         + "; ".join(shares) + ".")
+        for s in (s for s in f["shares"] if s["reference"] is None):
+            lines.append(f"  {called(s['arm'], s['spec'])} at {s['bits_per_weight']:.4f} bits: {s['why']}.")
+        for ref in dict.fromkeys(s["reference"]["arm"] for s in f["shares"] if s["reference"]):
+            group = [s for s in f["shares"] if s["reference"] and s["reference"]["arm"] == ref]
+            lines.append(f"  Share of the loss of {ref} ({group[0]['reference']['bits_per_weight']:.4f} bits per "
+                         f"weight, the best llama.cpp file of no more bytes) removed: "
+                         + "; ".join(share_text(s) for s in group) + ".")
     return lines
+
+
+def unquantized_markdown(rows):
+    """Per seed, the unquantized model's val loss by PyTorch (the trunk's, train.py's) and by llama.cpp (its F32
+    file): the two denominators."""
+    trunk = next((r for r in rows if r["llama_cpp"]), None)
+    if trunk is None or not trunk["bf16_by_seed"]:
+        return ["No finished bf16 trunk yet."]
+    lines = ["| seed | bf16, PyTorch (train.py, FP32) | F32 file, llama.cpp | llama.cpp / PyTorch - 1 |",
+             "|---|---|---|---|"]
+    for seed, pytorch in trunk["bf16_by_seed"].items():
+        llama = trunk["f32_by_seed"].get(seed)
+        lines.append(f"| {seed} | {pytorch:.5f} | " + ("not recorded |  |" if llama is None else
+                                                      f"{llama:.5f} | {100 * (llama / pytorch - 1):+.4f} % |"))
+    return lines
+
+
+def types_markdown(rows):
+    """Each trained file's block Linears' types per seed (what a mix chose): how many of each and their bits,
+    then, where they differ between tensors, each tensor's type per seed; 'not recorded' for records made
+    before gguf.json kept them."""
+    lines = []
+    for r in (r for r in rows if not r["llama_cpp"] and r["seeds"]):
+        by_seed = r["tensors_by_seed"]
+        counts = []
+        for seed, tensors in by_seed.items():
+            if tensors is None:
+                counts.append(f"seed {seed} not recorded")
+                continue
+            n = {}
+            for t in tensors.values():
+                n[t["type"]] = n.get(t["type"], 0) + 1
+            counts.append(f"seed {seed} " + ", ".join(f"{k} x{v}" for k, v in sorted(n.items())) + f" "
+                          f"({r['by_seed_bits'][seed]:.4f} bits per weight)")
+        lines.append(f"- {called(r['arm'], r['spec'])}: " + "; ".join(counts) + ".")
+        recorded = {seed: t for seed, t in by_seed.items() if t is not None}
+        if len({t["type"] for ts in recorded.values() for t in ts.values()}) > 1:
+            names = list(dict.fromkeys(name for ts in recorded.values() for name in ts))
+            lines += ["", "  | tensor | " + " | ".join(f"seed {seed}" for seed in recorded) + " |",
+                      "  |---|" + "---|" * len(recorded)]
+            lines += [f"  | {name} | " + " | ".join(ts.get(name, {}).get("type", "-") for ts in recorded.values())
+                      + " |" for name in names]
+            lines.append("")
+    return lines or ["No trained file yet."]
+
+
+def missing_text(missing, width=200):
+    """Why a file is missing, as the table gives it: the first reason, cut at `width` characters, and how many
+    others (each seed's names its own run; results.json has them whole)."""
+    if not missing:
+        return ""
+    first = missing[0] if len(missing[0]) <= width else missing[0][:width - 3] + "..."
+    return first + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
 
 
 def row_markdown(r):
@@ -182,11 +279,11 @@ def row_markdown(r):
             return "-"
         return f"{s['mean']:.{digits}f}{unit}" + (f" ± {s['std']:.{digits}f}{unit}" if s["std"] is not None else "")
     seeds = f"{r['seeds']} of {r['seeds_total']}" + (f" (+{len(r['diverged'])} diverged)" if r["diverged"] else "")
-    increase = f"{r['increase_pct']['mean']:+.2f} %" if r["increase_pct"]["n"] else "-"
+    increase, f32 = (f"{r[k]['mean']:+.2f} %" if r[k]["n"] else "-" for k in ("increase_pct", "increase_f32_pct"))
     own = f"{r['train_min']['mean']:.1f} ({r['trained_steps']})" if r["train_min"]["n"] else "-"
     cells = [r["class"] or "-", r["arm"], r["spec"], seeds, cell(r["bits_per_weight"]),
-             f"{r['bytes']['mean']:,.0f}" if r["bytes"]["n"] else "-", cell(r["val_loss"]), increase, own,
-             "; ".join(r["missing"]) or ""]
+             f"{r['bytes']['mean']:,.0f}" if r["bytes"]["n"] else "-", cell(r["val_loss"]), f32, increase, own,
+             missing_text(r["missing"])]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -195,8 +292,9 @@ def gguf_markdown(results):
              f"Command: `{results['command']}`. Machine: {results['machine']}; torch "
              f"{', '.join(results['torch']) or '-'}; commits {', '.join(results['commits']) or '-'}. Runs finished: "
              f"{results['runs_finished']} of {results['runs_total']}. Every val loss is llama.cpp's, of the GGUF "
-             "file, on train.py's fixed evaluation batches (export_gguf.py); bf16 is the trunk's own val loss "
-             "(train.py, FP32) of the same seed. Embeddings and head are BF16 in every file, so files differ by "
+             "file, on train.py's fixed evaluation batches (export_gguf.py); F32 is llama.cpp's val loss of the "
+             "trunk's F32 file of the same seed (the unquantized model, as llama.cpp computes it), bf16 the trunk's "
+             "own val loss (train.py, PyTorch, FP32). Embeddings and head are BF16 in every file, so files differ by "
              "their block Linears; bits/w is theirs, scales included, as measured in the files. ± is the standard "
              "deviation over seeds; the paired differences and shares are means over seeds with their 95 % "
              "interval (Student's t; none for one seed). A trained arm forks from its seed's trunk and trains only "
@@ -204,15 +302,20 @@ def gguf_markdown(results):
              "## What it says", "",
              "Per size class (bits per weight of the block Linears), the file with the lowest llama.cpp val loss, "
              "then each other file's val loss minus that one's, paired by seed (inside the noise when the 95 % "
-             "interval holds 0); and the share of the loss over bf16 of llama.cpp's imatrix file nearest its "
-             "size in the class that each trained file removes, (L_llama.cpp - L_file) / (L_llama.cpp - L_bf16) "
-             "per seed (1: all of it, 0: none, below 0: worse than llama.cpp):", "", *findings_markdown(results["findings"]), "",
+             "interval holds 0); and, for each trained file, the share of the loss of the best file a llama.cpp "
+             "user can make in no more bytes (llama-quantize's with the importance matrix, Q, K or IQ, of the "
+             "lowest mean val loss among those whose block Linears hold no more bits per weight) that it removes, "
+             "(L_llama.cpp - L_file) / (L_llama.cpp - L_F32) per seed, and the same over PyTorch's loss, L_bf16 in "
+             "place of L_F32 (1: all of it, 0: none, below 0: worse than llama.cpp):", "",
+             *findings_markdown(results["findings"]), "",
+             "## The unquantized model: the denominators", "", *unquantized_markdown(results["rows"]), "",
              "## The files", ""]
-    head = ["class", "arm", "file", "seeds", "bits/w", "bytes", "llama.cpp val loss", "over bf16",
+    head = ["class", "arm", "file", "seeds", "bits/w", "bytes", "llama.cpp val loss", "over F32", "over bf16",
             "own train min (steps)", "missing"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += [row_markdown(r) for r in results["rows"]]
-    lines += ["", "Arms (their train.py overrides of config/mini_gpt2_gguf.py):", ""]
+    lines += ["", "## The types of each trained file's block Linears", "", *types_markdown(results["rows"])]
+    lines += ["", "Arms (their config and train.py overrides):", ""]
     lines += list(dict.fromkeys(f"- {r['arm'] if not r['llama_cpp'] else 'bf16 trunk'}: `{r['settings']}`"
                                 for r in results["rows"]))
     lines += ["", "Plot: plots/gguf.png (llama.cpp val loss over each seed's bf16 model, mean and std over seeds, "
