@@ -557,7 +557,7 @@ def test_a_dry_run_before_any_run_finished_says_its_default_and_counts_a_fork_fr
 
 def test_the_runners_eta_counts_the_steps_left_not_the_runs_left(tmp_path, capsys, monkeypatch):
     """The llama.cpp study's seed 1: its 6400-step trunk finished in 6400 s (1 s a step); the line that
-    starts the next run gives the steps its 10 forks train (from their --pqt_start) at 1 s a step, not
+    starts the next run gives the steps its 12 forks train (from their --pqt_start) at 1 s a step, not
     the trunk's time for each of them (6400 s each), which once said 85 h where 3 h were left."""
     import re
 
@@ -572,7 +572,7 @@ def test_the_runners_eta_counts_the_steps_left_not_the_runs_left(tmp_path, capsy
     assert entry.main(["gguf", "--dry_run", f"--root={tmp_path}", f"--only={only}"]) == 0
     commands = [l for l in capsys.readouterr().out.splitlines() if "[to run]" in l]
     trunk = [c for c in commands if "--pqt_start" not in c]
-    assert len(trunk) == 1 and len(commands) == 11
+    assert len(trunk) == 1 and len(commands) == 13
     want = sum(int(re.search(r"--max_iters=(\d+)", c)[1]) - int(re.search(r"--pqt_start=(\d+)", c)[1])
                for c in commands if c not in trunk)
     name = next(n for n, a, _ in defs.runs_of(defs.STUDIES["gguf"]) if "-bf16-" in n and n.endswith("-s1"))
@@ -582,8 +582,8 @@ def test_the_runners_eta_counts_the_steps_left_not_the_runs_left(tmp_path, capsy
     with pytest.raises(Started):
         runner.run_study("gguf", defs.STUDIES["gguf"], str(tmp_path), only=only)
     line = capsys.readouterr().out.splitlines()[-1]
-    assert line.endswith(f"ETA {runner.duration(want)} for the 10 run(s) not done, one after another"), line
-    assert want == 4 * 960 + 6 * 1920 and runner.duration(want) == "4.3 h"
+    assert line.endswith(f"ETA {runner.duration(want)} for the 12 run(s) not done, one after another"), line
+    assert want == 6 * 960 + 6 * 1920 and runner.duration(want) == "4.8 h"
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], []])
