@@ -29,6 +29,7 @@ See README.md.
 import hashlib
 import re
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -77,17 +78,22 @@ def scale_bl(max_bl, b_t):
     return max_bl * torch.exp2(1.0 - b_t.float())
 
 
+def _backend_name(backend, device):
+    """'triton' or 'torch': the backend 'auto' is on `device` (Triton on a GPU), else the one named."""
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'torch'")
+    return backend
+
+
 def _kernels(backend, device):
     """The module that makes R: 'triton' (kernels/triton_noise.py) or 'torch' (kernels/torch_noise.py)."""
-    if backend == "auto":
-        backend = "triton" if torch.device(device).type == "cuda" else "torch"
-    if backend == "triton":
+    if _backend_name(backend, device) == "triton":
         from kernels import triton_noise
         return triton_noise
-    if backend == "torch":
-        from kernels import torch_noise
-        return torch_noise
-    raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'torch'")
+    from kernels import torch_noise
+    return torch_noise
 
 
 def _check_seed(seed):
@@ -237,7 +243,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         self.start = int(start)  # the first optimizer step with noise
         self.active = self.start == 0  # whether this (or the last) step has noise: TrainStep sets it
         self.w_hat = None  # step mode: this optimizer step's w_hat, shared by its micro-steps
-        self._eq4 = None  # step mode: (max_bl, stored R, w's version) until the step ends
+        self._eq4 = None  # step mode: (scale_bl with its graph to b_i or None if batched, stored R, w's version)
 
     @classmethod
     def from_linear(cls, linear, **kwargs):
@@ -299,15 +305,28 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
     def _matmul(self, x, w):
         return F.linear(x, w, self.bias)
 
+    def batched(self):
+        """Whether TrainStep makes this layer's w_hat and Eq. 4 in a _Batch, with the other step-mode layers
+        of its kind (the Triton backend's multi-layer kernels), rather than in _begin and _end."""
+        return (_backend_name(self.backend, self.weight.device) == "triton" and self.b_i.dtype == torch.float32 and self.weight.is_contiguous() and self.weight.data_ptr() % 16 == 0)
+
+    def step_mode(self):
+        """Whether this step's w_hat is made once, at its begin (else in every forward: per micro-step,
+        where w_hat is recomputed to save its memory, or under FSDP, where the weight is whole only
+        inside the forward)."""
+        return self.active and not self.recompute and not hasattr(self.weight, "full_tensor")
+
     @torch.no_grad()
-    def _begin(self, step):
-        self.noise_seed.fill_(_step_seed(self.layer_seed, step))
+    def _begin(self, step, batch=False):
+        """The layer's state of optimizer step `step`; its w_hat and stored R (step mode) unless `batch`
+        and the layer is batched (then TrainStep's _Batch makes them): returns whether it left them."""
         self._begin_formats(step, self.formats_from is not None and step >= self.formats_from)
         self.in_step, self.active = True, step >= self.start and not self.quantized
-        # Per micro-step when w_hat is recomputed to save its memory, or under FSDP, where the
-        # weight is whole only inside the forward (a DTensor shard outside it).
-        if not self.active or self.recompute or hasattr(self.weight, "full_tensor"):
-            return
+        if batch and self.step_mode() and self.batched():
+            return True
+        self.noise_seed.fill_(_step_seed(self.layer_seed, step))
+        if not self.step_mode():
+            return False
         k = _kernels(self.backend, self.weight.device)
         with torch.enable_grad():  # the scale keeps its graph to b_i: Eq. 4 backpropagates through it at the end
             scale = scale_bl(block_absmax(self.weight), self.b_t)
@@ -316,6 +335,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         self._eq4 = (scale, r_store, self.weight._version)
         with torch.enable_grad():
             self.w_hat = ste.StraightThrough.apply(self.weight, w_hat)
+        return False
 
     @torch.no_grad()
     def _end(self, apply_eq4=True):
@@ -327,10 +347,15 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         if state is None or not apply_eq4 or self.weight.grad is None:
             return None
         scale, r_store, version = state
+        self._check_version(version)
+        if scale is None:  # batched: TrainStep's _Batch applied Eq. 4
+            return None
+        return scale, _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
+
+    def _check_version(self, version):
         if self.weight._version != version:
             raise RuntimeError("PQTLinear: the weight changed inside the step, so Eq. 4 would use a stale R; "
                                "optimizer.step() belongs after the `with gaussws.TrainStep(...)` block")
-        return scale, _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
 
     def extra_repr(self):
         return (f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"
@@ -381,7 +406,9 @@ class TrainStep:
         begin() makes it once (and keeps R, 0.5 byte per weight) for all micro-steps, whose
         backwards pass dL/dw_hat to w alone; end() applies Eq. 4 once to the accumulated (and
         all-reduced) w.grad. Exact, because Eq. 4 is linear in dL/dw_hat and w.grad is the sum of the
-        micro-steps' dL/dw_hat.
+        micro-steps' dL/dw_hat. On the Triton backend the step-mode layers of one kind (_Batch) go
+        through one launch at begin and one at end, whatever their number (batched=False: one layer
+        at a time, the reference the batches give the bits of).
       - per micro-step, for layers converted with recompute=True (no w_hat kept for the backward) and
         for sharded (FSDP) weights: every forward makes w_hat, every backward applies Eq. 4.
     Layers whose phase starts after `step` are plain nn.Linear in it. STE layers (ste.py) make their
@@ -393,22 +420,29 @@ class TrainStep:
     step while one is open, or a training-mode forward outside a step, raises.
     """
 
-    def __init__(self, model, step):
-        self.layers, self.step = method_layers(model), int(step)
+    def __init__(self, model, step, batched=True):
+        self.layers, self.step, self.batched = method_layers(model), int(step), batched
         self.budget = ste.budget_layers(model)
+        self.batches = []
 
     def begin(self):
         if any(layer.in_step for layer in self.layers):
             raise RuntimeError("gaussws.TrainStep: a step is already open on this model; end it first")
         ste.before_step(self.budget, self.step)
-        for layer in self.layers:
-            layer._begin(self.step)
+        left = [layer for layer in self.layers if layer._begin(self.step, self.batched)]
+        self.batches = _batches(left)
+        for batch in self.batches:
+            batch.begin(self.step)
         return self
 
     def end(self, apply_eq4=True):
         """Release the step; with apply_eq4, first add Eq. 4's b_t gradient to the b_i.grad of step-mode
         layers."""
-        eq4 = [pair for pair in (layer._end(apply_eq4) for layer in self.layers) if pair is not None]
+        try:
+            for batch in self.batches:
+                batch.end(apply_eq4)
+        finally:
+            eq4 = [pair for pair in (layer._end(apply_eq4) for layer in self.layers) if pair is not None]
         if eq4:  # one autograd call for every layer: on a GPU each call costs the host far more than its arithmetic
             scales, sums = zip(*eq4)
             torch.autograd.backward(scales, sums)
@@ -418,6 +452,103 @@ class TrainStep:
 
     def __exit__(self, exc_type, exc, tb):
         self.end(apply_eq4=exc_type is None)
+
+
+class _Batch:
+    """Step-mode PQT layers of one kind (the Triton kernels' many_key, b_init, b_target) that TrainStep
+    serves together: at begin one launch of Eq. 3 for all (kernels.triton_noise.Many), after the few
+    PyTorch ops that make every block's 2^(1 - b_t) from the concatenated b_i (Eq. 11); at end one launch
+    of Eq. 4 into their b_i.grad. The per-layer Python left is no launch: views, the StraightThrough
+    node of each w_hat (one per layer, so that each weight's gradient is ready, for DDP's all-reduce, as
+    soon as its backward is done), the checks. The seeds are _step_seed's, computed for all layers in
+    NumPy and copied to the device at once; each layer's noise_seed is a view of them."""
+
+    def __init__(self, layers):
+        from kernels import triton_noise
+        self.layers, first = layers, layers[0]
+        self.many = triton_noise.Many([layer.weight for layer in layers], first.method)
+        self.modes = (triton_noise.SKIP.value, triton_noise.STORE.value, triton_noise.ADD.value)
+        self.b_init, self.b_target, device = first.b_init, first.b_target, self.many.device
+        pin = device.type == "cuda"  # pinned, the copies to the device need not wait for the host
+        self.host_seeds = torch.zeros(len(layers), dtype=torch.int64, pin_memory=pin)
+        self.host_step = torch.zeros((len(layers), 3), dtype=torch.int64, pin_memory=pin)
+        self.seeds = torch.empty(len(layers), dtype=torch.int64, device=device)
+        self.step_table = torch.empty((len(layers), 3), dtype=torch.int64, device=device)
+        self.copied = None  # on a GPU, the event after the last copies from the host buffers
+        for i, layer in enumerate(layers):
+            layer.noise_seed, layer._batch = self.host_seeds[i], self
+
+    @staticmethod
+    def key(layer):
+        from kernels.triton_noise import many_key
+        return many_key(layer.weight, layer.method), layer.b_init, layer.b_target
+
+    def _host_buffers(self):
+        if self.copied is not None:  # the copies that read them last step have finished
+            self.copied.synchronize()
+        return self.host_seeds.numpy(), self.host_step.numpy()
+
+    def _copied(self):
+        if self.many.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    @torch.no_grad()
+    def begin(self, step):
+        seeds, _ = self._host_buffers()
+        seeds[:] = _step_seeds([layer.layer_seed for layer in self.layers], step)
+        self.seeds.copy_(self.host_seeds, non_blocking=True)
+        self._copied()
+        b_i = torch.cat([layer.b_i.detach().view(-1) for layer in self.layers])
+        b_t = self.b_target + b_i * (self.b_init - self.b_target)  # Eq. 11, as PQTLinear.b_t
+        e = torch.exp2(1.0 - b_t.float())  # as scale_bl; on a GPU each element's bits are those of its own layer's
+        w_hat, r_store = self.many.eq3([layer.weight for layer in self.layers], self.seeds, e)
+        with torch.enable_grad():
+            for layer, w, r in zip(self.layers, w_hat, r_store):
+                layer.w_hat = ste.StraightThrough.apply(layer.weight, w)
+                layer._eq4 = (None, r, layer.weight._version)
+
+    @torch.no_grad()
+    def end(self, apply_eq4):
+        """Eq. 4 into the b_i.grad of the layers whose weight has a gradient, in one launch."""
+        if not apply_eq4:
+            return
+        for layer in self.layers:
+            if layer._eq4 is not None and layer.weight.grad is not None:
+                layer._check_version(layer._eq4[2])
+        _, rows = self._host_buffers()
+        skip, store, add = self.modes
+        grad = torch.empty(self.many.blk0[-1], dtype=torch.float32, device=self.many.device)
+        keep = []  # contiguous copies of gradients that are not, alive until the kernel has read them
+        for i, layer in enumerate(self.layers):
+            g, b_i = layer.weight.grad, layer.b_i
+            if layer._eq4 is None or g is None or not b_i.requires_grad:
+                rows[i] = (0, 0, skip)
+                continue
+            if not g.is_contiguous() or g.data_ptr() % 16:  # e.g. a view into DDP's gradient buckets
+                keep.append(g := g.clone(memory_format=torch.contiguous_format))
+            mode = store if b_i.grad is None else add  # b_i's own gradient (Eq. 12's) is FP32 and contiguous as b_i
+            if b_i.grad is None:
+                b_i.grad = grad[self.many.blk0[i]:self.many.blk0[i + 1]].view(b_i.shape)
+            rows[i] = (g.data_ptr(), b_i.grad.data_ptr(), mode)
+        self.step_table.copy_(self.host_step, non_blocking=True)
+        self._copied()
+        self.many.eq4(self.step_table, self.b_init - self.b_target)
+
+
+def _batches(layers):
+    """The _Batch of each kind among `layers` (TrainStep's, in order), kept on the layers from step to step:
+    a batch is made again only when the layers of a kind change (a phase starts, a weight moves device)."""
+    kinds = {}
+    for layer in layers:
+        kinds.setdefault(_Batch.key(layer), []).append(layer)
+    batches = []
+    for group in kinds.values():
+        batch = getattr(group[0], "_batch", None)
+        if batch is None or batch.layers != group or any(layer._batch is not batch for layer in group):
+            batch = _Batch(group)
+        batches.append(batch)
+    return batches
 
 
 def method_linears(model, method, roles):
@@ -585,6 +716,14 @@ def _layer_seed(seed, name):
 
 def _step_seed(layer_seed, step):
     return _mix(layer_seed + 0x9E3779B97F4A7C15 * (step + 1)) >> 1  # >> 1: Philox seed in [0, 2^63)
+
+
+def _step_seeds(layer_seeds, step):
+    """_step_seed of every layer seed at once, as int64: NumPy's uint64 arithmetic wraps as _mix's masks do."""
+    x = np.array(layer_seeds, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15 * (step + 1) % 2**64)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((x ^ (x >> np.uint64(31))) >> np.uint64(1)).astype(np.int64)
 
 
 def pqt_layers(model):
