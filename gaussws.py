@@ -317,16 +317,20 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         return self.active and not self.recompute and not hasattr(self.weight, "full_tensor")
 
     @torch.no_grad()
-    def _begin(self, step, batch=False):
-        """The layer's state of optimizer step `step`; its w_hat and stored R (step mode) unless `batch`
-        and the layer is batched (then TrainStep's _Batch makes them): returns whether it left them."""
+    def _begin(self, step):
+        """The layer's state of optimizer step `step`. Returns whether w_hat is made once for the step
+        (step mode), which TrainStep then does: in a _Batch, or by _begin_alone."""
         self._begin_formats(step, self.formats_from is not None and step >= self.formats_from)
         self.in_step, self.active = True, step >= self.start and not self.quantized
-        if batch and self.step_mode() and self.batched():
+        if self.step_mode():
             return True
+        self.noise_seed.fill_(_step_seed(self.layer_seed, step))  # read by every forward and backward
+        return False
+
+    @torch.no_grad()
+    def _begin_alone(self, step):
+        """Step mode, one layer: this step's w_hat and stored R; the scale with its graph to b_i for Eq. 4."""
         self.noise_seed.fill_(_step_seed(self.layer_seed, step))
-        if not self.step_mode():
-            return False
         k = _kernels(self.backend, self.weight.device)
         with torch.enable_grad():  # the scale keeps its graph to b_i: Eq. 4 backpropagates through it at the end
             scale = scale_bl(block_absmax(self.weight), self.b_t)
@@ -335,7 +339,6 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         self._eq4 = (scale, r_store, self.weight._version)
         with torch.enable_grad():
             self.w_hat = ste.StraightThrough.apply(self.weight, w_hat)
-        return False
 
     @torch.no_grad()
     def _end(self, apply_eq4=True):
@@ -429,8 +432,14 @@ class TrainStep:
         if any(layer.in_step for layer in self.layers):
             raise RuntimeError("gaussws.TrainStep: a step is already open on this model; end it first")
         ste.before_step(self.budget, self.step)
-        left = [layer for layer in self.layers if layer._begin(self.step, self.batched)]
-        self.batches = _batches(left)
+        step_mode = [layer for layer in self.layers if layer._begin(self.step)]
+        batched = []
+        for layer in step_mode:
+            if self.batched and layer.batched():
+                batched.append(layer)
+            else:
+                layer._begin_alone(self.step)
+        self.batches = _batches(batched)
         for batch in self.batches:
             batch.begin(self.step)
         return self

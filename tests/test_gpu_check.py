@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-import bench
+from benchmarks import gpu_check
 from kernels import torch_noise
 from conftest import ROOT
 
@@ -22,7 +22,7 @@ def test_without_cuda_it_says_so_in_one_line():
 
 def test_parity_rows_pass_on_the_interpreter():
     """The parity part, with Triton's interpreter on CPU tensors standing in for the GPU."""
-    rows = bench.gpu_parity("cpu", shapes=[(33, 65), (64, 256)], seeds=[5], bm_shape=(64, 1024))
+    rows = gpu_check.gpu_parity("cpu", shapes=[(33, 65), (64, 256)], seeds=[5], bm_shape=(64, 1024))
     assert [(k, m) for k, m, _, _ in rows] == [("gen", "gaussws"), ("apply", "gaussws"), ("block_sums", "gaussws"),
                                                ("gen", "diffq"), ("apply", "diffq"), ("block_sums", "diffq"),
                                                ("bm", "box-muller")]
@@ -38,8 +38,8 @@ def test_bytes_per_element_are_the_tensors_the_kernels_touch(method):
     r_store = torch_noise.gen(m * n, 1, method, "cpu")
     w_hat = torch.zeros(m, n, dtype=torch.bfloat16)
     per = lambda *ts: sum(t.numel() * t.element_size() for t in ts) / (m * n)
-    assert bench.KERNEL_BYTES[f"gen {method}"] == per(r_store)
-    assert bench.KERNEL_BYTES[f"apply {method}"] == per(w, r_store, w_hat)
-    assert bench.KERNEL_BYTES[f"block_sums {method}"] == per(w, r_store)  # g is FP32 like w
-    assert bench.KERNEL_BYTES["bm"] == per(w, w_hat)
-    assert bench.KERNEL_BYTES["copy"] == per(w, w)
+    assert gpu_check.KERNEL_BYTES[f"gen {method}"] == per(r_store)
+    assert gpu_check.KERNEL_BYTES[f"apply {method}"] == per(w, r_store, w_hat)
+    assert gpu_check.KERNEL_BYTES[f"block_sums {method}"] == per(w, r_store)  # g is FP32 like w
+    assert gpu_check.KERNEL_BYTES["bm"] == per(w, w_hat)
+    assert gpu_check.KERNEL_BYTES["copy"] == per(w, w)
