@@ -69,6 +69,7 @@ import torch
 from benchmarks.common import say, write_json
 from benchmarks.fig6 import run_kernel
 from benchmarks.gpu_check import gpu_check
+from benchmarks.host import run_host
 from benchmarks.options import parse_args
 from benchmarks.table1 import run_train
 from util import cli, keep_freed_cpu_memory
@@ -84,9 +85,9 @@ def main(argv=None):
     command, args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if torch.device(args.device).type == "cpu":
+    if getattr(args, "device", "cpu") == "cpu" or torch.device(args.device).type == "cpu":
         keep_freed_cpu_memory()  # as train.py: no page faults on every step's fresh tensors
-    records = run_kernel(args) if command == "kernel" else run_train(args)
+    records = {"kernel": run_kernel, "train": run_train, "host": run_host}[command](args)
     if args.json:
         write_json(args.json, records)
         say(f"wrote {len(records)} records to {args.json}")

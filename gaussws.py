@@ -308,7 +308,9 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
     def batched(self):
         """Whether TrainStep makes this layer's w_hat and Eq. 4 in a _Batch, with the other step-mode layers
         of its kind (the Triton backend's multi-layer kernels), rather than in _begin and _end."""
-        return (_backend_name(self.backend, self.weight.device) == "triton" and self.b_i.dtype == torch.float32 and self.weight.is_contiguous() and self.weight.data_ptr() % 16 == 0)
+        w = self.weight
+        return (_backend_name(self.backend, w.device) == "triton" and self.b_i.dtype == torch.float32
+                and w.is_contiguous() and w.data_ptr() % 16 == 0)
 
     def step_mode(self):
         """Whether this step's w_hat is made once, at its begin (else in every forward: per micro-step,
@@ -316,12 +318,18 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         inside the forward)."""
         return self.active and not self.recompute and not hasattr(self.weight, "full_tensor")
 
-    @torch.no_grad()
+    def _state(self, **values):
+        """Set attributes of the step's state (none a parameter, buffer or module) without nn.Module's
+        __setattr__, whose checks cost a batched layer's step more than the rest of its host work."""
+        self.__dict__.update(values)
+
     def _begin(self, step):
         """The layer's state of optimizer step `step`. Returns whether w_hat is made once for the step
         (step mode), which TrainStep then does: in a _Batch, or by _begin_alone."""
-        self._begin_formats(step, self.formats_from is not None and step >= self.formats_from)
-        self.in_step, self.active = True, step >= self.start and not self.quantized
+        if self.formats_from is not None:  # a budget's STE phase (ste.BlockFormats)
+            with torch.no_grad():
+                self._begin_formats(step, step >= self.formats_from)
+        self._state(in_step=True, active=step >= self.start and not self.quantized)
         if self.step_mode():
             return True
         self.noise_seed.fill_(_step_seed(self.layer_seed, step))  # read by every forward and backward
@@ -340,20 +348,23 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         with torch.enable_grad():
             self.w_hat = ste.StraightThrough.apply(self.weight, w_hat)
 
-    @torch.no_grad()
     def _end(self, apply_eq4=True):
-        """Release the step. With apply_eq4, a step-mode layer returns (scale_bl, sum_bl(dL/dw_hat * R)):
+        """Release the step. With apply_eq4, a step-mode layer alone returns (scale_bl, sum_bl(dL/dw_hat * R)):
         backpropagating the sums through the scale is Eq. 4, then Eq. 11's chain rule, into b_i.grad,
-        which TrainStep.end does for all layers at once; else None."""
-        self._end_formats(apply_eq4)
-        state, self._eq4, self.w_hat, self.in_step = self._eq4, None, None, False
-        if state is None or not apply_eq4 or self.weight.grad is None:
+        which TrainStep.end does for all such layers at once; else None (a batched layer's _Batch did it)."""
+        if self.formats_from is not None:
+            with torch.no_grad():
+                self._end_formats(apply_eq4)
+        state = self._eq4
+        self._state(_eq4=None, w_hat=None, in_step=False)
+        if state is None or state[0] is None or not apply_eq4:  # state[0] None: batched, its _Batch did Eq. 4
             return None
         scale, r_store, version = state
-        self._check_version(version)
-        if scale is None:  # batched: TrainStep's _Batch applied Eq. 4
+        if self.weight.grad is None:
             return None
-        return scale, _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
+        self._check_version(version)
+        with torch.no_grad():
+            return scale, _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
 
     def _check_version(self, version):
         if self.weight._version != version:
@@ -424,8 +435,10 @@ class TrainStep:
     """
 
     def __init__(self, model, step, batched=True):
-        self.layers, self.step, self.batched = method_layers(model), int(step), batched
-        self.budget = ste.budget_layers(model)
+        # method_layers and ste.budget_layers in one walk of the modules: it runs at every step
+        named = [(name, m) for name, m in model.named_modules() if isinstance(m, (PQTLinear, ste.STELinear))]
+        self.layers, self.step, self.batched = [m for _, m in named], int(step), batched
+        self.budget = [(name, m) for name, m in named if m.formats_from is not None]
         self.batches = []
 
     def begin(self):
@@ -433,13 +446,9 @@ class TrainStep:
             raise RuntimeError("gaussws.TrainStep: a step is already open on this model; end it first")
         ste.before_step(self.budget, self.step)
         step_mode = [layer for layer in self.layers if layer._begin(self.step)]
-        batched = []
-        for layer in step_mode:
-            if self.batched and layer.batched():
-                batched.append(layer)
-            else:
-                layer._begin_alone(self.step)
-        self.batches = _batches(batched)
+        self.batches, alone = _batches(step_mode) if self.batched else ([], step_mode)
+        for layer in alone:
+            layer._begin_alone(self.step)
         for batch in self.batches:
             batch.begin(self.step)
         return self
@@ -467,7 +476,7 @@ class _Batch:
     """Step-mode PQT layers of one kind (the Triton kernels' many_key, b_init, b_target) that TrainStep
     serves together: at begin one launch of Eq. 3 for all (kernels.triton_noise.Many), after the few
     PyTorch ops that make every block's 2^(1 - b_t) from the concatenated b_i (Eq. 11); at end one launch
-    of Eq. 4 into their b_i.grad. The per-layer Python left is no launch: views, the StraightThrough
+    of Eq. 4 into their b_i.grad. The per-layer Python left launches nothing: views, the StraightThrough
     node of each w_hat (one per layer, so that each weight's gradient is ready, for DDP's all-reduce, as
     soon as its backward is done), the checks. The seeds are _step_seed's, computed for all layers in
     NumPy and copied to the device at once; each layer's noise_seed is a view of them."""
@@ -475,7 +484,9 @@ class _Batch:
     def __init__(self, layers):
         from kernels import triton_noise
         self.layers, first = layers, layers[0]
-        self.many = triton_noise.Many([layer.weight for layer in layers], first.method)
+        self.weights = [layer._parameters["weight"] for layer in layers]
+        self.b_i = [layer._parameters["b_i"] for layer in layers]
+        self.many = triton_noise.Many(self.weights, first.method)
         self.modes = (triton_noise.SKIP.value, triton_noise.STORE.value, triton_noise.ADD.value)
         self.b_init, self.b_target, device = first.b_init, first.b_target, self.many.device
         pin = device.type == "cuda"  # pinned, the copies to the device need not wait for the host
@@ -485,7 +496,7 @@ class _Batch:
         self.step_table = torch.empty((len(layers), 3), dtype=torch.int64, device=device)
         self.copied = None  # on a GPU, the event after the last copies from the host buffers
         for i, layer in enumerate(layers):
-            layer.noise_seed, layer._batch = self.host_seeds[i], self
+            layer.noise_seed = self.host_seeds[i]
 
     @staticmethod
     def key(layer):
@@ -508,56 +519,62 @@ class _Batch:
         seeds[:] = _step_seeds([layer.layer_seed for layer in self.layers], step)
         self.seeds.copy_(self.host_seeds, non_blocking=True)
         self._copied()
-        b_i = torch.cat([layer.b_i.detach().view(-1) for layer in self.layers])
-        b_t = self.b_target + b_i * (self.b_init - self.b_target)  # Eq. 11, as PQTLinear.b_t
+        b_t = self.b_target + torch.cat([b_i.view(-1) for b_i in self.b_i]) * (self.b_init - self.b_target)  # Eq. 11
         e = torch.exp2(1.0 - b_t.float())  # as scale_bl; on a GPU each element's bits are those of its own layer's
-        w_hat, r_store = self.many.eq3([layer.weight for layer in self.layers], self.seeds, e)
+        w_hat, r_store = self.many.eq3(self.weights, self.seeds, e)
         with torch.enable_grad():
-            for layer, w, r in zip(self.layers, w_hat, r_store):
-                layer.w_hat = ste.StraightThrough.apply(layer.weight, w)
-                layer._eq4 = (None, r, layer.weight._version)
+            for layer, w, w_h, r in zip(self.layers, self.weights, w_hat, r_store):
+                layer._state(w_hat=ste.StraightThrough.apply(w, w_h), _eq4=(None, r, w._version))
 
     @torch.no_grad()
     def end(self, apply_eq4):
         """Eq. 4 into the b_i.grad of the layers whose weight has a gradient, in one launch."""
         if not apply_eq4:
             return
-        for layer in self.layers:
-            if layer._eq4 is not None and layer.weight.grad is not None:
-                layer._check_version(layer._eq4[2])
-        _, rows = self._host_buffers()
+        states = [layer._eq4 for layer in self.layers]
+        for layer, w, state in zip(self.layers, self.weights, states):
+            if state is not None and w.grad is not None:
+                layer._check_version(state[2])
         skip, store, add = self.modes
         grad = torch.empty(self.many.blk0[-1], dtype=torch.float32, device=self.many.device)
-        keep = []  # contiguous copies of gradients that are not, alive until the kernel has read them
-        for i, layer in enumerate(self.layers):
-            g, b_i = layer.weight.grad, layer.b_i
-            if layer._eq4 is None or g is None or not b_i.requires_grad:
-                rows[i] = (0, 0, skip)
+        rows, keep = [], []  # keep: contiguous copies of gradients that are not, alive until the kernel has read them
+        for i, (w, b_i, state) in enumerate(zip(self.weights, self.b_i, states)):
+            g = w.grad
+            if state is None or g is None or not b_i.requires_grad:
+                rows.append((0, 0, skip))
                 continue
             if not g.is_contiguous() or g.data_ptr() % 16:  # e.g. a view into DDP's gradient buckets
                 keep.append(g := g.clone(memory_format=torch.contiguous_format))
             mode = store if b_i.grad is None else add  # b_i's own gradient (Eq. 12's) is FP32 and contiguous as b_i
-            if b_i.grad is None:
+            if mode == store:
                 b_i.grad = grad[self.many.blk0[i]:self.many.blk0[i + 1]].view(b_i.shape)
-            rows[i] = (g.data_ptr(), b_i.grad.data_ptr(), mode)
+            rows.append((g.data_ptr(), b_i.grad.data_ptr(), mode))
+        self._host_buffers()[1][:] = rows
         self.step_table.copy_(self.host_step, non_blocking=True)
         self._copied()
         self.many.eq4(self.step_table, self.b_init - self.b_target)
 
 
 def _batches(layers):
-    """The _Batch of each kind among `layers` (TrainStep's, in order), kept on the layers from step to step:
-    a batch is made again only when the layers of a kind change (a phase starts, a weight moves device)."""
-    kinds = {}
+    """(the _Batch of each kind among `layers`, TrainStep's step-mode layers, and the layers left alone), kept
+    on the first layer from step to step: made again only when the layers or their weights change (a phase
+    starts, a weight moves)."""
+    if not layers:
+        return [], []
+    weights = [layer._parameters["weight"] for layer in layers]
+    plan = layers[0].__dict__.get("_plan")
+    if (plan is not None and plan[0] == tuple(layers) and all(a is b for a, b in zip(plan[1], weights))
+            and plan[2] == [w.data_ptr() for w in weights]):
+        return plan[3], plan[4]
+    kinds, alone = {}, []
     for layer in layers:
-        kinds.setdefault(_Batch.key(layer), []).append(layer)
-    batches = []
-    for group in kinds.values():
-        batch = getattr(group[0], "_batch", None)
-        if batch is None or batch.layers != group or any(layer._batch is not batch for layer in group):
-            batch = _Batch(group)
-        batches.append(batch)
-    return batches
+        if layer.batched():
+            kinds.setdefault(_Batch.key(layer), []).append(layer)
+        else:
+            alone.append(layer)
+    batches = [_Batch(group) for group in kinds.values()]
+    layers[0].__dict__["_plan"] = (tuple(layers), weights, [w.data_ptr() for w in weights], batches, alone)
+    return batches, alone
 
 
 def method_linears(model, method, roles):

@@ -31,7 +31,6 @@ def parse_ints(key, text):
     return values
 
 
-
 def _common():
     return dict(
         device="cuda" if torch.cuda.is_available() else "cpu",  # "cpu" or "cuda"
@@ -58,18 +57,26 @@ TRAIN_CONFIG = dict(
     seed=1337,  # initial weights, tokens and noise
     **_common(),
 )
+HOST_CONFIG = dict(
+    layers="2,24,84,154",  # numbers of PQT Linears (Llama2-134M has 84, Llama2-1B 154)
+    width=64,  # each weight is width x width: tiny, so that what is timed is the host's calls
+    repeats=50,  # timed steps per case; the median is reported
+    threads=0,  # CPU threads for torch; 0: torch's default. One is steadier where others share the cores
+    json="",  # also write the records to this path as JSON
+)
+COMMANDS = {"kernel": KERNEL_CONFIG, "train": TRAIN_CONFIG, "host": HOST_CONFIG}
 # Any model.ModelConfig field overrides the preset, e.g. a tiny model: --n_layer=1 --n_embd=64.
 MODEL_KEYS = [f.name for f in dataclasses.fields(model_lib.ModelConfig) if f.name != "block_size"]
 
 
 def parse_args(argv):
     """(command, namespace of settings) from the command line; a UserError for bad input."""
-    if not argv or argv[0] not in ("kernel", "train"):
+    if not argv or argv[0] not in COMMANDS:
         got = f"got {argv[0]!r}" if argv else "got nothing"
-        raise BenchError(f"expected 'kernel' or 'train' as the first argument, or 'gpu-check' ({got}); "
+        raise BenchError(f"expected 'kernel', 'train' or 'host' as the first argument, or 'gpu-check' ({got}); "
                          "see python bench.py --help")
     command = argv[0]
-    config = dict(KERNEL_CONFIG if command == "kernel" else TRAIN_CONFIG)
+    config = dict(COMMANDS[command])
     defaults = dataclasses.asdict(model_lib.ModelConfig()) if command == "train" else {}
     config.update({k: defaults[k] for k in MODEL_KEYS if command == "train"})
     explicit = configure(config, argv[1:])
@@ -78,13 +85,17 @@ def parse_args(argv):
     for key in ("vocab_size", "n_layer", "n_head", "n_embd"):
         if args.model_overrides.get(key, 1) < 1:
             raise BenchError(f"--{key}={args.model_overrides[key]}: expected a positive integer")
-    positive = ["repeats"] if command == "kernel" else ["batch_size", "block_size", "rounds", "warmup"]
+    positive = {"kernel": ["repeats"], "train": ["batch_size", "block_size", "rounds", "warmup"],
+                "host": ["repeats", "width"]}[command]
     for key in positive:
         parse_ints(key, getattr(args, key))
     if args.threads < 0:
         raise BenchError(f"--threads={args.threads}: expected 0 (torch's default) or a positive number")
     if command == "kernel":
         args.shapes = parse_shapes(args.shapes) if args.shapes else None
+    elif command == "host":
+        args.layers = parse_ints("layers", args.layers)
+        return command, args  # on the CPU, whatever the machine has
     else:
         args.grad_accum = parse_ints("grad_accum", args.grad_accum)
         if args.model not in model_lib.PRESETS:

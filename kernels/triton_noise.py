@@ -611,6 +611,10 @@ class Many:
             self.blk0.append(self.blk0[-1] + bm * bn)
         rows = [[0, m, n, n // 8, -(-n // BL), self.tile0[i], self.out0[i], self.r0[i], self.blk0[i]]
                 for i, (m, n) in enumerate(self.shapes)]
+        # split sizes of the flat buffers: each layer's part, then its padding to the next (views in one call)
+        self.out_sizes = [x for (m, n), a, b in zip(self.shapes, self.out0, self.out0[1:])
+                          for x in (m * n, b - a - m * n)]
+        self.r_sizes = [x for r, a, b in zip(r_len, self.r0, self.r0[1:]) for x in (r, b - a - r)]
         self.host_table = torch.tensor(rows, dtype=torch.int64)
         self.table = self.host_table.to(self.device)
         self.tile_layer = torch.repeat_interleave(torch.arange(len(weights), dtype=torch.int32),
@@ -641,9 +645,8 @@ class Many:
         _launch(f"eq3_many_{self.method}" + ("" if self.aligned else "_unaligned"), (self.tile0[-1],),
                 self.per_call, table_ptr=self.table, tile_layer_ptr=self.tile_layer, seeds_ptr=seeds, e_ptr=e,
                 out_ptr=w_hat.view(torch.int16), r_ptr=_r_arg(r_store), max_ptr=self.max_bl)
-        return ([w_hat[o:o + m * n].view(m, n) for o, (m, n) in zip(self.out0, self.shapes)],
-                [r_store[o:o + (-(-m * n // 8) if self.method == "gaussws" else m * n)]
-                 for o, (m, n) in zip(self.r0, self.shapes)])
+        return ([v.view(shape) for v, shape in zip(w_hat.split(self.out_sizes)[::2], self.shapes)],
+                r_store.split(self.r_sizes)[::2])
 
     def eq4(self, step_table, c):
         """Eq. 4 into every b_i.grad, as step_table (int64 (weights, 3) on the device: STEP_FIELDS) says,
