@@ -228,9 +228,12 @@ LN2_F32 = tl.constexpr(0.6931471824645996)
 
 
 @triton.jit
-def _nan_max(a, b):
-    """The max of a reduction that propagates NaN, as torch.amax does."""
-    return tl.where((a > b) | (a != a), a, b)
+def _block_max(a, BM: tl.constexpr, BN: tl.constexpr, BLK: tl.constexpr):
+    """The max of each BLK x BLK block of a (BM, BN) tile of |w|, NaN where the block holds one, as torch.amax
+    gives it (a reduction's max skips NaN on a GPU; NumPy's, in the interpreter, keeps it)."""
+    blocks = tl.reshape(a, (BM, BN // BLK, BLK))
+    nan = tl.max(tl.max((blocks != blocks).to(tl.int32), axis=2), axis=0)
+    return tl.where(nan > 0, float("nan"), tl.max(tl.max(blocks, axis=2), axis=0))
 
 
 @triton.jit
@@ -279,7 +282,7 @@ def _eq3_tile(w_ptr, e_ptr, out_ptr, r_ptr, max_ptr, seed, m, n, n_words_row, nb
     mask = (rows < m) & (cols < n)
     w = tl.load(w_ptr + rows * n + cols, mask=mask, other=0.0).to(tl.float32)
     # masked lanes are 0, as block_absmax's zero padding: a 0 never wins a max of |w|
-    max_bl = tl.reduce(tl.reduce(tl.reshape(tl.abs(w), (BM, BN // BLK, BLK)), 2, _nan_max), 0, _nan_max)
+    max_bl = _block_max(tl.abs(w), BM, BN, BLK)
     cb = pid_n * (BN // BLK) + tl.arange(0, BN // BLK)
     tl.store(max_ptr + pid_m * nbn + cb, max_bl, mask=cb < nbn)
     e = tl.load(e_ptr + pid_m * nbn + cb, mask=cb < nbn, other=0.0)
