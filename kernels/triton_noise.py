@@ -237,10 +237,18 @@ def _block_max(a, BM: tl.constexpr, BN: tl.constexpr, BLK: tl.constexpr):
 
 
 @triton.jit
-def _draw_r(r_ptr, seed, rows, cols, mask, pid_n, m, n, n_words_row, GAUSSWS: tl.constexpr,
-            ALIGNED: tl.constexpr, BN: tl.constexpr):
+def _lane(seed, k, j):
+    """Bits 32 j .. 32 j + 31 of Philox call k's 128 (j in 0..3, per element)."""
+    r0, r1, r2, r3 = tl.randint4x(seed, k)
+    return tl.where(j == 0, r0, tl.where(j == 1, r1, tl.where(j == 2, r2, r3)))
+
+
+@triton.jit
+def _draw_r(r_ptr, seed, rows, cols, mask, pid_n, tile, m, n, n_words_row, GAUSSWS: tl.constexpr,
+            ALIGNED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """R of the tile in FP32, drawn from the seed with gen's counters, its storage written where gen
-    writes it (gaussws' words, diffq's BF16) for the end of the step."""
+    writes it (gaussws' words, diffq's BF16) for the end of the step. `tile`: the tile's number in the
+    weight, row-major."""
     if GAUSSWS:
         if ALIGNED:  # 8 | n: the tile's words are a (BM, BN / 8) tile
             wc = pid_n * (BN // 8) + tl.arange(0, BN // 8)[None, :]
@@ -249,11 +257,13 @@ def _draw_r(r_ptr, seed, rows, cols, mask, pid_n, m, n, n_words_row, GAUSSWS: tl
             tl.store(r_ptr + k, word.to(tl.int32, bitcast=True), mask=(rows < m) & (wc < n_words_row))
             nib = (word[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
             nib = tl.reshape(nib, (rows.shape[0], BN))
-        else:  # a word may straddle two rows: each element draws its word, the word's first element stores it
+        else:
+            # a word may straddle two rows: each element takes its 16 bits of its word's Philox call; the
+            # words are stored as gen makes them, BM * BN / 8 per tile (the tiles hold at least m * n / 8)
+            k = tile * (BM * BN // 8) + tl.arange(0, BM * BN // 8)
+            tl.store(r_ptr + k, _gaussws_word(seed, k).to(tl.int32, bitcast=True), mask=k < tl.cdiv(m * n, 8))
             e = rows * n + cols
-            word = _gaussws_word(seed, e // 8)
-            tl.store(r_ptr + e // 8, word.to(tl.int32, bitcast=True), mask=mask & (e % 8 == 0))
-            nib = (word >> ((e % 8) * 4)) & 0xF
+            nib = _nibble((_lane(seed, e // 8, e % 8 // 2) >> (16 * (e % 2))) & 0xFFFF)
         nib = nib.to(tl.int32)
         r = ((nib & 7) * (1 - 2 * (nib >> 3))).to(tl.float32)
     else:
@@ -263,9 +273,7 @@ def _draw_r(r_ptr, seed, rows, cols, mask, pid_n, m, n, n_words_row, GAUSSWS: tl
             bits = _interleave4(b0, b1, b2, b3)
         else:
             e = rows * n + cols
-            b0, b1, b2, b3 = _diffq_codes(seed, e // 4)
-            j = e % 4
-            bits = tl.where(j == 0, b0, tl.where(j == 1, b1, tl.where(j == 2, b2, b3)))
+            bits = _bf16_bits(_uniform(_lane(seed, e // 4, e % 4)))
         tl.store(r_ptr + rows * n + cols, bits, mask=mask)
         r = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # BF16 bits -> FP32, exact
     return r
@@ -286,7 +294,8 @@ def _eq3_tile(w_ptr, e_ptr, out_ptr, r_ptr, max_ptr, seed, m, n, n_words_row, nb
     cb = pid_n * (BN // BLK) + tl.arange(0, BN // BLK)
     tl.store(max_ptr + pid_m * nbn + cb, max_bl, mask=cb < nbn)
     e = tl.load(e_ptr + pid_m * nbn + cb, mask=cb < nbn, other=0.0)
-    r = _draw_r(r_ptr, seed, rows, cols, mask, pid_n, m, n, n_words_row, GAUSSWS, ALIGNED, BN)
+    r = _draw_r(r_ptr, seed, rows, cols, mask, pid_n, pid_m * tl.cdiv(n, BN) + pid_n, m, n, n_words_row, GAUSSWS,
+                ALIGNED, BM, BN)
     scale = _broadcast_blocks(max_bl * e, BN, BLK)
     tl.store(out_ptr + rows * n + cols, _bf16_bits(w + r * scale), mask=mask)
 
@@ -427,14 +436,16 @@ def kernel_specs(backend):
         for aligned in (True, False):
             suffix = method + ("" if aligned else "_unaligned")
             const = {"GAUSSWS": method == "gaussws", "ALIGNED": aligned, **tiles}
+            # unaligned, every element makes a Philox call: 4x the threads keep their state in registers
+            options = fp32 if aligned else {**fp32, "num_warps": 4 * NUM_WARPS}
             specs["eq3_" + suffix] = KernelSpec(
                 _eq3_kernel, {"w_ptr": W_TYPES, "e_ptr": "*fp32", "out_ptr": "*i16", "r_ptr": r_out, "max_ptr": "*fp32",
                               "m": "i32", "n": "i32", "n_words_row": "i32", "nbn": "i32", "seed": "i64"},
-                const, tile, fp32)
+                const, tile, options)
             specs["eq3_many_" + suffix] = KernelSpec(
                 _eq3_many_kernel, {"table_ptr": "*i64", "tile_layer_ptr": "*i32", "seeds_ptr": "*i64",
                                    "e_ptr": "*fp32", "out_ptr": "*i16", "r_ptr": r_out, "max_ptr": "*fp32"},
-                const, tile, fp32, tuple(PER_CALL))
+                const, tile, options, tuple(PER_CALL))
     return specs
 
 
