@@ -14,17 +14,15 @@ from configurator import configure
 from kernels import BL
 from util import git_commit
 
-# One command for a machine with a GPU: do the Triton kernels give the PyTorch twin's bits there, how
-# close to the memory's peak do they run, and the two benchmarks of the paper at its settings.
-
 GPU_CHECK_CONFIG = dict(
     shapes="",  # MxN,... for Fig. 6; "": bench.py kernel's CUDA list
     bandwidth_shape="8192x8192",  # w of the bandwidth table
     repeats=5,  # timed blocks per kernel; the median is reported
-    model="llama2-134m",  # Table 1's model (paper: local batch 24 x 2048 on an A100-40G)
-    batch_size=24,
+    # Table 1's models and local batches (the paper's, on an A100-40G: 24 and 8 sequences of 2048 tokens)
+    models="llama2-134m:24,llama2-1b:8",
     block_size=2048,
     methods="bf16,diffq[all],gaussws[all]",
+    compile="False,True",  # Table 1 eager, then with torch.compile
     rounds=3,  # timed optimizer steps per method
     train=True,  # False: skip the training benchmark (the longest part)
     json="",  # also write all records to this path as JSON
@@ -36,8 +34,10 @@ PARITY_SEEDS = [0, 1, 2**40 + 3, 2**63 - 1]
 # Bytes each kernel must move per element of w (FP32 w, BF16 w_hat): w 4 B, R 1/2 B (gaussws, one
 # int32 word per 8 elements) or 2 B (diffq, BF16), w_hat 2 B; block sums read g (FP32) and R; the
 # scale and the sums (one FP32 per 1024 elements) are left out. copy: FP32 read, FP32 written.
+# The one pass (eq3) reads w and writes w_hat and R (the block maxima, 1/1024 of an element, left out).
 KERNEL_BYTES = {"copy": 8, "gen gaussws": 0.5, "gen diffq": 2, "apply gaussws": 4 + 0.5 + 2, "apply diffq": 4 + 2 + 2,
-                "block_sums gaussws": 4 + 0.5, "block_sums diffq": 4 + 2, "bm": 4 + 2}
+                "block_sums gaussws": 4 + 0.5, "block_sums diffq": 4 + 2, "bm": 4 + 2,
+                "eq3 gaussws": 4 + 2 + 0.5, "eq3 diffq": 4 + 2 + 2}
 
 
 def _bits(t):
@@ -104,6 +104,70 @@ def gpu_parity(device, shapes=PARITY_SHAPES, seeds=PARITY_SEEDS, bm_shape=(256, 
     return rows
 
 
+def one_pass_parity(device, shapes=PARITY_SHAPES, seeds=PARITY_SEEDS):
+    """Rows (kernel, method, cases, result): the one pass (eq3) against block_absmax, gen and apply on
+    `device`, bit for bit (R, w_hat, max_bl; FP32 and BF16 w)."""
+    from kernels import triton_noise
+
+    rows = []
+    for method in ("gaussws", "diffq"):
+        bad = []
+        for m, n in shapes:
+            gen = torch.Generator().manual_seed(m * 1000 + n)
+            for seed in seeds:
+                for dtype in (torch.float32, torch.bfloat16):
+                    w = (torch.randn(m, n, generator=gen) * 0.02).to(dtype).to(device)
+                    e = torch.exp2(1.0 - (2 + 10 * torch.rand(-(-m // BL), -(-n // BL), generator=gen))).to(device)
+                    w_hat, r_store, max_bl = triton_noise.eq3(w, e, seed, method)
+                    want_r = triton_noise.gen(m * n, seed, method, device)
+                    want_max = gaussws.block_absmax(w)
+                    want = triton_noise.apply(w, want_r, want_max * e, method)
+                    if not all(torch.equal(_bits(a), _bits(b)) for a, b in
+                               ((r_store, want_r), (max_bl, want_max), (w_hat, want))):
+                        bad.append((m, n, seed, str(dtype)))
+        rows.append(("eq3 (one pass)", method, f"{len(shapes) * len(seeds) * 2} x R, w_hat, max_bl bits",
+                     "identical" if not bad else f"FAILED {len(bad)}: {bad[:3]}"))
+    return rows
+
+
+def mixed_net(device, seed=3, exact_exp2=False):
+    """Linears of four kinds (FP32 / BF16 weights, gaussws / diffq, rows that start a word of R or not) and
+    random b_t: what TrainStep groups into several batches. exact_exp2: b_t integers, 2^(1 - b_t) exact."""
+    torch.manual_seed(seed)
+    kinds = [(100, 70, "gaussws", torch.float32), (70, 64, "diffq", torch.float32),
+             (64, 768, "gaussws", torch.bfloat16), (768, 64, "gaussws", torch.float32),
+             (64, 35, "diffq", torch.bfloat16), (35, 40, "gaussws", torch.float32)]
+    layers = []
+    for n_in, n_out, method, dtype in kinds:
+        layers += [gaussws.PQTLinear(n_in, n_out, method=method, backend="triton", dtype=dtype), torch.nn.GELU()]
+    net = torch.nn.Sequential(*layers[:-1]).to(device)
+    for layer in gaussws.pqt_layers(net):
+        b_i = torch.randint(-2, 4, layer.b_i.shape) / 2 if exact_exp2 else torch.rand(layer.b_i.shape) * 2 - 0.5
+        layer.b_i.data = b_i.float().to(device)
+    return gaussws.set_noise_seed(net, seed)
+
+
+def batched_step_parity(device, steps=(7, 8)):
+    """Row: TrainStep's batches against one layer at a time (the per-layer kernels, Eq. 4 through autograd),
+    on `device`: every gradient bit for bit, Eq. 12's added to, two steps accumulating. On a GPU each
+    element of 2^(1 - b_t) is the same whether exp2 runs on a layer's b_t or on all layers' at once; on a
+    CPU ATen rounds a tensor's last elements otherwise, so there b_t are integers (2^(1 - b_t) exact)."""
+    nets = {batched: mixed_net(device, exact_exp2=torch.device(device).type == "cpu") for batched in (True, False)}
+    xs = [torch.randn(5, 100, device=device) for _ in range(2)]
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    for step in steps:
+        for batched, net in nets.items():
+            with gaussws.TrainStep(net, step, batched=batched):
+                for x in xs:
+                    with autocast:
+                        loss = net(x).float().square().mean() + 0.1 * gaussws.bitwidth_loss(net)
+                    (loss / len(xs)).backward()
+    bad = [name for (name, a), (_, b) in zip(nets[True].named_parameters(), nets[False].named_parameters())
+           if not torch.equal(a.grad, b.grad)]
+    cases = f"{len(list(nets[True].parameters()))} gradients x {len(steps)} steps (w, b_i; 4 kinds of layer)"
+    return [("TrainStep batched", "gaussws, diffq", cases, "identical" if not bad else f"FAILED: {bad[:3]}")]
+
+
 def peak_bandwidth(device):
     """Theoretical DRAM bytes/s of the device: 2 (double data rate) x memory clock x bus width, or None."""
     props = torch.cuda.get_device_properties(device)
@@ -125,7 +189,8 @@ def kernel_bandwidth(device, shape, repeats):
     m, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(m, n, generator=gen, device=device) * 0.02
-    scale = gaussws.block_absmax(w) * 2.0**-5
+    e = torch.full((-(-m // BL), -(-n // BL)), 2.0**-5, device=device)
+    scale = gaussws.block_absmax(w) * e
     stored = {method: triton_noise.gen(m * n, 1234, method, device) for method in ("gaussws", "diffq")}
     fns = {"copy": lambda: torch.empty_like(w).copy_(w),
            "gen gaussws": lambda: triton_noise.gen(m * n, 1234, "gaussws", device),
@@ -134,7 +199,9 @@ def kernel_bandwidth(device, shape, repeats):
            "apply diffq": lambda: triton_noise.apply(w, stored["diffq"], scale, "diffq"),
            "block_sums gaussws": lambda: triton_noise.block_sums(w, stored["gaussws"], "gaussws"),
            "block_sums diffq": lambda: triton_noise.block_sums(w, stored["diffq"], "diffq"),
-           "bm": lambda: triton_noise.bm(w, scale, 1234)}
+           "bm": lambda: triton_noise.bm(w, scale, 1234),
+           "eq3 gaussws": lambda: triton_noise.eq3(w, e, 1234, "gaussws"),
+           "eq3 diffq": lambda: triton_noise.eq3(w, e, 1234, "diffq")}
     with torch.no_grad():
         seconds = time_per_call(fns, device, repeats)
     peak = peak_bandwidth(device)
@@ -146,10 +213,22 @@ def kernel_bandwidth(device, shape, repeats):
     return rows, peak
 
 
+def table1_models(text):
+    """[(model, local batch)] of --models: 'llama2-134m:24,llama2-1b:8'."""
+    out = []
+    for part in text.split(","):
+        model, _, batch = part.strip().partition(":")
+        if not batch.isdigit() or int(batch) < 1:
+            raise BenchError(f"--models={text}: bad {part!r}; expected MODEL:BATCH, e.g. llama2-134m:24")
+        out.append((model, int(batch)))
+    return out
+
+
 def gpu_check(argv):
     """python bench.py gpu-check: parity, bandwidth, Fig. 6 and Table 1 on the first GPU, one table."""
     config = dict(GPU_CHECK_CONFIG)
     configure(config, argv)  # first: its options (and a typo in them) are read on any machine
+    table1_models(config["models"])
     if not torch.cuda.is_available():
         raise BenchError("gpu-check needs a CUDA GPU and torch.cuda.is_available() is False here; "
                          "the CPU checks are `pytest tests/test_kernels.py tests/test_triton_compile.py`")
@@ -161,8 +240,9 @@ def gpu_check(argv):
     head = (f"bench.py gpu-check on {name}, torch {torch.__version__}, triton {triton.__version__}, "
             f"commit {git_commit()}")
     say(head)
-    say("parity: Triton on CUDA tensors against the PyTorch twin ...")
-    parity = gpu_parity(device)
+    say("parity: Triton on CUDA tensors against the PyTorch twin, the one pass and the batched step against "
+        "the per-layer kernels ...")
+    parity = gpu_parity(device) + one_pass_parity(device) + batched_step_parity(device)
     say(markdown_table(["kernel", "method", "cases", "result"], parity))
     say(f"bandwidth on w {bandwidth_shape[0]}x{bandwidth_shape[1]} ...")
     bandwidth, peak = kernel_bandwidth(device, bandwidth_shape, config["repeats"])
@@ -174,17 +254,18 @@ def gpu_check(argv):
                              + ([f"--shapes={config['shapes']}"] if config["shapes"] else []))[1]
     fig6 = run_kernel(kernel_args)
     table1 = []
-    if config["train"]:
-        train_args = parse_args(["train", "--device=cuda", f"--model={config['model']}",
-                                 f"--batch_size={config['batch_size']}", f"--block_size={config['block_size']}",
-                                 f"--methods={config['methods']}", f"--rounds={config['rounds']}"])[1]
-        table1 = run_train(train_args)
+    for model, batch_size in (table1_models(config["models"]) if config["train"] else []):
+        for compiled in [c.strip() for c in config["compile"].split(",")]:
+            train_args = parse_args(["train", "--device=cuda", f"--model={model}", f"--batch_size={batch_size}",
+                                     f"--block_size={config['block_size']}", f"--methods={config['methods']}",
+                                     f"--rounds={config['rounds']}", f"--compile={compiled}"])[1]
+            table1 += run_train(train_args)
     rows = [("parity", f"{k} {m}", f"{c}: {r}") for k, m, c, r in parity]
     rows += [("bandwidth", k, f"{g:.0f} GB/s" + ("" if p is None else f", {100 * p:.1f} % of peak")
               + f", {100 * c:.1f} % of copy") for k, b, g, p, c in bandwidth]
     rows += [("Fig. 6", f"{r['shape'][0]}x{r['shape'][1]} {r['impl']}",
               f"{r['gelem_per_s']:.2f} 1e9 elements/s ({r['speedup_vs_torch']:.2f}x torch)") for r in fig6]
-    rows += [("Table 1", f"{config['model']} {r['method']}",
+    rows += [("Table 1", f"{r['model']}, {r['batch_size']} x {r['block_size']}{', compiled' * r['compile']} {r['method']}",
               f"{r['tokens_per_s']:.0f} tokens/s ({r['overhead_pct']:+.2f} %), "
               f"{r['extra_bytes_per_param']:+.2f} bytes/param") for r in table1]
     say("")

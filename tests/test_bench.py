@@ -275,6 +275,21 @@ def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
     assert changed == set(before)  # every parameter, b_i included, took the step
 
 
+def test_host_counts_the_launches_of_both_paths_and_fits_their_slopes(tmp_path):
+    """bench.py host on 2 and 4 Linears: one layer at a time 18 launches a Linear (gen, apply, block sums;
+    the block maxima, the scale, autograd's Eq. 4: benchmarks.host's LaunchCounter), batched a constant 9;
+    the fitted lines go through the counts."""
+    path = tmp_path / "host.json"
+    records = bench.main(["host", "--layers=2,4", "--repeats=3", "--threads=1", f"--json={path}"])
+    assert json.loads(path.read_text()) == records
+    launches = {(r["batched"], r["linears"]): r["torch_launches"] + r["triton_launches"] for r in records}
+    assert launches == {(False, 2): 36, (False, 4): 72, (True, 2): 9, (True, 4): 9}
+    for r in records:
+        a, b = r["fit"]["torch_launches"]
+        assert a + b * r["linears"] == pytest.approx(r["torch_launches"])
+        assert r["host_us"] > 0 and r["h200_host_us"] == 13 * r["torch_launches"] + 34 * r["triton_launches"]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["kernel", "--shapes=12by4"], "bad shape"),
     (["kernel", "--repeats=0"], "positive"),
@@ -301,8 +316,10 @@ def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
     (["train", "--json=/no/such/dir/x.json"], "folder does not exist"),
     (["train", "--bogus=1"], "unknown config key 'bogus'"),
     (["train", "rounds=2"], "not found"),
-    (["bench"], "expected 'kernel' or 'train'"),
-    ([], "expected 'kernel' or 'train'"),
+    (["host", "--layers=2,0"], "positive integers"),
+    (["host", "--width=0"], "--width=0"),
+    (["bench"], "expected 'kernel', 'train' or 'host'"),
+    ([], "expected 'kernel', 'train' or 'host'"),
 ])
 def test_bad_arguments_fail_in_one_line(argv, words, capsys):
     assert util.cli(bench.main, argv) == 1

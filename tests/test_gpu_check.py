@@ -43,3 +43,19 @@ def test_bytes_per_element_are_the_tensors_the_kernels_touch(method):
     assert gpu_check.KERNEL_BYTES[f"block_sums {method}"] == per(w, r_store)  # g is FP32 like w
     assert gpu_check.KERNEL_BYTES["bm"] == per(w, w_hat)
     assert gpu_check.KERNEL_BYTES["copy"] == per(w, w)
+
+
+def test_one_pass_and_batched_step_rows_pass_on_the_interpreter():
+    """The one pass and the batched step against the per-layer kernels, as gpu-check runs them on a GPU, with
+    Triton's interpreter on CPU tensors standing in."""
+    rows = gpu_check.one_pass_parity("cpu", shapes=[(33, 65), (64, 256)], seeds=[5])
+    assert [(k, m, r) for k, m, _, r in rows] == [("eq3 (one pass)", "gaussws", "identical"),
+                                                  ("eq3 (one pass)", "diffq", "identical")]
+    rows = gpu_check.batched_step_parity("cpu")
+    assert rows[0][-1] == "identical", rows
+
+
+def test_table1_models_are_read_from_the_option():
+    assert gpu_check.table1_models("llama2-134m:24,llama2-1b:8") == [("llama2-134m", 24), ("llama2-1b", 8)]
+    with pytest.raises(gpu_check.BenchError, match="MODEL:BATCH"):
+        gpu_check.table1_models("llama2-1b")
