@@ -29,6 +29,7 @@ See README.md.
 import hashlib
 import re
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -71,23 +72,33 @@ def parse_method(spec, roles):
     return method, frozenset(layers)
 
 
+def noise_e(b_t):
+    """2^(1 - b_t) of each block, FP32: Eq. 3's scale without the block max. Differentiating the scale
+    max_bl * noise_e(b_t) in b_t (max_bl a constant) turns sum_bl(dL/dw_hat * R) into Eq. 4's b_t gradient."""
+    return torch.exp2(1.0 - b_t.float())
+
+
 def scale_bl(max_bl, b_t):
-    """max_bl(|w|) * 2^(1 - b_t): the scale of each block's noise in Eq. 3. Differentiating it in b_t
-    (with max_bl a constant) is what turns sum_bl(dL/dw_hat * R) into Eq. 4's b_t gradient."""
-    return max_bl * torch.exp2(1.0 - b_t.float())
+    """max_bl(|w|) * 2^(1 - b_t): the scale of each block's noise in Eq. 3."""
+    return max_bl * noise_e(b_t)
+
+
+def _backend_name(backend, device):
+    """'triton' or 'torch': the backend 'auto' is on `device` (Triton on a GPU), else the one named."""
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'torch'")
+    return backend
 
 
 def _kernels(backend, device):
     """The module that makes R: 'triton' (kernels/triton_noise.py) or 'torch' (kernels/torch_noise.py)."""
-    if backend == "auto":
-        backend = "triton" if torch.device(device).type == "cuda" else "torch"
-    if backend == "triton":
+    if _backend_name(backend, device) == "triton":
         from kernels import triton_noise
         return triton_noise
-    if backend == "torch":
-        from kernels import torch_noise
-        return torch_noise
-    raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'torch'")
+    from kernels import torch_noise
+    return torch_noise
 
 
 def _check_seed(seed):
@@ -109,15 +120,16 @@ def sample_r(shape, seed, method="gaussws", *, device="cpu", backend="auto"):
 # Eq. 3 as an opaque op, so torch.compile neither traces the kernels nor specialises on the seed
 # (a CPU int64 tensor): its value changes every step and must not trigger a recompile.
 @torch.library.custom_op("pqt::w_hat", mutates_args=())
-def _w_hat_op(w: torch.Tensor, scale_bl: torch.Tensor, seed: torch.Tensor, method: str, backend: str) -> torch.Tensor:
-    k = _kernels(backend, w.device)
-    r_store = k.gen(w.numel(), int(seed), method, w.device)
-    return k.apply(w.contiguous(), r_store, scale_bl.contiguous(), method)
+def _w_hat_op(w: torch.Tensor, e: torch.Tensor, seed: torch.Tensor, method: str,
+              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(BF16 w_hat, max_bl(|w|)) of Eq. 3 with e = 2^(1 - b_t): one pass over w on the Triton backend."""
+    w_hat, _, max_bl = _kernels(backend, w.device).eq3(w.contiguous(), e.contiguous(), int(seed), method)
+    return w_hat, max_bl
 
 
 @_w_hat_op.register_fake
-def _(w, scale_bl, seed, method, backend):
-    return torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
+def _(w, e, seed, method, backend):
+    return torch.empty(w.shape, dtype=torch.bfloat16, device=w.device), torch.empty_like(e)
 
 
 @torch.library.custom_op("pqt::block_sums", mutates_args=())
@@ -134,19 +146,20 @@ def _(g, seed, method, backend):
 
 
 def _w_hat_setup(ctx, inputs, output):
-    w, scale_bl, seed, method, backend = inputs
+    w, e, seed, method, backend = inputs
+    ctx.mark_non_differentiable(output[1])
     ctx.w_dtype = w.dtype
-    ctx.save_for_backward(seed)
+    ctx.save_for_backward(seed, output[1])
     ctx.method, ctx.backend = method, backend
 
 
-def _w_hat_backward(ctx, g):
-    # dL/dw = dL/dw_hat; dL/dscale_bl = sum_bl(dL/dw_hat * R). Autograd then carries the scale's
-    # gradient through scale_bl = max_bl(|w|) * 2^(1 - b_t), which gives Eq. 4 for b_t.
-    (seed,) = ctx.saved_tensors
+def _w_hat_backward(ctx, g, _):
+    # dL/dw = dL/dw_hat; dL/de = sum_bl(dL/dw_hat * R) * max_bl, the backward of scale = max_bl * e. Autograd
+    # then carries it through e = 2^(1 - b_t) and Eq. 11, which gives Eq. 4 for b_t and b_i.
+    seed, max_bl = ctx.saved_tensors
     grad_w = g.to(ctx.w_dtype) if ctx.needs_input_grad[0] else None
-    grad_scale = _block_sums_op(g, seed, ctx.method, ctx.backend) if ctx.needs_input_grad[1] else None
-    return grad_w, grad_scale, None, None, None
+    grad_e = _block_sums_op(g, seed, ctx.method, ctx.backend) * max_bl if ctx.needs_input_grad[1] else None
+    return grad_w, grad_e, None, None, None
 
 
 _w_hat_op.register_autograd(_w_hat_backward, setup_context=_w_hat_setup)
@@ -156,7 +169,9 @@ def pseudo_quantize(w, b_t, seed, method="gaussws", *, backend="auto"):
     """Eq. 3: BF16 w_hat = w + R * broadcast(max_bl(|w|) * 2^(1 - b_t)); backward is Eq. 4.
 
     Differentiable in w (dL/dw = dL/dw_hat) and b_t; max_bl(|w|) is a constant in the backward.
-    `seed` is an int in [0, 2^63) or a 0-dim int64 CPU tensor holding one.
+    `seed` is an int in [0, 2^63) or a 0-dim int64 CPU tensor holding one. On the Triton backend one
+    kernel reads w once (kernels.triton_noise.eq3); where nothing needs a gradient or compiles, it is
+    called directly (Figure 6's `ours`: the launch without the op's dispatch).
     """
     if method not in ("gaussws", "diffq"):
         raise ValueError(f"unknown noise method {method!r}; expected 'gaussws' or 'diffq'")
@@ -165,9 +180,13 @@ def pseudo_quantize(w, b_t, seed, method="gaussws", *, backend="auto"):
     expected = (-(-w.shape[0] // BL), -(-w.shape[1] // BL))
     if tuple(b_t.shape) != expected:
         raise ValueError(f"b_t must have shape {expected} for w of shape {tuple(w.shape)}, got {tuple(b_t.shape)}")
+    e = noise_e(b_t)
+    if not (torch.is_grad_enabled() and (w.requires_grad or e.requires_grad)) and not torch.compiler.is_compiling():
+        return _kernels(backend, w.device).eq3(w.detach().contiguous(), e.detach().contiguous(), _check_seed(seed),
+                                                 method)[0]
     if not isinstance(seed, torch.Tensor):
         seed = torch.tensor(_check_seed(seed), dtype=torch.int64)
-    return _w_hat_op(w, scale_bl(block_absmax(w), b_t), seed, method, backend)
+    return _w_hat_op(w, e, seed, method, backend)[0]
 
 
 class _RecomputedLinear(torch.autograd.Function):
@@ -175,27 +194,27 @@ class _RecomputedLinear(torch.autograd.Function):
     from (w, seed). Saves w_hat's 2 bytes per parameter for one more Eq. 3 per micro-step."""
 
     @staticmethod
-    def forward(ctx, x, w, scale, bias, seed, method, backend):
+    def forward(ctx, x, w, e, bias, seed, method, backend):
         # Under autocast the matmul runs in its dtype, as F.linear's would; autocast is off inside
         # custom Functions' backward, so the dtype is kept here for it.
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x_c = x.to(dtype)
-        w_hat = _w_hat_op(w.detach(), scale.detach(), seed, method, backend).to(dtype)
-        ctx.save_for_backward(x_c, w, scale, seed)
+        w_hat, max_bl = _w_hat_op(w.detach(), e.detach(), seed, method, backend)
+        ctx.save_for_backward(x_c, w, e, max_bl, seed)
         ctx.method, ctx.backend, ctx.x_dtype, ctx.has_bias = method, backend, x.dtype, bias is not None
-        return F.linear(x_c, w_hat, None if bias is None else bias.to(dtype))
+        return F.linear(x_c, w_hat.to(dtype), None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx, g):
-        x_c, w, scale, seed = ctx.saved_tensors
-        w_hat = _w_hat_op(w.detach(), scale.detach(), seed, ctx.method, ctx.backend).to(x_c.dtype)
+        x_c, w, e, max_bl, seed = ctx.saved_tensors
+        w_hat = _w_hat_op(w.detach(), e.detach(), seed, ctx.method, ctx.backend)[0].to(x_c.dtype)
         g = g.to(x_c.dtype)
         grad_x = (g @ w_hat).to(ctx.x_dtype)
         g2, x2 = g.reshape(-1, g.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
         grad_w_hat = g2.t() @ x2
-        grad_scale = _block_sums_op(grad_w_hat, seed, ctx.method, ctx.backend)
+        grad_e = _block_sums_op(grad_w_hat, seed, ctx.method, ctx.backend) * max_bl  # as _w_hat_backward
         grad_bias = g2.sum(0).float() if ctx.has_bias else None
-        return grad_x, grad_w_hat.to(w.dtype), grad_scale, grad_bias, None, None, None
+        return grad_x, grad_w_hat.to(w.dtype), grad_e, grad_bias, None, None, None
 
 
 class PQTLinear(ste.BlockFormats, nn.Linear):
@@ -237,7 +256,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         self.start = int(start)  # the first optimizer step with noise
         self.active = self.start == 0  # whether this (or the last) step has noise: TrainStep sets it
         self.w_hat = None  # step mode: this optimizer step's w_hat, shared by its micro-steps
-        self._eq4 = None  # step mode: (max_bl, stored R, w's version) until the step ends
+        self._eq4 = None  # step mode: (scale_bl with its graph to b_i or None if batched, stored R, w's version)
 
     @classmethod
     def from_linear(cls, linear, **kwargs):
@@ -288,7 +307,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
                                    "(optimizer.step() belongs after the `with gaussws.TrainStep(...)` block)")
             w_hat = self.w_hat
         elif self.recompute:  # per micro-step, w_hat made again in the backward
-            return _RecomputedLinear.apply(x, self.weight, scale_bl(block_absmax(self.weight), self.b_t), self.bias,
+            return _RecomputedLinear.apply(x, self.weight, noise_e(self.b_t), self.bias,
                                            self.noise_seed, self.method, self.backend)
         else:  # per micro-step: Eq. 3 here, Eq. 4 in this backward
             w_hat = pseudo_quantize(self.weight, self.b_t, self.noise_seed, self.method, backend=self.backend)
@@ -299,15 +318,40 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
     def _matmul(self, x, w):
         return F.linear(x, w, self.bias)
 
-    @torch.no_grad()
+    def batched(self):
+        """Whether TrainStep makes this layer's w_hat and Eq. 4 in a _Batch, with the other step-mode layers
+        of its kind (the Triton backend's multi-layer kernels), rather than in _begin and _end."""
+        w = self.weight
+        return (_backend_name(self.backend, w.device) == "triton" and self.b_i.dtype == torch.float32
+                and w.is_contiguous() and w.data_ptr() % 16 == 0)
+
+    def step_mode(self):
+        """Whether this step's w_hat is made once, at its begin (else in every forward: per micro-step,
+        where w_hat is recomputed to save its memory, or under FSDP, where the weight is whole only
+        inside the forward)."""
+        return self.active and not self.recompute and not hasattr(self.weight, "full_tensor")
+
+    def _state(self, **values):
+        """Set attributes of the step's state (none a parameter, buffer or module) without nn.Module's
+        __setattr__, whose checks cost a batched layer's step more than the rest of its host work."""
+        self.__dict__.update(values)
+
     def _begin(self, step):
+        """The layer's state of optimizer step `step`. Returns whether w_hat is made once for the step
+        (step mode), which TrainStep then does: in a _Batch, or by _begin_alone."""
+        if self.formats_from is not None:  # a budget's STE phase (ste.BlockFormats)
+            with torch.no_grad():
+                self._begin_formats(step, step >= self.formats_from)
+        self._state(in_step=True, active=step >= self.start and not self.quantized)
+        if self.step_mode():
+            return True
+        self.noise_seed.fill_(_step_seed(self.layer_seed, step))  # read by every forward and backward
+        return False
+
+    @torch.no_grad()
+    def _begin_alone(self, step):
+        """Step mode, one layer: this step's w_hat and stored R; the scale with its graph to b_i for Eq. 4."""
         self.noise_seed.fill_(_step_seed(self.layer_seed, step))
-        self._begin_formats(step, self.formats_from is not None and step >= self.formats_from)
-        self.in_step, self.active = True, step >= self.start and not self.quantized
-        # Per micro-step when w_hat is recomputed to save its memory, or under FSDP, where the
-        # weight is whole only inside the forward (a DTensor shard outside it).
-        if not self.active or self.recompute or hasattr(self.weight, "full_tensor"):
-            return
         k = _kernels(self.backend, self.weight.device)
         with torch.enable_grad():  # the scale keeps its graph to b_i: Eq. 4 backpropagates through it at the end
             scale = scale_bl(block_absmax(self.weight), self.b_t)
@@ -317,20 +361,28 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         with torch.enable_grad():
             self.w_hat = ste.StraightThrough.apply(self.weight, w_hat)
 
-    @torch.no_grad()
     def _end(self, apply_eq4=True):
-        """Release the step. With apply_eq4, a step-mode layer returns (scale_bl, sum_bl(dL/dw_hat * R)):
+        """Release the step. With apply_eq4, a step-mode layer alone returns (scale_bl, sum_bl(dL/dw_hat * R)):
         backpropagating the sums through the scale is Eq. 4, then Eq. 11's chain rule, into b_i.grad,
-        which TrainStep.end does for all layers at once; else None."""
-        self._end_formats(apply_eq4)
-        state, self._eq4, self.w_hat, self.in_step = self._eq4, None, None, False
-        if state is None or not apply_eq4 or self.weight.grad is None:
+        which TrainStep.end does for all such layers at once; else None (a batched layer's _Batch did it)."""
+        if self.formats_from is not None:
+            with torch.no_grad():
+                self._end_formats(apply_eq4)
+        state = self._eq4
+        self._state(_eq4=None, w_hat=None, in_step=False)
+        if state is None or state[0] is None or not apply_eq4:  # state[0] None: batched, its _Batch did Eq. 4
             return None
         scale, r_store, version = state
+        if self.weight.grad is None:
+            return None
+        self._check_version(version)
+        with torch.no_grad():
+            return scale, _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
+
+    def _check_version(self, version):
         if self.weight._version != version:
             raise RuntimeError("PQTLinear: the weight changed inside the step, so Eq. 4 would use a stale R; "
                                "optimizer.step() belongs after the `with gaussws.TrainStep(...)` block")
-        return scale, _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
 
     def extra_repr(self):
         return (f"{super().extra_repr()}, method={self.method}, b_init={self.b_init}, b_target={self.b_target}"
@@ -381,7 +433,9 @@ class TrainStep:
         begin() makes it once (and keeps R, 0.5 byte per weight) for all micro-steps, whose
         backwards pass dL/dw_hat to w alone; end() applies Eq. 4 once to the accumulated (and
         all-reduced) w.grad. Exact, because Eq. 4 is linear in dL/dw_hat and w.grad is the sum of the
-        micro-steps' dL/dw_hat.
+        micro-steps' dL/dw_hat. On the Triton backend the step-mode layers of one kind (_Batch) go
+        through one launch at begin and one at end, whatever their number (batched=False: one layer
+        at a time, the reference the batches give the bits of).
       - per micro-step, for layers converted with recompute=True (no w_hat kept for the backward) and
         for sharded (FSDP) weights: every forward makes w_hat, every backward applies Eq. 4.
     Layers whose phase starts after `step` are plain nn.Linear in it. STE layers (ste.py) make their
@@ -393,22 +447,33 @@ class TrainStep:
     step while one is open, or a training-mode forward outside a step, raises.
     """
 
-    def __init__(self, model, step):
-        self.layers, self.step = method_layers(model), int(step)
-        self.budget = ste.budget_layers(model)
+    def __init__(self, model, step, batched=True):
+        # method_layers and ste.budget_layers in one walk of the modules: it runs at every step
+        named = [(name, m) for name, m in model.named_modules() if isinstance(m, (PQTLinear, ste.STELinear))]
+        self.layers, self.step, self.batched = [m for _, m in named], int(step), batched
+        self.budget = [(name, m) for name, m in named if m.formats_from is not None]
+        self.batches = []
 
     def begin(self):
         if any(layer.in_step for layer in self.layers):
             raise RuntimeError("gaussws.TrainStep: a step is already open on this model; end it first")
         ste.before_step(self.budget, self.step)
-        for layer in self.layers:
-            layer._begin(self.step)
+        step_mode = [layer for layer in self.layers if layer._begin(self.step)]
+        self.batches, alone = _batches(step_mode) if self.batched else ([], step_mode)
+        for layer in alone:
+            layer._begin_alone(self.step)
+        for batch in self.batches:
+            batch.begin(self.step)
         return self
 
     def end(self, apply_eq4=True):
         """Release the step; with apply_eq4, first add Eq. 4's b_t gradient to the b_i.grad of step-mode
         layers."""
-        eq4 = [pair for pair in (layer._end(apply_eq4) for layer in self.layers) if pair is not None]
+        try:
+            for batch in self.batches:
+                batch.end(apply_eq4)
+        finally:
+            eq4 = [pair for pair in (layer._end(apply_eq4) for layer in self.layers) if pair is not None]
         if eq4:  # one autograd call for every layer: on a GPU each call costs the host far more than its arithmetic
             scales, sums = zip(*eq4)
             torch.autograd.backward(scales, sums)
@@ -418,6 +483,111 @@ class TrainStep:
 
     def __exit__(self, exc_type, exc, tb):
         self.end(apply_eq4=exc_type is None)
+
+
+class _Batch:
+    """Step-mode PQT layers of one kind (the Triton kernels' many_key, b_init, b_target) that TrainStep
+    serves together: at begin one launch of Eq. 3 for all (kernels.triton_noise.Many), after the few
+    PyTorch ops that make every block's 2^(1 - b_t) from the concatenated b_i (Eq. 11); at end one launch
+    of Eq. 4 into their b_i.grad. The per-layer Python left launches nothing: views, the StraightThrough
+    node of each w_hat (one per layer, so that each weight's gradient is ready, for DDP's all-reduce, as
+    soon as its backward is done), the checks. The seeds are _step_seed's, computed for all layers in
+    NumPy and copied to the device at once; each layer's noise_seed is a view of them."""
+
+    def __init__(self, layers):
+        from kernels import triton_noise
+        self.layers, first = layers, layers[0]
+        self.weights = [layer._parameters["weight"] for layer in layers]
+        self.b_i = [layer._parameters["b_i"] for layer in layers]
+        self.many = triton_noise.Many(self.weights, first.method)
+        self.modes = (triton_noise.SKIP.value, triton_noise.STORE.value, triton_noise.ADD.value)
+        self.b_init, self.b_target, device = first.b_init, first.b_target, self.many.device
+        pin = device.type == "cuda"  # pinned, the copies to the device need not wait for the host
+        self.host_seeds = torch.zeros(len(layers), dtype=torch.int64, pin_memory=pin)
+        self.host_step = torch.zeros((len(layers), 3), dtype=torch.int64, pin_memory=pin)
+        self.seeds = torch.empty(len(layers), dtype=torch.int64, device=device)
+        self.step_table = torch.empty((len(layers), 3), dtype=torch.int64, device=device)
+        self.copied = None  # on a GPU, the event after the last copies from the host buffers
+        for i, layer in enumerate(layers):
+            layer.noise_seed = self.host_seeds[i]
+
+    @staticmethod
+    def key(layer):
+        from kernels.triton_noise import many_key
+        return many_key(layer.weight, layer.method), layer.b_init, layer.b_target
+
+    def _host_buffers(self):
+        if self.copied is not None:  # the copies that read them last step have finished
+            self.copied.synchronize()
+        return self.host_seeds.numpy(), self.host_step.numpy()
+
+    def _copied(self):
+        if self.many.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    @torch.no_grad()
+    def begin(self, step):
+        seeds, _ = self._host_buffers()
+        seeds[:] = _step_seeds([layer.layer_seed for layer in self.layers], step)
+        self.seeds.copy_(self.host_seeds, non_blocking=True)
+        self._copied()
+        b_t = self.b_target + torch.cat([b_i.view(-1) for b_i in self.b_i]) * (self.b_init - self.b_target)  # Eq. 11
+        e = torch.exp2(1.0 - b_t.float())  # as scale_bl; on a GPU each element's bits are those of its own layer's
+        w_hat, r_store = self.many.eq3(self.weights, self.seeds, e)
+        with torch.enable_grad():
+            for layer, w, w_h, r in zip(self.layers, self.weights, w_hat, r_store):
+                layer._state(w_hat=ste.StraightThrough.apply(w, w_h), _eq4=(None, r, w._version))
+
+    @torch.no_grad()
+    def end(self, apply_eq4):
+        """Eq. 4 into the b_i.grad of the layers whose weight has a gradient, in one launch."""
+        if not apply_eq4:
+            return
+        states = [layer._eq4 for layer in self.layers]
+        for layer, w, state in zip(self.layers, self.weights, states):
+            if state is not None and w.grad is not None:
+                layer._check_version(state[2])
+        skip, store, add = self.modes
+        grad = torch.empty(self.many.blk0[-1], dtype=torch.float32, device=self.many.device)
+        rows, keep = [], []  # keep: contiguous copies of gradients that are not, alive until the kernel has read them
+        for i, (w, b_i, state) in enumerate(zip(self.weights, self.b_i, states)):
+            g = w.grad
+            if state is None or g is None or not b_i.requires_grad:
+                rows.append((0, 0, skip))
+                continue
+            if not g.is_contiguous() or g.data_ptr() % 16:  # e.g. a view into DDP's gradient buckets
+                keep.append(g := g.clone(memory_format=torch.contiguous_format))
+            mode = store if b_i.grad is None else add  # b_i's own gradient (Eq. 12's) is FP32 and contiguous as b_i
+            if mode == store:
+                b_i.grad = grad[self.many.blk0[i]:self.many.blk0[i + 1]].view(b_i.shape)
+            rows.append((g.data_ptr(), b_i.grad.data_ptr(), mode))
+        self._host_buffers()[1][:] = rows
+        self.step_table.copy_(self.host_step, non_blocking=True)
+        self._copied()
+        self.many.eq4(self.step_table, self.b_init - self.b_target)
+
+
+def _batches(layers):
+    """(the _Batch of each kind among `layers`, TrainStep's step-mode layers, and the layers left alone), kept
+    on the first layer from step to step: made again only when the layers or their weights change (a phase
+    starts, a weight moves)."""
+    if not layers:
+        return [], []
+    weights = [layer._parameters["weight"] for layer in layers]
+    plan = layers[0].__dict__.get("_plan")
+    if (plan is not None and plan[0] == tuple(layers) and all(a is b for a, b in zip(plan[1], weights))
+            and plan[2] == [w.data_ptr() for w in weights]):
+        return plan[3], plan[4]
+    kinds, alone = {}, []
+    for layer in layers:
+        if layer.batched():
+            kinds.setdefault(_Batch.key(layer), []).append(layer)
+        else:
+            alone.append(layer)
+    batches = [_Batch(group) for group in kinds.values()]
+    layers[0].__dict__["_plan"] = (tuple(layers), weights, [w.data_ptr() for w in weights], batches, alone)
+    return batches, alone
 
 
 def method_linears(model, method, roles):
@@ -585,6 +755,14 @@ def _layer_seed(seed, name):
 
 def _step_seed(layer_seed, step):
     return _mix(layer_seed + 0x9E3779B97F4A7C15 * (step + 1)) >> 1  # >> 1: Philox seed in [0, 2^63)
+
+
+def _step_seeds(layer_seeds, step):
+    """_step_seed of every layer seed at once, as int64: NumPy's uint64 arithmetic wraps as _mix's masks do."""
+    x = np.array(layer_seeds, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15 * (step + 1) % 2**64)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((x ^ (x >> np.uint64(31))) >> np.uint64(1)).astype(np.int64)
 
 
 def pqt_layers(model):

@@ -234,6 +234,14 @@ def block_sums(g, r_store, method):
     return _block_sums_c(g.detach(), r_store, method)
 
 
+def eq3(w, e, seed, method):
+    """Eq. 3 with e = 2^(1 - b_t) of each block: (BF16 w_hat, R stored as gen stores it, max_bl(|w|)), the
+    Triton backend's one pass (triton_noise.eq3) in three: block_absmax, gen and apply."""
+    max_bl = block_absmax(w)
+    r_store = gen(w.numel(), seed, method, w.device)
+    return apply(w, r_store, max_bl * e, method), r_store, max_bl
+
+
 def _block_absmax(w):
     m, n = w.shape
     nbm, nbn = -(-m // BL), -(-n // BL)

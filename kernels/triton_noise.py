@@ -39,15 +39,22 @@ def _nibble(bits):
     return sign * 8 + mag
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _gen_gaussws_kernel(out_ptr, n_words, seed: tl.int64, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    r0, r1, r2, r3 = tl.randint4x(seed, offs)
+@triton.jit
+def _gaussws_word(seed, k):
+    """Word k of gaussws' stored R (uint32): the codes of elements 8k .. 8k+7, from Philox call k
+    (counter (k, 0, 0, 0), int32 k; key: the seed)."""
+    r0, r1, r2, r3 = tl.randint4x(seed, k)
     word = _nibble(r0 & 0xFFFF) | (_nibble(r0 >> 16) << 4)
     word |= (_nibble(r1 & 0xFFFF) << 8) | (_nibble(r1 >> 16) << 12)
     word |= (_nibble(r2 & 0xFFFF) << 16) | (_nibble(r2 >> 16) << 20)
     word |= (_nibble(r3 & 0xFFFF) << 24) | (_nibble(r3 >> 16) << 28)
-    tl.store(out_ptr + offs, word.to(tl.int32, bitcast=True), mask=offs < n_words)
+    return word
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _gen_gaussws_kernel(out_ptr, n_words, seed: tl.int64, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _gaussws_word(seed, offs).to(tl.int32, bitcast=True), mask=offs < n_words)
 
 
 @triton.jit
@@ -75,14 +82,20 @@ def _interleave4(a, b, c, d):
     return tl.reshape(x, a.shape[:-1] + (4 * a.shape[-1],))
 
 
+@triton.jit
+def _diffq_codes(seed, k):
+    """The BF16 bits (int16) of diffq's R at elements 4k .. 4k+3, from Philox call k."""
+    r0, r1, r2, r3 = tl.randint4x(seed, k)
+    return _bf16_bits(_uniform(r0)), _bf16_bits(_uniform(r1)), _bf16_bits(_uniform(r2)), _bf16_bits(_uniform(r3))
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _gen_diffq_kernel(out_ptr, numel, seed: tl.int64, BLOCK: tl.constexpr):
     # Philox call k makes elements 4k .. 4k+3; the four are interleaved so that the store is one
     # contiguous run of 4 * BLOCK BF16 values (vector stores) instead of four strided ones.
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    r0, r1, r2, r3 = tl.randint4x(seed, offs)
-    bits = _interleave4(_bf16_bits(_uniform(r0))[None, :], _bf16_bits(_uniform(r1))[None, :],
-                        _bf16_bits(_uniform(r2))[None, :], _bf16_bits(_uniform(r3))[None, :])
+    b0, b1, b2, b3 = _diffq_codes(seed, offs)
+    bits = _interleave4(b0[None, :], b1[None, :], b2[None, :], b3[None, :])
     e = tl.program_id(0) * 4 * BLOCK + tl.arange(0, 4 * BLOCK)[None, :]
     tl.store(out_ptr + e, bits, mask=e < numel)
 
@@ -112,11 +125,17 @@ def _load_r(r_ptr, rows, cols, mask, pid_n, m, n, n_words_row, GAUSSWS: tl.const
 
 
 @triton.jit
+def _broadcast_blocks(s, BN: tl.constexpr, BLK: tl.constexpr):
+    """A tile's BN / BLK block values, each repeated over its BLK columns: shape (1, BN)."""
+    return tl.reshape(tl.broadcast_to(s[:, None], (BN // BLK, BLK)), (BN,))[None, :]
+
+
+@triton.jit
 def _load_scale(scale_ptr, pid_m, pid_n, nbn, BN: tl.constexpr, BLK: tl.constexpr):
     """The tile's row of BN / BLK block scales, each repeated over its BLK columns: shape (1, BN)."""
     cb = pid_n * (BN // BLK) + tl.arange(0, BN // BLK)
     s = tl.load(scale_ptr + pid_m * nbn + cb, mask=cb < nbn, other=0.0)
-    return tl.reshape(tl.broadcast_to(s[:, None], (BN // BLK, BLK)), (BN,))[None, :]
+    return _broadcast_blocks(s, BN, BLK)
 
 
 @triton.jit
@@ -184,6 +203,178 @@ def _bm_kernel(w_ptr, scale_ptr, out_ptr, m, n, nbn, seed: tl.int64, FAST_TRIG: 
     tl.store(out_ptr + rows * n + cols, _bf16_bits(w + r * scale), mask=mask)
 
 
+# --- one pass per weight: Eq. 3 and Eq. 4 of an optimizer step -----------------------------------------
+# The begin of a step reads w once and writes BF16 w_hat, R (for the end) and max_bl: 6.5 bytes per FP32
+# weight where block maxima, gen and apply move 27. The end reads dL/dw and R once and writes Eq. 4 into
+# b_i.grad. The _many kernels do it for every step-mode layer of a group in one launch: program p works on
+# tile p of the layers' tiles laid end to end, finding its layer in a per-tile table and the layer's sizes,
+# addresses and offsets in a per-layer one (LAYER_FIELDS). Each element, maximum and block sum is the one
+# of gen + apply and block_sums to the bit: the same Philox counters and keys, the same FP32 operations in
+# the same order, the same tiles; the sizes a launcher's call would have specialised as multiples of 16
+# are hinted so (tests/test_triton_compile.py compares the layouts of the reductions).
+
+# A layer's row of the per-layer table (int64): its weight's address, sizes, first tile, and offsets into
+# the flat w_hat and R buffers (multiples of 64 elements) and the flat per-block ones (max_bl, e).
+LAYER_FIELDS = ("w", "m", "n", "n_words_row", "nbn", "tile0", "out", "r", "blk")
+# A layer's row of the per-step table (int64): the addresses of dL/dw and b_i.grad, and what to do there.
+STEP_FIELDS = ("g", "grad", "mode")
+# modes: no gradient; write Eq. 4 into b_i.grad; add it to the gradient there
+SKIP, STORE, ADD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+_F_W, _F_M, _F_N, _F_NWR, _F_NBN, _F_TILE0, _F_OUT, _F_R, _F_BLK = (tl.constexpr(i) for i in range(9))
+_LAYER_ROW, _STEP_ROW = tl.constexpr(len(LAYER_FIELDS)), tl.constexpr(len(STEP_FIELDS))
+# float32(ln 2): autograd's exp2 backward multiplies by M_LN2, a double that ATen casts to the FP32 of
+# the tensor (0.6931471824645996 is that float exactly, so Triton's constant rounds nothing)
+LN2_F32 = tl.constexpr(0.6931471824645996)
+
+
+@triton.jit
+def _block_max(a, BM: tl.constexpr, BN: tl.constexpr, BLK: tl.constexpr):
+    """The max of each BLK x BLK block of a (BM, BN) tile of |w|, NaN where the block holds one, as torch.amax
+    gives it (a reduction's max skips NaN on a GPU; NumPy's, in the interpreter, keeps it)."""
+    blocks = tl.reshape(a, (BM, BN // BLK, BLK))
+    nan = tl.max(tl.max((blocks != blocks).to(tl.int32), axis=2), axis=0)
+    return tl.where(nan > 0, float("nan"), tl.max(tl.max(blocks, axis=2), axis=0))
+
+
+@triton.jit
+def _lane(seed, k, j):
+    """Bits 32 j .. 32 j + 31 of Philox call k's 128 (j in 0..3, per element)."""
+    r0, r1, r2, r3 = tl.randint4x(seed, k)
+    return tl.where(j == 0, r0, tl.where(j == 1, r1, tl.where(j == 2, r2, r3)))
+
+
+@triton.jit
+def _draw_r(r_ptr, seed, rows, cols, mask, pid_n, tile, m, n, n_words_row, GAUSSWS: tl.constexpr,
+            ALIGNED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """R of the tile in FP32, drawn from the seed with gen's counters, its storage written where gen
+    writes it (gaussws' words, diffq's BF16) for the end of the step. `tile`: the tile's number in the
+    weight, row-major."""
+    if GAUSSWS:
+        if ALIGNED:  # 8 | n: the tile's words are a (BM, BN / 8) tile
+            wc = pid_n * (BN // 8) + tl.arange(0, BN // 8)[None, :]
+            k = rows * n_words_row + wc
+            word = _gaussws_word(seed, k)
+            tl.store(r_ptr + k, word.to(tl.int32, bitcast=True), mask=(rows < m) & (wc < n_words_row))
+            nib = (word[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+            nib = tl.reshape(nib, (rows.shape[0], BN))
+        else:
+            # a word may straddle two rows: each element takes its 16 bits of its word's Philox call; the
+            # words are stored as gen makes them, BM * BN / 8 per tile (the tiles hold at least m * n / 8)
+            k = tile * (BM * BN // 8) + tl.arange(0, BM * BN // 8)
+            tl.store(r_ptr + k, _gaussws_word(seed, k).to(tl.int32, bitcast=True), mask=k < tl.cdiv(m * n, 8))
+            e = rows * n + cols
+            nib = _nibble((_lane(seed, e // 8, e % 8 // 2) >> (16 * (e % 2))) & 0xFFFF)
+        nib = nib.to(tl.int32)
+        r = ((nib & 7) * (1 - 2 * (nib >> 3))).to(tl.float32)
+    else:
+        if ALIGNED:  # 4 | n: the tile's Philox calls are a (BM, BN / 4) tile
+            q = rows * (n // 4) + pid_n * (BN // 4) + tl.arange(0, BN // 4)[None, :]
+            b0, b1, b2, b3 = _diffq_codes(seed, q)
+            bits = _interleave4(b0, b1, b2, b3)
+        else:
+            e = rows * n + cols
+            bits = _bf16_bits(_uniform(_lane(seed, e // 4, e % 4)))
+        tl.store(r_ptr + rows * n + cols, bits, mask=mask)
+        r = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # BF16 bits -> FP32, exact
+    return r
+
+
+@triton.jit
+def _eq3_tile(w_ptr, e_ptr, out_ptr, r_ptr, max_ptr, seed, m, n, n_words_row, nbn, pid_m, pid_n,
+              GAUSSWS: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLK: tl.constexpr):
+    """Eq. 3 on one tile: max_bl(|w|) of its blocks (kept for Eq. 4), the scale max_bl * e with
+    e = 2^(1 - b_t), R (kept), and BF16 w_hat = w + R * scale."""
+    tl.static_assert(BM == BLK, "a tile is one block row: its blocks lie whole in it")
+    rows = pid_m * BM + tl.arange(0, BM)[:, None]
+    cols = pid_n * BN + tl.arange(0, BN)[None, :]
+    mask = (rows < m) & (cols < n)
+    w = tl.load(w_ptr + rows * n + cols, mask=mask, other=0.0).to(tl.float32)
+    # masked lanes are 0, as block_absmax's zero padding: a 0 never wins a max of |w|
+    max_bl = _block_max(tl.abs(w), BM, BN, BLK)
+    cb = pid_n * (BN // BLK) + tl.arange(0, BN // BLK)
+    tl.store(max_ptr + pid_m * nbn + cb, max_bl, mask=cb < nbn)
+    e = tl.load(e_ptr + pid_m * nbn + cb, mask=cb < nbn, other=0.0)
+    r = _draw_r(r_ptr, seed, rows, cols, mask, pid_n, pid_m * tl.cdiv(n, BN) + pid_n, m, n, n_words_row, GAUSSWS,
+                ALIGNED, BM, BN)
+    scale = _broadcast_blocks(max_bl * e, BN, BLK)
+    tl.store(out_ptr + rows * n + cols, _bf16_bits(w + r * scale), mask=mask)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _eq3_kernel(w_ptr, e_ptr, out_ptr, r_ptr, max_ptr, m, n, n_words_row, nbn, seed: tl.int64,
+                GAUSSWS: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLK: tl.constexpr):
+    _eq3_tile(w_ptr, e_ptr, out_ptr, r_ptr, max_ptr, seed, m, n, n_words_row, nbn, tl.program_id(0),
+              tl.program_id(1), GAUSSWS, ALIGNED, BM, BN, BLK)
+
+
+@triton.jit
+def _layer(table_ptr, tile_layer_ptr, BN: tl.constexpr, M16: tl.constexpr, N16: tl.constexpr,
+           NWR16: tl.constexpr, NBN16: tl.constexpr):
+    """This program's layer, its row of the per-layer table, its sizes (int32, hinted as multiples of 16
+    where the launcher's call on the layer alone would have specialised them so) and tile (pid_m, pid_n)."""
+    layer = tl.load(tile_layer_ptr + tl.program_id(0))
+    row = table_ptr + layer * _LAYER_ROW
+    m, n = tl.load(row + _F_M).to(tl.int32), tl.load(row + _F_N).to(tl.int32)
+    n_words_row, nbn = tl.load(row + _F_NWR).to(tl.int32), tl.load(row + _F_NBN).to(tl.int32)
+    if M16:
+        m = tl.multiple_of(m, 16)
+    if N16:
+        n = tl.multiple_of(n, 16)
+    if NWR16:
+        n_words_row = tl.multiple_of(n_words_row, 16)
+    if NBN16:
+        nbn = tl.multiple_of(nbn, 16)
+    local = tl.program_id(0) - tl.load(row + _F_TILE0).to(tl.int32)
+    tiles_n = tl.cdiv(n, BN)
+    return layer, row, m, n, n_words_row, nbn, local // tiles_n, local % tiles_n
+
+
+@triton.jit
+def _eq3_many_kernel(table_ptr, tile_layer_ptr, seeds_ptr, e_ptr, out_ptr, r_ptr, max_ptr, W_DTYPE: tl.constexpr,
+                     GAUSSWS: tl.constexpr, ALIGNED: tl.constexpr, M16: tl.constexpr, N16: tl.constexpr,
+                     NWR16: tl.constexpr, NBN16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BLK: tl.constexpr):
+    """_eq3_tile on every tile of a group's layers, each layer's w at its address (a multiple of 16 bytes,
+    checked by the launcher), its e and max_bl, w_hat and R at its offsets, its seed at seeds_ptr[layer]."""
+    layer, row, m, n, n_words_row, nbn, pid_m, pid_n = _layer(table_ptr, tile_layer_ptr, BN, M16, N16, NWR16, NBN16)
+    w_ptr = tl.multiple_of(tl.load(row + _F_W).to(tl.pointer_type(W_DTYPE)), 16)
+    blk = tl.load(row + _F_BLK)
+    _eq3_tile(w_ptr, e_ptr + blk, out_ptr + tl.multiple_of(tl.load(row + _F_OUT), 64),
+              r_ptr + tl.multiple_of(tl.load(row + _F_R), 64), max_ptr + blk, tl.load(seeds_ptr + layer), m, n,
+              n_words_row, nbn, pid_m, pid_n, GAUSSWS, ALIGNED, BM, BN, BLK)
+
+
+@triton.jit
+def _eq4_many_kernel(table_ptr, tile_layer_ptr, step_ptr, r_ptr, max_ptr, e_ptr, c, W_DTYPE: tl.constexpr,
+                     GAUSSWS: tl.constexpr, WORD_ROWS: tl.constexpr, M16: tl.constexpr, N16: tl.constexpr,
+                     NWR16: tl.constexpr, NBN16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BLK: tl.constexpr):
+    """Eq. 4 on every tile of a group's layers: sum_bl(dL/dw_hat * R) summed as _block_sums_kernel sums it,
+    then the chain autograd evaluated through scale_bl and Eq. 11 (mul, exp2, rsub, add and mul backward:
+    ((sum * max_bl) * e) * ln2, negated, times c = b_init - b_target), each product rounded to FP32, into
+    the layer's b_i.grad: written (STORE) or added to the gradient there (ADD), as AccumulateGrad does."""
+    layer, row, m, n, n_words_row, nbn, pid_m, pid_n = _layer(table_ptr, tile_layer_ptr, BN, M16, N16, NWR16, NBN16)
+    step = step_ptr + layer * _STEP_ROW
+    mode = tl.load(step + 2)
+    if mode != SKIP:
+        g_ptr = tl.multiple_of(tl.load(step).to(tl.pointer_type(W_DTYPE)), 16)
+        rows = pid_m * BM + tl.arange(0, BM)[:, None]
+        cols = pid_n * BN + tl.arange(0, BN)[None, :]
+        mask = (rows < m) & (cols < n)
+        r = _load_r(r_ptr + tl.multiple_of(tl.load(row + _F_R), 64), rows, cols, mask, pid_n, m, n, n_words_row,
+                    GAUSSWS, WORD_ROWS, BN)
+        g = tl.load(g_ptr + rows * n + cols, mask=mask, other=0.0).to(tl.float32)
+        sums = tl.sum(tl.sum(tl.reshape(g * r, (BM, BN // BLK, BLK)), axis=2), axis=0)
+        cb = pid_n * (BN // BLK) + tl.arange(0, BN // BLK)
+        keep, b = cb < nbn, pid_m * nbn + cb  # the tile's blocks, numbered within the layer
+        blk = tl.load(row + _F_BLK) + b
+        d = -(((sums * tl.load(max_ptr + blk, mask=keep)) * tl.load(e_ptr + blk, mask=keep)) * LN2_F32) * c
+        grad_ptr = tl.load(step + 1).to(tl.pointer_type(tl.float32)) + b
+        if mode == ADD:
+            d = tl.load(grad_ptr, mask=keep) + d
+        tl.store(grad_ptr, d, mask=keep)
+
+
 # --- launch specification ---------------------------------------------------------------------------
 # Each kernel variant with the argument types and constexprs its launcher passes. The launchers go
 # through _launch, which refuses anything not stated here, and tests/test_triton_compile.py compiles
@@ -199,6 +390,13 @@ class KernelSpec:
     constexprs: dict
     elements: int  # elements of R (of w) one program covers; the launcher's grid is numel / elements
     options: dict = dataclasses.field(default_factory=dict)
+    per_call: tuple = ()  # constexprs the launcher gives at each call (PER_CALL): what the many kernels' tables hide
+
+
+# The many kernels' per-call constexprs: the weights' element type (their pointers come from a table) and
+# which sizes are multiples of 16 in every layer of the launch (hints).
+PER_CALL = {"W_DTYPE": (tl.float32, tl.bfloat16, tl.float16), "M16": (False, True), "N16": (False, True),
+            "NWR16": (False, True), "NBN16": (False, True)}
 
 
 def _tile_args(r_type):
@@ -219,21 +417,40 @@ def kernel_specs(backend):
                                       "n": "i32", "nbn": "i32", "seed": "i64"},
                          {"FAST_TRIG": backend == "cuda", **tiles}, TILE_M * TILE_N, fp32),
     }
+    tile = TILE_M * TILE_N
     for method, r_type in (("gaussws", "*i32"), ("diffq", "*bf16")):
         for word_rows in ((True, False) if method == "gaussws" else (True,)):
             suffix = method + ("" if word_rows else "_unaligned")
             const = {"GAUSSWS": method == "gaussws", "WORD_ROWS": word_rows, **tiles}
             specs["apply_" + suffix] = KernelSpec(
                 _apply_kernel, {"w_ptr": W_TYPES, "scale_ptr": "*fp32", "out_ptr": "*i16", **_tile_args(r_type)},
-                const, TILE_M * TILE_N, fp32)
+                const, tile, fp32)
             specs["block_sums_" + suffix] = KernelSpec(
-                _block_sums_kernel, {"g_ptr": W_TYPES, "out_ptr": "*fp32", **_tile_args(r_type)},
-                const, TILE_M * TILE_N, fp32)
+                _block_sums_kernel, {"g_ptr": W_TYPES, "out_ptr": "*fp32", **_tile_args(r_type)}, const, tile, fp32)
+            specs["eq4_many_" + suffix] = KernelSpec(
+                _eq4_many_kernel, {"table_ptr": "*i64", "tile_layer_ptr": "*i32", "step_ptr": "*i64", "r_ptr": r_type,
+                                   "max_ptr": "*fp32", "e_ptr": "*fp32", "c": "fp32"},
+                const, tile, fp32, tuple(PER_CALL))
+        # the one pass writes R: gaussws' words, diffq's BF16 bits (int16); aligned: 8 | n (gaussws), 4 | n (diffq)
+        r_out = "*i32" if method == "gaussws" else "*i16"
+        for aligned in (True, False):
+            suffix = method + ("" if aligned else "_unaligned")
+            const = {"GAUSSWS": method == "gaussws", "ALIGNED": aligned, **tiles}
+            # unaligned, every element makes a Philox call: 4x the threads keep their state in registers
+            options = fp32 if aligned else {**fp32, "num_warps": 4 * NUM_WARPS}
+            specs["eq3_" + suffix] = KernelSpec(
+                _eq3_kernel, {"w_ptr": W_TYPES, "e_ptr": "*fp32", "out_ptr": "*i16", "r_ptr": r_out, "max_ptr": "*fp32",
+                              "m": "i32", "n": "i32", "n_words_row": "i32", "nbn": "i32", "seed": "i64"},
+                const, tile, options)
+            specs["eq3_many_" + suffix] = KernelSpec(
+                _eq3_many_kernel, {"table_ptr": "*i64", "tile_layer_ptr": "*i32", "seeds_ptr": "*i64",
+                                   "e_ptr": "*fp32", "out_ptr": "*i16", "r_ptr": r_out, "max_ptr": "*fp32"},
+                const, tile, options, tuple(PER_CALL))
     return specs
 
 
-_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
-          torch.int16: "*i16"}
+_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
+          torch.int32: "*i32", torch.int16: "*i16"}
 
 
 def _backend(device):
@@ -243,19 +460,26 @@ def _backend(device):
     return "hip" if torch.version.hip else "cuda"
 
 
-def _launch(variant, grid, **args):
-    """kernel[grid](**args) with the constexprs and options of kernel_specs(); the argument types
-    must be those stated there."""
+def _scalar_type(name, value):
+    return "fp32" if isinstance(value, float) else "i64" if name == "seed" else "i32"
+
+
+def _launch(variant, grid, per_call=None, **args):
+    """kernel[grid](**args) with the constexprs and options of kernel_specs() and, for the many kernels,
+    the per-call constexprs (PER_CALL); the argument types and values must be those stated there."""
     first = next(v for v in args.values() if isinstance(v, torch.Tensor))
     spec = kernel_specs(_backend(first.device))[variant]
     if set(args) != set(spec.signature):
         raise TypeError(f"{variant}: arguments {sorted(args)}, specified {sorted(spec.signature)}")
     for name, value in args.items():
-        got = _TYPES.get(value.dtype) if isinstance(value, torch.Tensor) else ("i64" if name == "seed" else "i32")
+        got = _TYPES.get(value.dtype) if isinstance(value, torch.Tensor) else _scalar_type(name, value)
         allowed = spec.signature[name]
         if got not in (allowed if isinstance(allowed, tuple) else (allowed,)):
             raise TypeError(f"{variant}: {name} is {got}, specified {allowed}")
-    spec.kernel[grid](**args, **spec.constexprs, **spec.options)
+    per_call = per_call or {}
+    if set(per_call) != set(spec.per_call) or any(per_call[k] not in PER_CALL[k] for k in per_call):
+        raise TypeError(f"{variant}: per-call constexprs {per_call}, specified {spec.per_call}")
+    spec.kernel[grid](**args, **spec.constexprs, **per_call, **spec.options)
 
 
 def _check(t, name, dtypes):
@@ -316,3 +540,133 @@ def bm(w, scale_bl, seed):
     _launch("bm", grid, w_ptr=w, scale_ptr=scale_bl.float().contiguous(), out_ptr=out.view(torch.int16), m=m,
             n=n, nbn=scale_bl.shape[1], seed=seed)
     return out
+
+
+# --- one pass per weight ------------------------------------------------------------------------------
+
+def _aligned(method, n):
+    """Whether a row of w starts a word of R (gaussws: 8 | n) or a Philox call (diffq: 4 | n): the one pass
+    then draws a tile's R as a tile of words or calls, else element by element."""
+    return n % (8 if method == "gaussws" else 4) == 0
+
+
+def r_storage(numel, method, device):
+    """Uninitialised storage of R for `numel` elements, as gen returns it: int32 words or BF16."""
+    if method == "gaussws":
+        return torch.empty(-(-numel // 8), dtype=torch.int32, device=device)
+    return torch.empty(numel, dtype=torch.bfloat16, device=device)
+
+
+def _r_arg(r_store):
+    return r_store.view(torch.int16) if r_store.dtype == torch.bfloat16 else r_store
+
+
+def eq3(w, e, seed, method):
+    """Eq. 3 on w in one pass, e = 2^(1 - b_t) of each block (FP32): (BF16 w_hat, R stored as gen stores it,
+    max_bl(|w|) in FP32), the bits of block_absmax, gen and apply (tests/test_kernels.py)."""
+    _check(w, "w", (torch.float32, torch.bfloat16, torch.float16))
+    m, n = w.shape
+    nbm, nbn = triton.cdiv(m, BL), triton.cdiv(n, BL)
+    if tuple(e.shape) != (nbm, nbn) or e.dtype != torch.float32 or not e.is_contiguous():
+        raise ValueError(f"e must be a contiguous FP32 tensor of shape {(nbm, nbn)}, got {e.dtype} {tuple(e.shape)}")
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=w.device)
+    r_store = r_storage(m * n, method, w.device)
+    max_bl = torch.empty((nbm, nbn), dtype=torch.float32, device=w.device)
+    _launch(f"eq3_{method}" + ("" if _aligned(method, n) else "_unaligned"), (nbm, triton.cdiv(n, TILE_N)),
+            w_ptr=w, e_ptr=e, out_ptr=out.view(torch.int16), r_ptr=_r_arg(r_store), max_ptr=max_bl, m=m, n=n,
+            n_words_row=n // 8, nbn=nbn, seed=seed)
+    return out, r_store, max_bl
+
+
+_W_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_ALIGN = 64  # elements: where each layer's part of the flat w_hat and R buffers starts (128 bytes of w_hat)
+
+
+def _hints(m, n):
+    """Which sizes a launcher's call on an (m, n) weight alone would specialise as multiples of 16."""
+    return {"M16": m % 16 == 0, "N16": n % 16 == 0, "NWR16": n // 8 % 16 == 0, "NBN16": -(-n // BL) % 16 == 0}
+
+
+def many_key(w, method):
+    """What the weights of one launch of the many kernels share: device, dtype, method, how R is drawn
+    (_aligned) and the hints (_hints)."""
+    m, n = w.shape
+    return (w.device, w.dtype, method, _aligned(method, n), tuple(_hints(m, n).items()))
+
+
+def _up(x, k=_ALIGN):
+    return -(-x // k) * k
+
+
+class Many:
+    """The many kernels' tables for a fixed list of weights of one many_key, built once: begin (eq3) and
+    end (eq4) of each optimizer step are then one launch each, whatever the number of weights.
+
+    Per-block values (e, max_bl, b_i.grad) of all layers lie in one flat FP32 vector in the order of the
+    layers, unpadded (torch.cat of their b_i); w_hat and R in flat buffers, each layer's part starting at
+    a multiple of 64 elements. The weights' addresses are read at each call (a moved weight updates the
+    table); each must be a contiguous tensor at a multiple of 16 bytes."""
+
+    def __init__(self, weights, method):
+        keys = {many_key(w, method) for w in weights}
+        if len(keys) != 1:
+            raise ValueError(f"the weights of one launch must share their many_key, got {sorted(map(str, keys))}")
+        (self.device, self.dtype, self.method, self.aligned, hints), = keys
+        self.per_call = {"W_DTYPE": _W_DTYPE[self.dtype], **dict(hints)}
+        self.shapes = [tuple(w.shape) for w in weights]
+        self.blocks = [(-(-m // BL), -(-n // BL)) for m, n in self.shapes]
+        tiles = [-(-m // TILE_M) * -(-n // TILE_N) for m, n in self.shapes]
+        r_len = [-(-m * n // 8) if method == "gaussws" else m * n for m, n in self.shapes]
+        self.tile0, self.out0, self.r0, self.blk0 = ([0] for _ in range(4))
+        for (m, n), t, r, (bm, bn) in zip(self.shapes, tiles, r_len, self.blocks):
+            self.tile0.append(self.tile0[-1] + t)
+            self.out0.append(self.out0[-1] + _up(m * n))
+            self.r0.append(self.r0[-1] + _up(r))
+            self.blk0.append(self.blk0[-1] + bm * bn)
+        rows = [[0, m, n, n // 8, -(-n // BL), self.tile0[i], self.out0[i], self.r0[i], self.blk0[i]]
+                for i, (m, n) in enumerate(self.shapes)]
+        # split sizes of the flat buffers: each layer's part, then its padding to the next (views in one call)
+        self.out_sizes = [x for (m, n), a, b in zip(self.shapes, self.out0, self.out0[1:])
+                          for x in (m * n, b - a - m * n)]
+        self.r_sizes = [x for r, a, b in zip(r_len, self.r0, self.r0[1:]) for x in (r, b - a - r)]
+        self.host_table = torch.tensor(rows, dtype=torch.int64)
+        self.table = self.host_table.to(self.device)
+        self.tile_layer = torch.repeat_interleave(torch.arange(len(weights), dtype=torch.int32),
+                                                  torch.tensor(tiles)).to(self.device)
+        self.max_bl = torch.empty(self.blk0[-1], dtype=torch.float32, device=self.device)
+        self.e = self.r_store = None  # this step's 2^(1 - b_t) and R, flat, from eq3 to eq4
+        self.addresses = None
+
+    def _set_addresses(self, weights):
+        addresses = [w.data_ptr() for w in weights]
+        if addresses == self.addresses:
+            return
+        for w, shape in zip(weights, self.shapes):
+            if tuple(w.shape) != shape or not w.is_contiguous() or w.data_ptr() % 16:
+                raise ValueError(f"a weight of the launch changed: {tuple(w.shape)} (was {shape}), contiguous "
+                                 f"{w.is_contiguous()}, address % 16 = {w.data_ptr() % 16}")
+        self.host_table[:, 0] = torch.tensor(addresses, dtype=torch.int64)
+        self.table.copy_(self.host_table)
+        self.addresses = addresses
+
+    def eq3(self, weights, seeds, e):
+        """Eq. 3 on every weight: seeds (int64, one per weight, on the device) and e (the flat FP32
+        2^(1 - b_t)) -> ([BF16 w_hat], [stored R]), views of this step's flat buffers; max_bl and e kept."""
+        self._set_addresses(weights)
+        w_hat = torch.empty(self.out0[-1], dtype=torch.bfloat16, device=self.device)
+        r_store = r_storage(8 * self.r0[-1] if self.method == "gaussws" else self.r0[-1], self.method, self.device)
+        self.e, self.r_store = e, r_store
+        _launch(f"eq3_many_{self.method}" + ("" if self.aligned else "_unaligned"), (self.tile0[-1],),
+                self.per_call, table_ptr=self.table, tile_layer_ptr=self.tile_layer, seeds_ptr=seeds, e_ptr=e,
+                out_ptr=w_hat.view(torch.int16), r_ptr=_r_arg(r_store), max_ptr=self.max_bl)
+        return ([v.view(shape) for v, shape in zip(w_hat.split(self.out_sizes)[::2], self.shapes)],
+                r_store.split(self.r_sizes)[::2])
+
+    def eq4(self, step_table, c):
+        """Eq. 4 into every b_i.grad, as step_table (int64 (weights, 3) on the device: STEP_FIELDS) says,
+        from the step's R, max_bl and e (eq3's) and c = b_init - b_target; then the step's R is let go."""
+        word_rows = self.method != "gaussws" or self.aligned
+        _launch(f"eq4_many_{self.method}" + ("" if word_rows else "_unaligned"), (self.tile0[-1],), self.per_call,
+                table_ptr=self.table, tile_layer_ptr=self.tile_layer, step_ptr=step_table, r_ptr=self.r_store,
+                max_ptr=self.max_bl, e_ptr=self.e, c=float(c))
+        self.r_store = None

@@ -19,6 +19,7 @@ import ggml_quants as G
 import ste
 import train
 import util
+from benchmarks import fig6, options, table1
 from conftest import ROOT
 
 KERNEL_KEYS = {"shape", "impl", "gelem_per_s", "speedup_vs_torch", "share_of_copy", "device"}
@@ -49,7 +50,7 @@ def test_kernel_writes_a_record_per_shape_and_impl(tmp_path):
 def test_timed_callable_is_pseudo_quantize(method):
     w = torch.randn(33, 65) * 0.02
     b_t = 4 + 4 * torch.rand(2, 3)
-    impls = bench.kernel_impls(w, b_t, seed=77, device="cpu")
+    impls = fig6.kernel_impls(w, b_t, seed=77, device="cpu")
     fn, _ = impls["ours" if method == "gaussws" else "diffq"]
     assert torch.equal(_bits(fn()), _bits(gaussws.pseudo_quantize(w, b_t, 77, method)))
     assert impls["bm"][0] is None and "GPU" in impls["bm"][1]
@@ -59,8 +60,8 @@ def test_torch_baseline_is_eq3_with_its_r():
     """w + R * broadcast(max_bl|w| * 2^(1-b_t)), block by block, partial edge blocks included."""
     w = torch.randn(33, 65)
     b_t = torch.randint(2, 9, (2, 3)).float()
-    got = bench.torch_w_hat(w, b_t, torch.Generator().manual_seed(5))
-    r = bench.torch_r(w.shape, torch.Generator().manual_seed(5))
+    got = fig6.torch_w_hat(w, b_t, torch.Generator().manual_seed(5))
+    r = fig6.torch_r(w.shape, torch.Generator().manual_seed(5))
     want = torch.empty_like(w)
     for i in range(2):
         for j in range(3):
@@ -91,7 +92,7 @@ def test_torch_baseline_draws_rounded_normal():
     w = torch.zeros(1024, 1024)
     w[::32, ::32] = 1.0
     b_t = torch.ones(32, 32)
-    r = bench.torch_w_hat(w, b_t, torch.Generator().manual_seed(0)).float() - w
+    r = fig6.torch_w_hat(w, b_t, torch.Generator().manual_seed(0)).float() - w
     assert torch.equal(r, r.round()) and r.abs().max() <= 3
     assert _max_z_against_rounded_normal(r) < 5
     # The check has power: Eq. 10's R (Pr(0) = 0.717, not 0.683) fails it by far.
@@ -119,7 +120,7 @@ EXPECTED = {"bf16": dict(tokens_per_s=64.0, overhead_pct=0.0, overhead_cpu_time_
 def test_train_figures_are_those_of_the_step_times(tmp_path, monkeypatch):
     """bench.py train on a tiny GPT2: every method's real steps run, but the figures are computed
     from the step times the test makes (MADE), and must be their definitions' (EXPECTED)."""
-    real_timed_step, real_pqt, rounds = bench.Runner.timed_step, {}, {}
+    real_timed_step, real_pqt, rounds = table1.Runner.timed_step, {}, {}
 
     def made_timed_step(self, batches):
         _, _, peak = real_timed_step(self, batches)  # the real step: state, memory, TrainStep's real time
@@ -127,7 +128,7 @@ def test_train_figures_are_those_of_the_step_times(tmp_path, monkeypatch):
         k = rounds[self.method] = rounds.get(self.method, -1) + 1
         wall, cpu, self.pqt_seconds = MADE[self.method][k % 3]
         return wall, cpu, peak
-    monkeypatch.setattr(bench.Runner, "timed_step", made_timed_step)
+    monkeypatch.setattr(table1.Runner, "timed_step", made_timed_step)
     path = tmp_path / "train.json"
     bench.main(["train", "--methods=gaussws[all],diffq[od]", "--grad_accum=1", "--rounds=3", f"--json={path}"]
                + [a for a in TINY if not a.startswith("--rounds")])
@@ -155,7 +156,7 @@ def test_the_table_of_a_cuda_run_has_no_cpu_time_column(capsys):
     records = [dict(method=m, grad_accum=1, tokens_per_s=t, overhead_pct=o, overhead_cpu_time_pct=None,
                     pqt_share_pct=s, extra_bytes_per_param=b, switch_s=None, memory_measure="cuda_max_memory_allocated")
                for m, t, o, s, b in (("bf16", 303248.5, 0.0, 54.74, 0.0), ("gaussws[all]", 246003.2, 19.17, 77.44, 0.489))]
-    bench.print_train_table(records, args)
+    table1.print_train_table(records, args)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     assert [c.strip() for c in lines[0].strip("|").split("|")] == [
         "method", "grad_accum", "tokens/s", "overhead vs bf16", "begin+end_step / bf16 step", "extra bytes/param"]
@@ -188,7 +189,7 @@ def test_recomputed_w_hat_is_not_held():
     batch, n_in, n_out = 8, 96, 64
     layer = gaussws.PQTLinear(n_in, n_out, method="gaussws", recompute=True)
     x = torch.randn(batch, n_in, requires_grad=True)
-    measured = bench.held_bytes(OneLayer(layer), x, None, "cpu")
+    measured = table1.held_bytes(OneLayer(layer), x, None, "cpu")
     # x (FP32 at most), the block max and scale, the seed: nothing the size of the weight.
     assert 2 * batch * n_in <= measured <= 4 * batch * n_in + 16 * layer.b_i.numel() + 64 < 2 * n_out * n_in
 
@@ -198,7 +199,7 @@ def test_held_bytes_of_one_layer_equals_independent_count(pqt):
     batch, n_in, n_out = 8, 96, 64
     layer = gaussws.PQTLinear(n_in, n_out, method="gaussws") if pqt else nn.Linear(n_in, n_out)
     x = torch.randn(batch, n_in, requires_grad=True)  # an activation, as inside a model
-    measured = bench.held_bytes(OneLayer(layer), x, None, "cpu")
+    measured = table1.held_bytes(OneLayer(layer), x, None, "cpu")
     # The Linear keeps BF16 copies of x and of its weight (bf16: autocast's cast; PQT: w_hat).
     expected = 2 * batch * n_in + 2 * n_out * n_in
     if not pqt:
@@ -208,13 +209,13 @@ def test_held_bytes_of_one_layer_equals_independent_count(pqt):
         # FP32 values per 32x32 block (the block max) and the 8-byte seed: the 12 KiB w_hat must count.
         assert expected <= measured <= expected + n_out * n_in // 2 + 16 * layer.b_i.numel() + 64
         layer.cached = (torch.empty(1000),)  # what the method holds between forward and backward counts
-        assert bench.held_bytes(OneLayer(layer), x, None, "cpu") == measured + 4000
+        assert table1.held_bytes(OneLayer(layer), x, None, "cpu") == measured + 4000
 
 
 def test_an_ste_layer_holds_its_w_q_beside_what_autocast_keeps():
     batch, n_in, n_out = 8, 256, 64
     x = torch.randn(batch, n_in, requires_grad=True)
-    measured = bench.held_bytes(OneLayer(ste.STELinear(n_in, n_out, fmt="q4_k")), x, None, "cpu")
+    measured = table1.held_bytes(OneLayer(ste.STELinear(n_in, n_out, fmt="q4_k")), x, None, "cpu")
     # BF16 copies of x and of w_q (autocast's casts), and the step's FP32 w_q the layer holds
     assert measured == 2 * batch * n_in + 2 * n_out * n_in + 4 * n_out * n_in
 
@@ -233,8 +234,8 @@ def test_ste_arms_time_steps_on_their_grids_after_a_budgets_switch(tmp_path, mon
     assert all(r["pqt_weight_params"] == 12 * 256 * 256 for m, r in records.items() if m != "bf16")
     assert [m for m, r in records.items() if r["switch_s"] is not None] == arms[1:3]
     assert all(r["extra_bytes_per_param"] > 0 and r["pqt_share_pct"] > 0 for m, r in records.items() if m != "bf16")
-    args = bench.parse_args(["train"] + STE_TINY)[1]
-    runner = bench.Runner(args, "ste[all]@error-gguf:4.5")
+    args = options.parse_args(["train"] + STE_TINY)[1]
+    runner = table1.Runner(args, "ste[all]@error-gguf:4.5")
     x = torch.randint(128, (2, 32))
     runner.past_switch([(x, x)])
     layers = gaussws.method_layers(runner.model)
@@ -248,11 +249,11 @@ def test_ste_arms_time_steps_on_their_grids_after_a_budgets_switch(tmp_path, mon
 
 
 def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
-    assert bench.STEP_SETTINGS.items() <= train.DEFAULTS.items()  # train.py's defaults
+    assert table1.STEP_SETTINGS.items() <= train.DEFAULTS.items()  # train.py's defaults
     convert = inspect.signature(gaussws.convert).parameters  # the method's settings: convert's, train.py's too
     assert {k: convert[k].default for k in ("b_init", "b_target")}.items() <= train.DEFAULTS.items()
-    args = bench.parse_args(["train"] + TINY)[1]
-    runner = bench.Runner(args, "gaussws[od]")
+    args = options.parse_args(["train"] + TINY)[1]
+    runner = table1.Runner(args, "gaussws[od]")
     groups = [g for o in runner.optimizers for g in o.param_groups]
     b_i = {id(layer.b_i) for layer in gaussws.pqt_layers(runner.model)}
     (own,) = [g for g in groups if {id(p) for p in g["params"]} & b_i]
@@ -272,6 +273,21 @@ def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
     assert clipped == [train.DEFAULTS["grad_clip"]]
     changed = {n for n, p in runner.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed == set(before)  # every parameter, b_i included, took the step
+
+
+def test_host_counts_the_launches_of_both_paths_and_fits_their_slopes(tmp_path):
+    """bench.py host on 2 and 4 Linears: one layer at a time 18 launches a Linear (gen, apply, block sums;
+    the block maxima, the scale, autograd's Eq. 4: benchmarks.host's LaunchCounter), batched a constant 9;
+    the fitted lines go through the counts."""
+    path = tmp_path / "host.json"
+    records = bench.main(["host", "--layers=2,4", "--repeats=3", "--threads=1", f"--json={path}"])
+    assert json.loads(path.read_text()) == records
+    launches = {(r["batched"], r["linears"]): r["torch_launches"] + r["triton_launches"] for r in records}
+    assert launches == {(False, 2): 36, (False, 4): 72, (True, 2): 9, (True, 4): 9}
+    for r in records:
+        a, b = r["fit"]["torch_launches"]
+        assert a + b * r["linears"] == pytest.approx(r["torch_launches"])
+        assert r["host_us"] > 0 and r["h200_host_us"] == 13 * r["torch_launches"] + 34 * r["triton_launches"]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -300,8 +316,10 @@ def test_train_steps_with_train_pys_optimizers_and_clipping(monkeypatch):
     (["train", "--json=/no/such/dir/x.json"], "folder does not exist"),
     (["train", "--bogus=1"], "unknown config key 'bogus'"),
     (["train", "rounds=2"], "not found"),
-    (["bench"], "expected 'kernel' or 'train'"),
-    ([], "expected 'kernel' or 'train'"),
+    (["host", "--layers=2,0"], "positive integers"),
+    (["host", "--width=0"], "--width=0"),
+    (["bench"], "expected 'kernel', 'train' or 'host'"),
+    ([], "expected 'kernel', 'train' or 'host'"),
 ])
 def test_bad_arguments_fail_in_one_line(argv, words, capsys):
     assert util.cli(bench.main, argv) == 1

@@ -359,6 +359,65 @@ def test_step_mode_gives_the_gradients_of_per_micro_step_eq3_and_eq4():
     assert all(layer.w_hat is None and not layer.in_step for layer in gaussws.pqt_layers(net))  # released
 
 
+def _mixed_net(batched_b_i=True):
+    """Layers of four kinds (FP32 / BF16 weights, gaussws / diffq, rows that start a word of R or not), b_t
+    integers so that 2^(1 - b_t) is exact on every path (on a CPU ATen's exp2 gives a tensor's last
+    elements another rounding than the rest; on a GPU every element the same)."""
+    torch.manual_seed(8)
+    kinds = [(100, 70, "gaussws", torch.float32), (70, 64, "diffq", torch.float32), (64, 48, "gaussws", torch.bfloat16),
+             (48, 64, "gaussws", torch.float32), (64, 35, "diffq", torch.bfloat16), (35, 40, "gaussws", torch.float32)]
+    layers = []
+    for n_in, n_out, method, dtype in kinds:
+        layers += [gaussws.PQTLinear(n_in, n_out, method=method, backend="triton", dtype=dtype), nn.GELU()]
+    net = nn.Sequential(*layers[:-1])
+    for layer in gaussws.pqt_layers(net):
+        layer.b_i.data = torch.randint(-2, 4, layer.b_i.shape).float() / 2
+    return gaussws.set_noise_seed(net, 3)
+
+
+def test_batched_step_gives_the_bits_of_one_layer_at_a_time():
+    """TrainStep's batches (one launch for Eq. 3 and one for Eq. 4 per kind of layer) against the per-layer
+    step: the same w_hat, dL/dw and b_i.grad to the bit, with Eq. 12's gradient already in b_i.grad (added
+    to), over two steps, the second accumulating onto the first's gradients."""
+    nets = {batched: _mixed_net() for batched in (True, False)}
+    xs = [torch.randn(5, 100) for _ in range(2)]
+    for step in (7, 8):
+        for batched, net in nets.items():
+            with gaussws.TrainStep(net, step, batched=batched):
+                seeds = [int(layer.noise_seed) for layer in gaussws.pqt_layers(net)]
+                assert seeds == [gaussws._step_seed(layer.layer_seed, step) for layer in gaussws.pqt_layers(net)]
+                for x in xs:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = net(x).float().square().mean() + 0.1 * gaussws.bitwidth_loss(net)
+                    (loss / 2).backward()
+        for (name, a), (_, b) in zip(nets[True].named_parameters(), nets[False].named_parameters()):
+            assert torch.equal(a.grad, b.grad), name
+    assert all(not layer.in_step and layer.w_hat is None for layer in gaussws.pqt_layers(nets[True]))
+
+
+def test_batched_step_skips_what_gets_no_gradient_and_refuses_a_stale_weight():
+    net = _mixed_net()
+    first, second = gaussws.pqt_layers(net)[:2]
+    second.b_i.requires_grad_(False)
+    with gaussws.TrainStep(net, 1), torch.autocast("cpu", dtype=torch.bfloat16):
+        net[0](torch.randn(3, 100)).sum().backward()  # only the first layer's weight gets a gradient
+    assert first.b_i.grad is not None and first.b_i.grad.abs().sum() > 0
+    assert all(layer.b_i.grad is None for layer in gaussws.pqt_layers(net)[1:])
+    with pytest.raises(RuntimeError, match="stale R"):
+        with gaussws.TrainStep(net, 2), torch.autocast("cpu", dtype=torch.bfloat16):
+            net[0](torch.randn(3, 100)).sum().backward()
+            with torch.no_grad():
+                first.weight.add_(1.0)  # as an optimizer step inside the step would
+    assert not first.in_step and first.w_hat is None
+
+
+def test_step_seeds_of_all_layers_at_once_are_step_seed():
+    layer_seeds = [0, 1, 2**62 + 11, 2**63 - 1, 12345678901234567]
+    for step in (0, 1, 999, 2**40):
+        want = [gaussws._step_seed(s, step) for s in layer_seeds]
+        assert gaussws._step_seeds(layer_seeds, step).tolist() == want
+
+
 def test_step_mode_compiles_once():
     torch._dynamo.reset()
     net = _two_layer_net()

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-import bench
+from benchmarks import gpu_check
 from kernels import torch_noise
 from conftest import ROOT
 
@@ -22,7 +22,7 @@ def test_without_cuda_it_says_so_in_one_line():
 
 def test_parity_rows_pass_on_the_interpreter():
     """The parity part, with Triton's interpreter on CPU tensors standing in for the GPU."""
-    rows = bench.gpu_parity("cpu", shapes=[(33, 65), (64, 256)], seeds=[5], bm_shape=(64, 1024))
+    rows = gpu_check.gpu_parity("cpu", shapes=[(33, 65), (64, 256)], seeds=[5], bm_shape=(64, 1024))
     assert [(k, m) for k, m, _, _ in rows] == [("gen", "gaussws"), ("apply", "gaussws"), ("block_sums", "gaussws"),
                                                ("gen", "diffq"), ("apply", "diffq"), ("block_sums", "diffq"),
                                                ("bm", "box-muller")]
@@ -38,8 +38,24 @@ def test_bytes_per_element_are_the_tensors_the_kernels_touch(method):
     r_store = torch_noise.gen(m * n, 1, method, "cpu")
     w_hat = torch.zeros(m, n, dtype=torch.bfloat16)
     per = lambda *ts: sum(t.numel() * t.element_size() for t in ts) / (m * n)
-    assert bench.KERNEL_BYTES[f"gen {method}"] == per(r_store)
-    assert bench.KERNEL_BYTES[f"apply {method}"] == per(w, r_store, w_hat)
-    assert bench.KERNEL_BYTES[f"block_sums {method}"] == per(w, r_store)  # g is FP32 like w
-    assert bench.KERNEL_BYTES["bm"] == per(w, w_hat)
-    assert bench.KERNEL_BYTES["copy"] == per(w, w)
+    assert gpu_check.KERNEL_BYTES[f"gen {method}"] == per(r_store)
+    assert gpu_check.KERNEL_BYTES[f"apply {method}"] == per(w, r_store, w_hat)
+    assert gpu_check.KERNEL_BYTES[f"block_sums {method}"] == per(w, r_store)  # g is FP32 like w
+    assert gpu_check.KERNEL_BYTES["bm"] == per(w, w_hat)
+    assert gpu_check.KERNEL_BYTES["copy"] == per(w, w)
+
+
+def test_one_pass_and_batched_step_rows_pass_on_the_interpreter():
+    """The one pass and the batched step against the per-layer kernels, as gpu-check runs them on a GPU, with
+    Triton's interpreter on CPU tensors standing in."""
+    rows = gpu_check.one_pass_parity("cpu", shapes=[(33, 65), (64, 256)], seeds=[5])
+    assert [(k, m, r) for k, m, _, r in rows] == [("eq3 (one pass)", "gaussws", "identical"),
+                                                  ("eq3 (one pass)", "diffq", "identical")]
+    rows = gpu_check.batched_step_parity("cpu")
+    assert rows[0][-1] == "identical", rows
+
+
+def test_table1_models_are_read_from_the_option():
+    assert gpu_check.table1_models("llama2-134m:24,llama2-1b:8") == [("llama2-134m", 24), ("llama2-1b", 8)]
+    with pytest.raises(gpu_check.BenchError, match="MODEL:BATCH"):
+        gpu_check.table1_models("llama2-1b")

@@ -39,11 +39,38 @@ VECTOR_BYTES = 16  # the widest global load/store of a thread: ld.global.v4.b32,
 MODEL_SHAPE = (2048, 768)  # Llama2-134M's mlp.up and mlp.gate weight: (ffn_hidden, n_embd)
 
 
-def call_ints(variant):
-    """The int arguments of the launcher's call on a w of MODEL_SHAPE (two more columns for the
-    `_unaligned` variants, whose n is not a multiple of 8)."""
-    m, n = MODEL_SHAPE[0], MODEL_SHAPE[1] + (2 if "unaligned" in variant else 0)
+def call_shape(variant, shape=MODEL_SHAPE):
+    """The weight of the launcher's call: `shape`, two more columns for the `_unaligned` variants (n not a
+    multiple of 8 for gaussws, of 4 for diffq's one pass)."""
+    return shape[0], shape[1] + (2 if "unaligned" in variant else 0)
+
+
+def call_ints(variant, shape=MODEL_SHAPE):
+    """The int arguments of the launcher's call on a w of `shape` (call_shape)."""
+    m, n = call_shape(variant, shape)
     return {"m": m, "n": n, "n_words_row": n // 8, "nbn": -(-n // 32), "n_words": m * n // 8, "numel": m * n}
+
+
+def call_constexprs(spec, variant, w_type, shape=MODEL_SHAPE):
+    """The constexprs of the call: the spec's, and for the many kernels the per-call ones, as the launcher
+    gives them for a group of weights of `shape` and type w_type (kernels.triton_noise._hints)."""
+    from kernels import triton_noise
+    if not spec.per_call:
+        return dict(spec.constexprs)
+    w_dtype = dict(zip(W_BYTES, triton_noise.PER_CALL["W_DTYPE"]))[w_type]
+    return {**spec.constexprs, "W_DTYPE": w_dtype, **triton_noise._hints(*call_shape(variant, shape))}
+
+
+def reductions(ttgir):
+    """[(axis, operand type with its layout written out)] of every tt.reduce of a kernel's TTGIR: the
+    layout fixes which elements each thread sums first and how threads and warps combine them."""
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+    out = []
+    for m in re.finditer(r'"tt\.reduce"\(%[\w.#]+\) <\{axis = (\d+) : i32\}>', ttgir):
+        start = ttgir.index("}) : (", m.end()) + len("}) : (")
+        operand = ttgir[start:ttgir.index(") ->", start)]
+        out.append((int(m.group(1)), re.sub(r"#blocked\d*\b", lambda a: layouts[a.group(0)], operand)))
+    return out
 
 
 def _arg_types(spec, w_type):
@@ -52,37 +79,38 @@ def _arg_types(spec, w_type):
 
 
 def _compile_one(job):
-    """(variant, target, w_type) -> dict of the code to inspect, or the compile error."""
+    """(variant, target, w_type, shape) -> dict of the code to inspect, or the compile error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from kernels import triton_noise
 
-    variant, target, w_type = job
+    variant, target, w_type, shape = job
     backend, arch, warp_size = TARGETS[target]
     spec = triton_noise.kernel_specs(backend)[variant]
     names = spec.kernel.arg_names
     types = _arg_types(spec, w_type)
     signature = {k: types.get(k, "constexpr") for k in names}
     # The runtime's "D" specialisation (triton/backends/compiler.py: tt.divisibility 16 for a pointer
-    # aligned to 16 bytes and an int that is a multiple of 16), for a call on MODEL_SHAPE.
-    ints = call_ints(variant)
+    # aligned to 16 bytes and an int that is a multiple of 16), for a call on a weight of `shape`.
+    ints = call_ints(variant, shape)
     divisible = [k for k, t in types.items() if t.startswith("*") or (t == "i32" and ints[k] % 16 == 0)]
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in divisible}
-    out = {"variant": variant, "target": target, "w_type": w_type, "elements": spec.elements,
+    out = {"variant": variant, "target": target, "w_type": w_type, "shape": list(shape), "elements": spec.elements,
            "threads": spec.options["num_warps"] * warp_size}
     try:
-        kernel = triton.compile(ASTSource(spec.kernel, signature, spec.constexprs, attrs),
+        kernel = triton.compile(ASTSource(spec.kernel, signature, call_constexprs(spec, variant, w_type, shape), attrs),
                                 target=GPUTarget(backend, arch, warp_size), options=spec.options)
     except Exception as e:  # noqa: BLE001 - reported by the test of this job
         return {**out, "error": f"{type(e).__name__}: {e}"[-4000:]}
+    out["reductions"] = reductions(kernel.asm["ttgir"])
     if backend == "hip":
         return {**out, "amdgcn": kernel.asm["amdgcn"]}
     resources = None  # what ptxas allocated: registers, stack and local memory (where spills go)
     cuobjdump = triton.knobs.nvidia.cuobjdump.path
     if cuobjdump and os.path.exists(cuobjdump):
-        cubin = os.path.join(os.environ["PQT_COMPILE_DIR"], f"{variant}-{target}-{w_type[1:]}.cubin")
+        cubin = os.path.join(os.environ["PQT_COMPILE_DIR"], f"{variant}-{target}-{w_type[1:]}-{shape[0]}x{shape[1]}.cubin")
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
         resources = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True,
@@ -90,18 +118,32 @@ def _compile_one(job):
     return {**out, "ptx": kernel.asm["ptx"], "resources": resources}
 
 
+# Shapes on which the multi-layer block sums must lay out their sums as the per-layer kernel does: the
+# model's (on every target), and on sm_90 others whose sizes are multiples of 16 in other ways.
+LAYOUT_SHAPES = [(768, 2048), (33, 80)]
+# Kernels new with the one pass, compiled in fewer cases to keep the time of these tests: those for shapes
+# no model has (8 does not divide n) on one target of each vendor, BF16 and FP16 w for gaussws only.
+ONE_PASS = ("eq3", "eq4_many")
+
+
 def jobs():
     """Every variant for every target with FP32 w (the master weights); the BF16 and FP16 w that
-    the launchers also accept, for sm_90."""
+    the launchers also accept, for sm_90; the per-layer and multi-layer block sums on LAYOUT_SHAPES."""
     from kernels import triton_noise
 
     out = []
     for target, (backend, _, _) in TARGETS.items():
         for variant, spec in triton_noise.kernel_specs(backend).items():
-            w_types = next((v for v in spec.signature.values() if isinstance(v, tuple)), ("*fp32",))
+            one_pass = variant.startswith(ONE_PASS)
+            if one_pass and "unaligned" in variant and target not in ("sm_90", "gfx942"):
+                continue
+            w_types = (tuple(W_BYTES) if spec.per_call else
+                       next((v for v in spec.signature.values() if isinstance(v, tuple)), ("*fp32",)))
             for w_type in w_types:
-                if w_type == "*fp32" or target == "sm_90":
-                    out.append((variant, target, w_type))
+                if w_type == "*fp32" or target == "sm_90" and not (one_pass and variant.endswith(("diffq", "aligned"))):
+                    out.append((variant, target, w_type, MODEL_SHAPE))
+            if variant.startswith(("block_sums", "eq4_many")) and target == "sm_90":
+                out += [(variant, target, "*fp32", shape) for shape in LAYOUT_SHAPES]
     return out
 
 
@@ -124,7 +166,7 @@ def compiled(tmp_path_factory):
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {(r["variant"], r["target"], r["w_type"]): r for r in json.loads(path.read_text())}
+    return {(r["variant"], r["target"], r["w_type"], tuple(r["shape"])): r for r in json.loads(path.read_text())}
 
 
 # --- reading the code -------------------------------------------------------------------------------
@@ -176,6 +218,8 @@ def expected_accesses(r):
     kind, method = r["variant"].split("_")[0], ("diffq" if "diffq" in r["variant"] else "gaussws")
     r_bytes = {"gaussws": e // 2, "diffq": 2 * e}[method]
     w_bytes = W_BYTES[r["w_type"]] * e
+    if kind in ("eq3", "eq4"):
+        return _one_pass_accesses(r, kind, method, e, w_bytes, r_bytes)
     if kind == "gen":
         return {}, dict(_stream(r_bytes))
     if kind == "apply":
@@ -186,13 +230,32 @@ def expected_accesses(r):
     return dict(_stream(w_bytes) + Counter({4: 1})), dict(_stream(2 * e))
 
 
+def _one_pass_accesses(r, kind, method, e, w_bytes, r_bytes):
+    """The one pass: eq3 loads w and each block's 2^(1 - b_t) (4 bytes), stores w_hat, R and each block's
+    max_bl (4 bytes); eq4 loads g, R, and per block max_bl, 2^(1 - b_t) and the gradient it adds to, and
+    stores Eq. 4 (4 bytes). The many kernels also read their program's layer (4 bytes) and its table row,
+    one 8-byte scalar load per int64 field used (LAYER_FIELDS, the seed or the step's STEP_FIELDS; diffq
+    uses no n_words_row); AMD reads what all threads of a program share with scalar loads, not counted
+    among its global ones."""
+    many, nvidia = "many" in r["variant"], "ptx" in r
+    if kind == "eq3":
+        loads, stores = _stream(w_bytes) + Counter({4: 1}), _stream(2 * e) + _stream(r_bytes) + Counter({4: 1})
+        fields = 9 + 1  # LAYER_FIELDS and the seed
+    else:
+        loads, stores = _stream(w_bytes) + _stream(r_bytes) + Counter({4: 3}), Counter({4: 1})
+        fields = 7 + 3  # m, n, n_words_row, nbn, tile0, r, blk of LAYER_FIELDS; STEP_FIELDS
+    if many and nvidia:
+        loads += Counter({8: fields - (method == "diffq"), 4: 1})
+    return dict(loads), dict(stores)
+
+
 # --- the tests ----------------------------------------------------------------------------------------
 
 JOBS = jobs()
 
 
 def _id(job):
-    return f"{job[0]}-{job[1]}-{job[2][1:]}"
+    return f"{job[0]}-{job[1]}-{job[2][1:]}" + ("" if job[3] == MODEL_SHAPE else f"-{job[3][0]}x{job[3][1]}")
 
 
 @pytest.mark.parametrize("job", JOBS, ids=[_id(j) for j in JOBS])
@@ -212,7 +275,7 @@ def test_kernel_compiles_without_local_memory(compiled, job):
         assert spills and not any(spills), f"spilled registers {spills}"
 
 
-EFFICIENCY_JOBS = [j for j in JOBS if "unaligned" not in j[0]]
+EFFICIENCY_JOBS = [j for j in JOBS if "unaligned" not in j[0] and j[3] == MODEL_SHAPE]
 
 
 @pytest.mark.parametrize("job", EFFICIENCY_JOBS, ids=[_id(j) for j in EFFICIENCY_JOBS])
@@ -223,6 +286,21 @@ def test_global_accesses_are_the_fewest_the_data_needs(compiled, job):
     want_loads, want_stores = expected_accesses(r)
     assert (loads, stores) == (want_loads, want_stores), \
         f"per thread: loads {loads}, stores {stores} (bytes: count); the data needs {want_loads}, {want_stores}"
+
+
+LAYOUT_JOBS = [(v, t, w, s) for v, t, w, s in JOBS if v.startswith("eq4_many") and w == "*fp32"]
+
+
+@pytest.mark.parametrize("job", LAYOUT_JOBS, ids=[_id(j) for j in LAYOUT_JOBS])
+def test_multi_layer_block_sums_add_in_the_per_layer_kernels_order(compiled, job):
+    """Eq. 4's block sums of the many kernel are _block_sums_kernel's to the bit only if each block's 1024
+    products are added in the same order: the same layout of the reduction's operand (which elements a
+    thread adds first, how threads and warps then combine them). The many kernel's sizes come from a table,
+    so it states as hints (tl.multiple_of) what the launcher's call of the per-layer kernel specialises;
+    without them the layout, and so the order, differs."""
+    variant, target, w_type, shape = job
+    per_layer = compiled[(variant.replace("eq4_many", "block_sums"), target, w_type, shape)]
+    assert compiled[job]["reductions"] == per_layer["reductions"] and len(per_layer["reductions"]) == 2
 
 
 def test_unaligned_variants_are_the_ones_with_scalar_r():
