@@ -1,5 +1,6 @@
 """checkpoint.py against a hostile environment: flipped bytes, full disks, unwritable and
 concurrent out_dirs, and sharded FSDP checkpoints read back at another world size."""
+import json
 import os
 import signal
 import struct
@@ -362,6 +363,45 @@ def test_read_refuses_what_is_not_a_checkpoint_of_this_code_in_one_line(tmp_path
     with pytest.raises(CheckpointError, match="'n_expert', which this code's model does not have") as e:
         checkpoint.read(str(tmp_path))
     one_line(e.value)
+
+
+class RunsCode:
+    """Pickled, calls os.system: what a crafted .metadata would run if it were unpickled unchecked."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP saving in one process
+@pytest.mark.parametrize("payload", ["code", "an allowed class that is not DCP's metadata", "not a pickle"])
+def test_a_sharded_checkpoint_whose_metadata_is_not_dcps_is_one_line_and_runs_nothing(tmp_path, payload):
+    """DCP's .metadata is a pickle. One that would run code, one that unpickles to something else (as one of
+    another torch version may), and bytes that are no pickle, each with a valid crc32.json: sample.py (which
+    reads it as export.py and hf.py do) says so in one line, exit status 1, no traceback (DCP logs one for each
+    of its two reads of a bad .metadata), and nothing runs."""
+    import pickle
+    import zlib
+    model = torch.nn.Linear(4, 4)
+    sharded.save_sharded(tmp_path / "ckpt.dcp", model, [torch.optim.AdamW(model.parameters())],
+                         {"model_args": {"n_layer": 1}, "iter_num": 1})
+    directory, marker = os.path.realpath(tmp_path / "ckpt.dcp"), tmp_path / "ran"
+    data = {"code": pickle.dumps(RunsCode(marker)), "not a pickle": os.urandom(300),
+            "an allowed class that is not DCP's metadata": pickle.dumps(torch.Size([1, 2]))}[payload]
+    with open(os.path.join(directory, ".metadata"), "wb") as f:
+        f.write(data)
+    crcs = {n: zlib.crc32(open(os.path.join(directory, n), "rb").read()) for n in sorted(os.listdir(directory))
+            if n != sharded.CRCS}
+    with open(os.path.join(directory, sharded.CRCS), "w") as f:
+        f.write(json.dumps(crcs))
+    r = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}", "--device=cpu"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"error: {tmp_path / 'ckpt.dcp'} is not a sharded checkpoint this code can read: its "
+                               f".metadata ") and r.stderr.count("\n") == 1, r.stderr
+    assert not marker.exists()
 
 
 # ---------------------------------------------------------------------------------------------

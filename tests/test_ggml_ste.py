@@ -231,6 +231,8 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_run_bit_for_bit(type_runs, d
     (dict(method="gaussws[all]", target_format="q3_k", n_embd=288),
      r"input width 288 .*target_format='q3_k' cannot hold .*multiples of 256"),
     (dict(target_format="q8_0", n_embd=48), r"input width 48 .*multiples of 32"),
+    (dict(target_format="q4_k", n_embd=48), r"input width 48 .*: use input widths \(n_embd, ffn_hidden\) that are "
+                                            r"multiples of 256, or one of our 32x32-block formats"),
     (dict(method="ste[down]", target_format="q2_k", n_embd=256, ffn_hidden=320),
      r"^error: transformer\.h\.0\.mlp\.c_proj has input width 320, which target_format='q2_k'"),
     (dict(target_format="error-gguf", bits_per_weight=4.0, pqt_start=5, n_embd=288),
@@ -240,6 +242,10 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_run_bit_for_bit(type_runs, d
      r"this one is at step 0"),
     (dict(target_format="auto-gguf", bits_per_weight=4.0, pqt_start=5),
      r"auto-gguf' ranks tensors by their learned b_t, and method ste learns none: use error-gguf"),
+    (dict(method="gaussws[all]", target_format="auto-gguf", bits_per_weight=4.0, pqt_start=5),
+     r"^error: target_format='auto-gguf' chooses one GGML type per tensor when the STE starts, and this gaussws run "
+     r"has no ste_start: .* set ste_start"),
+    (dict(method="diffq[all]", target_format="error-gguf", bits_per_weight=4.0), r"this diffq run has no ste_start"),
     (dict(method="gaussws[all]", target_format="auto-gguf", bits_per_weight=2.5, pqt_start=5, ste_start=10),
      r"bits_per_weight=2\.5: expected 2\.625 \(every tensor Q2_K\) to 8\.5"),
     (dict(target_format="q4_k", bits_per_weight=4.0), r"or auto-gguf or error-gguf .*not target_format='q4_k'"),
