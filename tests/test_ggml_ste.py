@@ -269,6 +269,35 @@ def spent(types, weights):
     return sum(bits_per_weight(gguf_type(types[k])) * n[k] for k in n) / sum(n.values())
 
 
+def naive_allocation(proxy, numel, budget, per_bit=True):
+    """The allocation ste.gguf_types' docstring states, written out as a plain loop: every tensor starts at
+    Q2_K; then, again and again, of the tensors whose next type's extra bits still fit in what the budget has
+    left, the one whose upgrade drops its proxy error per weight the most per extra bit (but never more than an
+    upgrade of it before: the running minimum) goes up one type, ties to the tensor first in order. proxy:
+    {tensor: its proxy error per weight at each type of GGUF_BUDGET_TYPES}; numel: {tensor: weights}; per_bit
+    False: the drop itself ranks (what ste.gguf_types must not do)."""
+    order = list(ste.GGUF_BUDGET_TYPES)
+    bits = [bits_per_weight(gguf_type(t)) for t in order]
+    level, ceiling = dict.fromkeys(proxy, 0), dict.fromkeys(proxy, math.inf)
+    left = budget * sum(numel.values()) - bits[0] * sum(numel.values())
+    while True:
+        options = [(min(ceiling[k], (p[j] - p[j + 1]) / ((bits[j + 1] - bits[j]) if per_bit else 1)), k)
+                   for k, p in proxy.items() for j in [level[k]]
+                   if j + 1 < len(order) and (bits[j + 1] - bits[j]) * numel[k] <= left]
+        if not options:
+            return {k: order[j] for k, j in level.items()}
+        best = max(p for p, _ in options)
+        k = next(k for p, k in options if p == best)
+        left -= (bits[level[k] + 1] - bits[level[k]]) * numel[k]
+        ceiling[k], level[k] = best, level[k] + 1
+
+
+@pytest.fixture(scope="module")
+def tile_errors(tile):
+    """Each budget type's rounding error, measured naively on the tile (rounding_error's definition)."""
+    return [naive_relative_error(tile, t) for t in ste.GGUF_BUDGET_TYPES]
+
+
 def test_a_tensors_b_t_is_log4_of_its_weights_mean_4_to_the_b_t():
     gen = torch.Generator().manual_seed(2)
     b_t = 3 + 4 * torch.rand(2, 3, generator=gen, dtype=torch.float64)
@@ -288,7 +317,7 @@ def test_a_tensors_b_t_is_log4_of_its_weights_mean_4_to_the_b_t():
     assert ste.gguf_types("auto-gguf", weights, one_upgrade, b_t=b_t) == {"spiky": "q3_k", "flat": "q2_k"}
 
 
-def test_auto_gguf_upgrades_tensors_in_the_order_of_their_b_t_within_the_budget():
+def test_auto_gguf_upgrades_tensors_in_the_order_of_their_b_t_within_the_budget(tile_errors):
     weights = {k: torch.zeros(64, 512) for k in "abcd"}
     b_t = {"a": 5.0, "b": 6.5, "c": 4.0, "d": 5.5}
     q2, q3 = bits_per_weight(gguf_type("q2_k")), bits_per_weight(gguf_type("q3_k"))
@@ -299,17 +328,41 @@ def test_auto_gguf_upgrades_tensors_in_the_order_of_their_b_t_within_the_budget(
                                                                                     d="q3_k")
     rank = sorted(b_t, key=b_t.get)
     order = list(ste.GGUF_BUDGET_TYPES)
+    proxy = {k: [4.0 ** b * r for r in tile_errors] for k, b in b_t.items()}
+    numel = {k: w.numel() for k, w in weights.items()}
     for budget in np.linspace(q2, 8.5, 41):
         types = ste.gguf_types("auto-gguf", weights, budget, b_t=b_t)
         assert spent(types, weights) <= budget + 1e-12
         levels = [order.index(types[k]) for k in rank]
         assert levels == sorted(levels)  # the higher b_t, the type at least as fine
-        left = (budget - spent(types, weights)) * sum(w.numel() for w in weights.values())
-        for k, t in types.items():  # no tensor's next type would still fit
-            if t != order[-1]:
-                extra = bits_per_weight(gguf_type(order[order.index(t) + 1])) - bits_per_weight(gguf_type(t))
-                assert extra * weights[k].numel() > left
+        assert types == naive_allocation(proxy, numel, budget), budget
     assert ste.gguf_types("auto-gguf", weights, 8.5, b_t=b_t) == dict.fromkeys("abcd", "q8_0")
+
+
+def test_auto_ggufs_base_4_and_its_priority_per_bit_decide_a_hand_computed_allocation(tile_errors):
+    """Three tensors of 32,768 weights, b_t 3, 4 and 5, at 4.25 bits per weight: from Q2_K each (2.625) the
+    budget leaves 3 x 1.625 = 4.875 bits per tensor weight. An upgrade's priority is 4^b_t times the drop in
+    rounding error r (measured on the tile: Q2_K 6.63e-3, Q3_K 1.89e-3, Q4_K 4.76e-4, Q5_K 1.18e-4) per bit it
+    adds (Q2->Q3 0.8125, Q3->Q4 1.0625, Q4->Q5 1):
+        c Q2->Q3 1024 * 4.73e-3 / 0.8125 = 5.96     takes 0.8125, 4.0625 left
+        b Q2->Q3  256 * 4.73e-3 / 0.8125 = 1.49     takes 0.8125, 3.25 left
+        c Q3->Q4 1024 * 1.42e-3 / 1.0625 = 1.37     takes 1.0625, 2.1875 left
+        a Q2->Q3   64 * 4.73e-3 / 0.8125 = 0.373    takes 0.8125, 1.375 left
+        c Q4->Q5 1024 * 3.58e-4 / 1      = 0.367    takes 1, 0.375 left: nothing else fits
+    so a Q3_K, b Q3_K, c Q5_K. With 2^b_t, a's and b's first upgrades would rank above c's second and b's second
+    above c's third (Q3_K, Q4_K, Q4_K); without the division by the bits, c's third above a's first (0.367 >
+    0.303) and b's second above it too (Q2_K, Q4_K, Q5_K)."""
+    weights = {k: torch.zeros(64, 512) for k in "abc"}
+    b_t = {"a": 3.0, "b": 4.0, "c": 5.0}
+    r = tile_errors
+    assert 64 * (r[0] - r[1]) / 0.8125 > 1024 * (r[2] - r[3]) > 64 * (r[0] - r[1])  # a's Q2->Q3 by 1.6 %, per bit
+    assert ste.gguf_types("auto-gguf", weights, 4.25, b_t=b_t) == dict(a="q3_k", b="q3_k", c="q5_k")
+    numel = dict.fromkeys("abc", 64 * 512)
+    assert naive_allocation({k: [4.0 ** b * x for x in r] for k, b in b_t.items()}, numel, 4.25) == \
+        dict(a="q3_k", b="q3_k", c="q5_k")
+    for base, per_bit, other in ((2.0, True, ("q3_k", "q4_k", "q4_k")), (4.0, False, ("q2_k", "q4_k", "q5_k"))):
+        proxy = {k: [base ** b * x for x in r] for k, b in b_t.items()}
+        assert tuple(naive_allocation(proxy, numel, 4.25, per_bit).values()) == other
 
 
 def test_error_gguf_weights_each_tensors_error_by_its_input_activations():
@@ -434,9 +487,10 @@ def test_the_switch_chooses_once_within_the_budget_and_the_run_trains_on_its_typ
     assert all(g is None for k, g in grads.items() if k.endswith(".b_i"))  # b_t stays as learned
 
 
-def test_auto_gguf_ranks_the_tensors_by_their_learned_b_t(budget_runs):
+def test_auto_gguf_ranks_the_tensors_by_their_learned_b_t(budget_runs, tile_errors):
     """Of two Linears of the same shape, the one of higher tensor b_t (from the switch's b_i by Eq. 11,
-    aggregated naively) has a type at least as fine; the choice is the allocation of that step's state."""
+    aggregated naively) has a type at least as fine; the choice is naive_allocation's of that step's b_t with
+    the types' errors measured on the tile."""
     _, run, _, _ = budget_runs["auto"]
     state, chosen = run[SWITCH["auto"]][0], ggml_types(run[STEPS][0])
     config = train.phase_settings("gaussws", {**BUDGETS["auto"], "max_iters": STEPS, "b_init": 6.0, "b_target": 4.0})
@@ -452,22 +506,26 @@ def test_auto_gguf_ranks_the_tensors_by_their_learned_b_t(budget_runs):
     for k in LINEARS:
         low, high = sorted((f"transformer.h.{i}.{k}" for i in (0, 1)), key=tensor_b_t.get)
         assert order.index(chosen[low]) <= order.index(chosen[high])
-    weights = {k: state[k + ".weight"] for k in chosen}
-    expected = ste.gguf_types("auto-gguf", weights, 4.0, b_t=tensor_b_t)
+    proxy = {k: [4.0 ** b * r for r in tile_errors] for k, b in tensor_b_t.items()}
+    expected = naive_allocation(proxy, {k: state[k + ".weight"].numel() for k in chosen}, 4.0)
     assert {k: gguf_type(t).value for k, t in expected.items()} == chosen
 
 
 @pytest.mark.parametrize("name", ["error", "error-pqt"])
 def test_error_gguf_sums_the_squared_inputs_of_the_steps_before_the_switch(budget_runs, name):
     """imatrix holds, per input column, the squared input activations of the training forwards of the
-    IMATRIX_STEPS steps before the switch (a hook outside the code saw them); the switch ranks by it."""
+    IMATRIX_STEPS steps before the switch (a hook outside the code saw them); the switch's choice is
+    naive_allocation's of the weights' squared errors on gguf's grid, each column weighted by those sums."""
     _, run, _, inputs = budget_runs[name]
     state, chosen = run[STEPS][0], ggml_types(run[STEPS][0])
     assert inputs.sums.keys() == chosen.keys()
     for layer in chosen:
         torch.testing.assert_close(state[layer + ".imatrix"].double(), inputs.sums[layer], rtol=1e-5, atol=0)
-    expected = ste.gguf_types("error-gguf", {k: inputs.weights[k] for k in chosen}, BUDGETS[name]["bits_per_weight"],
-                              imatrix={k: inputs.sums[k].float() for k in chosen})
+    proxy = {k: [float((((gguf_grid(inputs.weights[k], gguf_type(t)).double() - inputs.weights[k].double()) ** 2)
+                       .sum(0) * inputs.sums[k].float().double()).sum()) / inputs.weights[k].numel()
+                 for t in ste.GGUF_BUDGET_TYPES] for k in chosen}
+    numel = {k: inputs.weights[k].numel() for k in chosen}
+    expected = naive_allocation(proxy, numel, BUDGETS[name]["bits_per_weight"])
     assert {k: gguf_type(t).value for k, t in expected.items()} == chosen
 
 
