@@ -61,8 +61,8 @@ def cache_bin(version=None):
 
 
 def executable(path):
+    """Whether path is a file this process may run."""
     return os.path.isfile(path) and os.access(path, os.X_OK)
-
 
 
 def build_commands(version, work, jobs):
@@ -103,7 +103,10 @@ def run_tool(argv, what, limit, log=None):
     try:
         output, _ = proc.communicate(timeout=limit)
     except BaseException as e:  # past the limit, or interrupted: the tool's whole session goes
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it had ended
+            pass
         proc.communicate()
         if not isinstance(e, subprocess.TimeoutExpired):
             raise

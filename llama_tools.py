@@ -267,8 +267,13 @@ def tool_output(tool, what, path, expect):
     """gguf's reader of the file a llama.cpp tool wrote at path, read before the file gets its name:
     GGUFError (one line naming the tool, the file kept nowhere) where the tool exited 0 and wrote nothing,
     bytes gguf cannot read, or a file of which expect(reader) says what is wrong (a line; None: right)."""
-    broken = (f"{tool} is broken or not llama.cpp's: replace it (python export_gguf.py --build_llama_cpp builds "
-              f"llama.cpp's into {cache_bin()}, the place used where $LLAMA_CPP_BIN is unset and PATH has none)")
+    cache = cache_bin()
+    if os.path.dirname(os.path.abspath(tool)) == os.path.abspath(cache):  # a complete cache is never rebuilt
+        remedy = f"remove {cache} and build it again: python export_gguf.py --build_llama_cpp"
+    else:
+        remedy = (f"replace it with llama.cpp's (python export_gguf.py --build_llama_cpp builds them into {cache}, "
+                  f"the place used where $LLAMA_CPP_BIN is unset and PATH has none)")
+    broken = f"{tool} is broken or not llama.cpp's: {remedy}"
     said = f"{os.path.basename(tool)} ({what}) exited 0"
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         raise GGUFError(f"{said} and wrote no file: {broken}")
