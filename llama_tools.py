@@ -226,10 +226,11 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
 
 # --- llama.cpp's command-line tools: where they are, what they wrote ----------------------------------
 
-# The rates a call's work is counted at for its time limit (llama_build.time_limit), several times below those
-# measured (docs/GGUF.md): llama-quantize's weights a second, llama-imatrix's multiply-adds a second (2 per weight
-# and token; attention aside).
-QUANTIZE_WEIGHTS_PER_S = 2e5
+# The rates a call's work is counted at for its time limit (llama_build.time_limit), 5 to 40 times below those
+# measured on one busy thread (docs/GGUF.md): llama-quantize's weights a second by the type's first letters
+# (IQ1_* and IQ2_* search a grid per block: IQ1_S measured 4.3e4), llama-imatrix's multiply-adds a second (2 per
+# weight and token; attention aside).
+QUANTIZE_WEIGHTS_PER_S = {"IQ1": 4e3, "IQ2": 1e4, "": 1e5}
 IMATRIX_FLOPS_PER_S = 2e8
 
 
@@ -312,12 +313,13 @@ def llama_quantize(src, dst, qtype, pure=True, keep="bf16", imatrix=None, thread
     ...): every other 2-D weight in that type where pure (--pure: no K-quant mixture), the token embeddings
     and the head in `keep` (as export.py keeps them, so that files compare by their block Linears), with
     the importance matrix at imatrix where given, `threads` threads (0: llama-quantize's default), within
-    time_limit (its work: src's weights at QUANTIZE_WEIGHTS_PER_S). dst is written to a temporary name
+    time_limit (its work: src's weights at qtype's QUANTIZE_WEIGHTS_PER_S). dst is written to a temporary name
     beside it, read back (tool_output: src's tensors, qtype's file type) and renamed. GGUFError (one
     line) where the tool is absent, fails, hangs or writes anything else."""
     tool = require_tool("llama-quantize")
     source = gguf_file.open_reader(str(src))
-    limit = time_limit(sum(int(t.n_elements) for t in source.tensors) / QUANTIZE_WEIGHTS_PER_S, tool_timeout)
+    rate = next(r for prefix, r in QUANTIZE_WEIGHTS_PER_S.items() if qtype.startswith(prefix))
+    limit = time_limit(sum(int(t.n_elements) for t in source.tensors) / rate, tool_timeout)
     tmp = temp_path(dst)
     args = [tool, *(["--pure"] if pure else []), "--token-embedding-type", keep, "--output-tensor-type", keep,
             *(["--imatrix", str(imatrix)] if imatrix else []), str(src), tmp, qtype]

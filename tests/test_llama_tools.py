@@ -500,9 +500,10 @@ def test_a_tool_that_fails_quietly_writes_another_file_or_hangs_is_one_line_and_
 
 
 def test_each_call_of_a_tool_has_a_time_limit_from_its_work(untrained, tmp_path, monkeypatch):
-    """llama-quantize may take TOOL_FLOOR_S plus the F32 file's weights (counted here with gguf's reader) at
-    QUANTIZE_WEIGHTS_PER_S; llama-imatrix TOOL_FLOOR_S plus 2 multiply-adds per weight (the same) and token of
-    its chunks at IMATRIX_FLOPS_PER_S; --tool_timeout=S sets S for every call; the build's steps theirs."""
+    """llama-quantize may take TOOL_FLOOR_S plus the F32 file's weights (counted here with gguf's reader) at its
+    type's QUANTIZE_WEIGHTS_PER_S (IQ2_XS: the slower IQ2 rate); llama-imatrix TOOL_FLOOR_S plus 2 multiply-adds
+    per weight (the same) and token of its chunks at IMATRIX_FLOPS_PER_S; --tool_timeout=S sets S for every
+    call; the build's steps theirs."""
     limits = []
 
     def spy(argv, what, limit, log=None):
@@ -513,13 +514,15 @@ def test_each_call_of_a_tool_has_a_time_limit_from_its_work(untrained, tmp_path,
     fake_tools(folder, ["llama-quantize", "llama-imatrix"])
     monkeypatch.setenv("LLAMA_CPP_BIN", str(folder))
     run = untrained / "run"
-    for spec, tool_timeout in (("Q4_0", 0), ("Q4_0+imatrix", 0), ("Q4_0", 7.5)):
+    for spec, tool_timeout in (("Q4_0", 0), ("IQ2_XS", 0), ("Q4_0+imatrix", 0), ("Q4_0", 7.5)):
         rc, _, err = command(export_gguf, f"--out_dir={run}", f"--llama_quantize={spec}", "--imatrix_chunks=4",
                              f"--export_dir={tmp_path / 'out'}", f"--tool_timeout={tool_timeout}")
         assert rc == 1 and "failed (exit status 1): error: stopped by the test" in err, err
     weights = sum(int(t.n_elements) for t in gguf.GGUFReader(str(tmp_path / "out" / "model-fp32.gguf")).tensors)
     floor = llama_build.TOOL_FLOOR_S
-    assert limits == [("llama-quantize", floor + weights / llama_tools.QUANTIZE_WEIGHTS_PER_S),
+    rates = llama_tools.QUANTIZE_WEIGHTS_PER_S
+    assert limits == [("llama-quantize", floor + weights / rates[""]),
+                      ("llama-quantize", floor + weights / rates["IQ2"]),
                       ("llama-imatrix", floor + 2 * weights * 4 * 64 / llama_tools.IMATRIX_FLOPS_PER_S),
                       ("llama-quantize", 7.5)]
     steps = llama_build.build_commands("0.3.36", str(tmp_path), 64)
