@@ -19,14 +19,19 @@ the training split (imatrix.gguf) where a SPEC ends in +imatrix, and llama-quant
 (llama-<TYPE>[-imatrix].gguf), each reused only where manifest.json shows it made from the same inputs;
 then one table of those files and ours (--gguf=F1,F2): their block Linears' types and bits per weight,
 bytes, llama.cpp's val loss, our model of the file's, the run's unquantized model's and the change.
-llama.cpp's tools are found in $LLAMA_CPP_BIN, on PATH or in the cache --build_llama_cpp fills.
+llama.cpp's tools are found in $LLAMA_CPP_BIN, on PATH or in the cache --build_llama_cpp fills. Each call of
+one (and each build step) runs within a time limit derived from its work (--tool_timeout=SECONDS sets one for
+all), and what it wrote is read back before it gets its name or a manifest entry: a tool that hangs, fails, or
+exits 0 with no file or a wrong one is one line naming it, and nothing is recorded.
 """
 import json
+import math
 import os
 import sys
 import time
 
 import gguf_file
+import llama_build
 import llama_tools
 from configurator import ConfigError, configure
 from util import check_json_path, cli, write_atomic
@@ -43,6 +48,7 @@ DEFAULTS = dict(
     threads=0,  # threads of llama-imatrix, llama-quantize and llama.cpp's evaluation; 0 -> their own default
     json="",  # with --out_dir: also write the table (one record per file) to this path as JSON
     build_llama_cpp=False,  # build llama.cpp's tools into ~/.cache/pqt/llama.cpp-<version>/bin (cmake, ninja; ~25 min)
+    tool_timeout=0.0,  # seconds each call of a llama.cpp tool (or build step) may run; 0 -> derived from its work
 )
 # -----------------------------------------------------------------------------------------------
 
@@ -50,8 +56,11 @@ DEFAULTS = dict(
 def main(argv):
     cfg = dict(DEFAULTS)
     explicit = configure(cfg, argv)
+    if not (math.isfinite(cfg["tool_timeout"]) and cfg["tool_timeout"] >= 0):
+        raise ConfigError(f"--tool_timeout={cfg['tool_timeout']!r}: expected the seconds each call of a llama.cpp tool "
+                          f"may run, or 0 for a limit derived from each call's work")
     if cfg["build_llama_cpp"]:
-        llama_tools.build_llama_cpp()
+        llama_build.build_llama_cpp(tool_timeout=cfg["tool_timeout"])
         if not (cfg["out_dir"] or cfg["llama_quantize"] or "gguf" in explicit):
             return
     if cfg["out_dir"] or cfg["llama_quantize"]:
@@ -98,7 +107,8 @@ def check_table_args(cfg, with_ours):
 def table(cfg, with_ours):
     specs, ours = check_table_args(cfg, with_ours)
     summary = llama_tools.llama_cpp_table(cfg["out_dir"], specs, cfg["export_dir"], ours, cfg["imatrix_chunks"],
-                                          cfg["threads"], cfg["eval_iters"], cfg["plain_cpu"])
+                                          cfg["threads"], cfg["eval_iters"], cfg["plain_cpu"],
+                                          tool_timeout=cfg["tool_timeout"])
     print_table(summary)
     if cfg["json"]:
         write_atomic(cfg["json"], json.dumps(summary, indent=1) + "\n")

@@ -506,19 +506,20 @@ def _text(reader, key):
         return None
 
 
-def open_reader(path):
-    """gguf's GGUFReader of path, or GGUFError: a missing file, a directory, bytes gguf cannot read."""
+def open_reader(path, again=AGAIN):
+    """gguf's GGUFReader of path, or GGUFError: a missing file, a directory, bytes gguf cannot read; `again`
+    names the command that makes the file (export.py's, by default)."""
     if os.path.isdir(path):
         raise GGUFError(f"{path} is a directory; give the path of a .gguf file written by export.py --gguf=True")
     if not os.path.exists(path):
-        raise GGUFError(f"no file {path}: write it with python export.py --out_dir=RUN --format=... --gguf=True")
+        raise GGUFError(f"no file {path}: {again}")
     try:
         return gguf.GGUFReader(path)
     except OSError as e:
         raise GGUFError(f"cannot read {path}: {first_line(e)}") from None
     except Exception as e:  # gguf's reader of damaged bytes fails with anything (ValueError, IndexError, ...)
         raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {first_line(e)}): damaged, cut "
-                        f"short, or not a GGUF file; {AGAIN}") from None
+                        f"short, or not a GGUF file; {again}") from None
 
 
 def read(path):

@@ -7,13 +7,13 @@ llama.cpp's own quantizer (llama-quantize, llama-imatrix) beside ours.
     with llama_tools.LlamaCppArithmetic(file_model, path):   # our model, computed as llama.cpp rounds
         logits = file_model(x, y)[0]
     r = llama_tools.check_llama_cpp("out/model-mxfp4.gguf")   # export_gguf.py's check
-    llama_tools.build_llama_cpp()   # llama.cpp's tools, built from the pinned llama-cpp-python's source, cached
     t = llama_tools.llama_cpp_table("out", llama_tools.parse_specs("Q4_K_M+imatrix,Q4_0"))   # export_gguf.py's table
 
 The file itself (its tensors, checksums, reader, the file's model) is gguf_file.py's. docs/GGUF.md
 derives the bound check_llama_cpp holds llama.cpp's logits to, and describes the table. llama.cpp's
 command-line tools are found in the directory $LLAMA_CPP_BIN names, else on PATH, else in the cache
-build_llama_cpp fills (cache_bin).
+llama_build.build_llama_cpp fills; every call of one runs within a time limit (llama_build.run_tool), and what
+it wrote is read back (tool_output) before it gets its name or a manifest entry.
 """
 import hashlib
 import importlib.util
@@ -22,13 +22,11 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -41,8 +39,9 @@ import tokenizer
 from data import loader
 from data.common import unusable_dir
 from gguf_file import GGUFError
+from llama_build import cache_bin, executable, run_tool, time_limit
 from model import ROLES
-from util import atomic_dir, commit, first_line, read_record, remove_stale_temporaries, temp_path, write_atomic
+from util import commit, first_line, read_record, remove_stale_temporaries, temp_path, write_atomic
 
 Q = gguf_file.Q
 QK = gguf_file.QK
@@ -226,52 +225,25 @@ def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
                 rms_logit_difference_file=rms["file"], rms_logit_difference_arithmetic=rms["arithmetic"])
 
 
-# --- llama.cpp's command-line tools: where they are, how to build them ------------------------------
+# --- llama.cpp's command-line tools: where they are, what they wrote ----------------------------------
 
-TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity")
-ROOT = os.path.dirname(os.path.abspath(__file__))
-# How build_llama_cpp configures llama.cpp: its command-line tools alone, Release (no tests, examples,
-# server or unified binary), no OpenSSL (nothing downloaded), for any CPU with AVX2 rather than only this
-# one (GGML_NATIVE=OFF turns AVX, AVX2, FMA, F16C on: a cache copied to another machine still runs), and
-# static, so the three binaries copied into the cache need no library beside them.
-CMAKE_OPTIONS = ("-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                 "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=OFF",
-                 "-DBUILD_SHARED_LIBS=OFF")
-
-
-def pinned_version():
-    """The version of llama-cpp-python that constraints.txt pins: the llama.cpp whose tools are built
-    (its source distribution carries llama.cpp's sources in vendor/llama.cpp)."""
-    path = os.path.join(ROOT, "constraints.txt")
-    try:
-        with open(path, encoding="utf-8") as f:
-            found = re.search(r"^llama[-_]cpp[-_]python==(\S+)", f.read(), re.MULTILINE | re.IGNORECASE)
-    except OSError as e:
-        raise GGUFError(f"cannot read {path} ({first_line(e)}), which pins the llama.cpp to build") from None
-    if found is None:
-        raise GGUFError(f"{path} pins no llama_cpp_python==VERSION: the llama.cpp to build is that version's")
-    return found.group(1)
-
-
-def cache_bin(version=None):
-    """The cache directory of the built tools: $XDG_CACHE_HOME (else ~/.cache)/pqt/llama.cpp-<version>/bin."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pqt", f"llama.cpp-{version or pinned_version()}", "bin")
-
-
-def _executable(path):
-    return os.path.isfile(path) and os.access(path, os.X_OK)
+# The rates a call's work is counted at for its time limit (llama_build.time_limit), 5 to 40 times below those
+# measured on one busy thread (docs/GGUF.md): llama-quantize's weights a second by the type's first letters
+# (IQ1_* and IQ2_* search a grid per block: IQ1_S measured 4.3e4), llama-imatrix's multiply-adds a second (2 per
+# weight and token; attention aside).
+QUANTIZE_WEIGHTS_PER_S = {"IQ1": 4e3, "IQ2": 1e4, "": 1e5}
+IMATRIX_FLOPS_PER_S = 2e8
 
 
 def llama_cpp_tool(name):
-    """The path of llama.cpp's command-line tool `name` (TOOLS): in the directory $LLAMA_CPP_BIN names
+    """The path of llama.cpp's command-line tool `name` (llama_build.TOOLS): in the directory $LLAMA_CPP_BIN names
     (where set, there only), else on PATH, else in the cache build_llama_cpp fills; None where absent."""
     folder = os.environ.get("LLAMA_CPP_BIN")
     if folder:
         path = os.path.join(folder, name)
-        return path if _executable(path) else None
+        return path if executable(path) else None
     path = os.path.join(cache_bin(), name)
-    return shutil.which(name) or (path if _executable(path) else None)
+    return shutil.which(name) or (path if executable(path) else None)
 
 
 def require_tool(name):
@@ -286,94 +258,78 @@ def require_tool(name):
     return tool
 
 
-def build_commands(version, work, jobs):
-    """[(what, argv)] build_llama_cpp runs in the folder work: the download of llama-cpp-python's source
-    distribution (its .tar.gz is unpacked between the first and the second), cmake's configure of its
-    vendor/llama.cpp, and the build of TOOLS."""
-    source = os.path.join(work, f"llama_cpp_python-{version}", "vendor", "llama.cpp")
-    build = os.path.join(work, "build")
-    return [("pip download of llama-cpp-python's source", [sys.executable, "-m", "pip", "download", "--no-binary",
-                                                            ":all:", "--no-deps", f"llama-cpp-python=={version}",
-                                                            "-d", work]),
-            ("cmake's configure of llama.cpp", ["cmake", "-S", source, "-B", build, *CMAKE_OPTIONS]),
-            ("the build of llama.cpp's tools", ["cmake", "--build", build, "--target", *TOOLS, "-j", str(jobs)])]
-
-
-def _run_logged(what, argv, log_path):
-    """argv, its output appended to log_path; GGUFError (one line: its last line) where it fails."""
-    with open(log_path, "a", encoding="utf-8") as out:
-        out.write(f"$ {' '.join(argv)}\n")
-        out.flush()
-        try:
-            status = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode
-        except OSError as e:
-            raise GGUFError(f"{what} could not start ({first_line(e)}): is {argv[0]} installed?") from None
-    if status != 0:
-        with open(log_path, encoding="utf-8", errors="replace") as f:
-            last = ([line.strip() for line in f if line.strip()] or ["no output"])[-1]
-        raise GGUFError(f"{what} failed (exit status {status}): {last[:300]} (the whole output: {log_path})")
-
-
-def build_llama_cpp(jobs=0, log=print):
-    """Build llama.cpp's TOOLS from the source distribution of the llama-cpp-python that constraints.txt
-    pins (pinned_version) into cache_bin(): pip downloads it, cmake and ninja build its vendor/llama.cpp
-    (CMAKE_OPTIONS) with `jobs` processes (0: one per core) in a temporary folder, and the three binaries
-    replace the cache's at once (util.atomic_dir). A complete cache is kept as it is. Returns the cache
-    directory; GGUFError (one line) for a missing cmake or ninja or a step that fails, whose output is
-    in build.log beside the cache directory."""
-    version = pinned_version()
-    target = cache_bin(version)
-    if all(_executable(os.path.join(target, name)) for name in TOOLS):
-        log(f"llama.cpp's tools ({version}) are built already: {target}")
-        return target
-    missing = [name for name in ("cmake", "ninja") if shutil.which(name) is None]
-    if missing:
-        raise GGUFError(f"{' and '.join(missing)} not found: building llama.cpp's tools needs cmake, ninja and a C++ "
-                        f"compiler (apt-get install cmake ninja-build g++, or pip install cmake ninja)")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    log_path = os.path.join(os.path.dirname(target), "build.log")
-    open(log_path, "w").close()
-    with tempfile.TemporaryDirectory(prefix="pqt-llama.cpp-") as work:
-        (download, *steps) = build_commands(version, work, jobs or os.cpu_count())
-        log(f"downloading llama-cpp-python {version}'s source distribution (about 77 MB) ...")
-        _run_logged(*download, log_path)
-        with tarfile.open(os.path.join(work, f"llama_cpp_python-{version}.tar.gz")) as sdist:
-            sdist.extractall(work, filter="data")
-        log(f"building {', '.join(TOOLS)} (about 25 minutes on 2 cores; output in {log_path}) ...")
-        for what, argv in steps:
-            _run_logged(what, argv, log_path)
-        if os.path.isdir(target):  # a cache lacking a tool (removed by hand): replaced whole
-            shutil.rmtree(target)
-        with atomic_dir(target) as staged:
-            for name in TOOLS:
-                shutil.copy2(os.path.join(work, "build", "bin", name), staged)
-    log(f"built {', '.join(TOOLS)} into {target}")
-    return target
-
-
-def _tool_failure(tool, what, run):
+def _tool_failure(tool, what, status, output):
     """The one line of a llama.cpp tool that failed: its last line that says error, else its last line."""
-    lines = [line.strip() for line in (run.stderr + run.stdout).splitlines() if line.strip()] or ["no message"]
+    lines = [line.strip() for line in output.splitlines() if line.strip()] or ["no message"]
     said = [line for line in lines if "error" in line.lower()] or lines
-    return GGUFError(f"{os.path.basename(tool)} {what} failed (exit status {run.returncode}): {said[-1][:300]}")
+    return GGUFError(f"{os.path.basename(tool)} {what} failed (exit status {status}): {said[-1][:300]}")
 
 
-def llama_quantize(src, dst, qtype, pure=True, keep="bf16", imatrix=None, threads=0):
+def tool_output(tool, what, path, expect):
+    """gguf's reader of the file a llama.cpp tool wrote at path, read before the file gets its name:
+    GGUFError (one line naming the tool, the file kept nowhere) where the tool exited 0 and wrote nothing,
+    bytes gguf cannot read, or a file of which expect(reader) says what is wrong (a line; None: right)."""
+    cache = cache_bin()
+    if os.path.dirname(os.path.abspath(tool)) == os.path.abspath(cache):  # a complete cache is never rebuilt
+        remedy = f"remove {cache} and build it again: python export_gguf.py --build_llama_cpp"
+    else:
+        remedy = (f"replace it with llama.cpp's (python export_gguf.py --build_llama_cpp builds them into {cache}, "
+                  f"the place used where $LLAMA_CPP_BIN is unset and PATH has none)")
+    broken = f"{tool} is broken or not llama.cpp's: {remedy}"
+    said = f"{os.path.basename(tool)} ({what}) exited 0"
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        raise GGUFError(f"{said} and wrote no file: {broken}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf's reader of bytes that are no GGUF fails with anything (ValueError, IndexError)
+        raise GGUFError(f"{said} and wrote a file gguf cannot read ({type(e).__name__}: {first_line(e)[:120]}): "
+                        f"{broken}") from None
+    wrong = expect(reader)
+    if wrong:
+        raise GGUFError(f"{said} and wrote a file that {wrong}: {broken}")
+    return reader
+
+
+def _quantized_expect(source, qtype):
+    """expect of tool_output for llama-quantize's file of the GGUF reader `source` in qtype: the same
+    tensors (names, shapes) and general.file_type the type's (llama-quantize's Q3_K, Q4_K, Q5_K are its _M)."""
+    name = {"F32": "ALL_F32", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M"}.get(
+        qtype, f"MOSTLY_{qtype}")
+    shapes = {t.name: t.shape.tolist() for t in source.tensors}
+
+    def expect(reader):
+        field = reader.fields.get("general.file_type")
+        found = {t.name: t.shape.tolist() for t in reader.tensors}
+        if found != shapes:
+            odd = sorted(set(found) ^ set(shapes)) or [k for k in shapes if found[k] != shapes[k]]
+            return f"does not hold the model's tensors ({odd[0]} differs, of {len(found)} tensors)"
+        if field is None or field.contents() != gguf.LlamaFileType[name]:
+            return f"says general.file_type {field.contents() if field else None}, not {qtype}'s"
+        return None
+    return expect
+
+
+def llama_quantize(src, dst, qtype, pure=True, keep="bf16", imatrix=None, threads=0, tool_timeout=0.0):
     """llama-quantize of the GGUF file src into dst in qtype (its name for a type or a mix: Q4_0, Q4_K_M,
     ...): every other 2-D weight in that type where pure (--pure: no K-quant mixture), the token embeddings
     and the head in `keep` (as export.py keeps them, so that files compare by their block Linears), with
-    the importance matrix at imatrix where given, `threads` threads (0: llama-quantize's default). dst is
-    written to a temporary name beside it and renamed once whole. GGUFError (one line) where the tool is
-    absent or fails."""
+    the importance matrix at imatrix where given, `threads` threads (0: llama-quantize's default), within
+    time_limit (its work: src's weights at qtype's QUANTIZE_WEIGHTS_PER_S). dst is written to a temporary name
+    beside it, read back (tool_output: src's tensors, qtype's file type) and renamed. GGUFError (one
+    line) where the tool is absent, fails, hangs or writes anything else."""
     tool = require_tool("llama-quantize")
+    source = gguf_file.open_reader(str(src))
+    rate = next(r for prefix, r in QUANTIZE_WEIGHTS_PER_S.items() if qtype.startswith(prefix))
+    limit = time_limit(sum(int(t.n_elements) for t in source.tensors) / rate, tool_timeout)
     tmp = temp_path(dst)
     args = [tool, *(["--pure"] if pure else []), "--token-embedding-type", keep, "--output-tensor-type", keep,
             *(["--imatrix", str(imatrix)] if imatrix else []), str(src), tmp, qtype]
     args += [str(threads)] if threads else []
     try:
-        run = subprocess.run(args, capture_output=True, text=True)
-        if run.returncode != 0:
-            raise _tool_failure(tool, f"{qtype} of {src}", run)
+        status, output = run_tool(args, f"{qtype} of {src}", limit)
+        if status != 0:
+            raise _tool_failure(tool, f"{qtype} of {src}", status, output)
+        tool_output(tool, f"{qtype} of {src}", tmp, _quantized_expect(source, qtype))
         commit(tmp, dst)
     finally:
         if os.path.exists(tmp):
@@ -615,10 +571,30 @@ def imatrix_text(run):
     return "".join(pieces)
 
 
-def make_imatrix(run, manifest, tool, threads):
+def _imatrix_expect(names, chunks, context):
+    """expect of tool_output for llama-imatrix's file: `chunks` chunks of `context` tokens, and for each
+    block Linear of names its sums of squared inputs (finite, >= 0) over chunks * context tokens."""
+    def expect(reader):
+        fields = {k: reader.fields[k].contents() if k in reader.fields else None
+                  for k in ("imatrix.chunk_count", "imatrix.chunk_size")}
+        if list(fields.values()) != [chunks, context]:
+            return f"says {fields}, not {chunks} chunks of {context} tokens"
+        data = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
+        for name in sorted(names):
+            sums, counts = data.get(name + ".in_sum2"), data.get(name + ".counts")
+            if sums is None or counts is None or not (np.isfinite(sums).all() and (sums >= 0).all()) \
+                    or counts.tolist() != [chunks * context]:
+                return f"holds no importance matrix of {name} over {chunks * context} tokens"
+        return None
+    return expect
+
+
+def make_imatrix(run, manifest, tool, threads, tool_timeout=0.0):
     """imatrix.gguf: llama-imatrix of model-fp32.gguf over imatrix_text (its chunks of block_size tokens,
     the model's context, no perplexity), reused where the manifest has it of the same model, text, tool and
-    chunks. Returns (whether reused, {chunks, tokens, context}: what llama.cpp computed over)."""
+    chunks; within time_limit (its work: 2 multiply-adds per weight of the F32 file and token, at
+    IMATRIX_FLOPS_PER_S) and read back (tool_output: every block Linear's sums) before it is named and
+    recorded. Returns (whether reused, {chunks, tokens, context}: what llama.cpp computed over)."""
     block_size, text = run.model.config.block_size, imatrix_text(run)
     key = dict(model=manifest.files[F32_FILES[0]]["sha256"], tool=sha256_file(tool), chunks=run.chunks,
                context=block_size, text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
@@ -627,22 +603,26 @@ def make_imatrix(run, manifest, tool, threads):
     path = os.path.join(run.export_dir, IMATRIX)
     tmp = temp_path(path) + ".gguf"  # llama-imatrix warns of another suffix
     batch = block_size * max(1, 2048 // block_size)  # whole chunks a batch, as llama-imatrix requires
+    f32 = os.path.join(run.export_dir, F32_FILES[0])
+    work = 2 * sum(int(t.n_elements) for t in gguf_file.open_reader(f32).tensors) * run.chunks * block_size
     with tempfile.TemporaryDirectory(prefix="pqt-imatrix-") as folder:
         text_path = os.path.join(folder, "train.txt")
         with open(text_path, "w", encoding="utf-8") as f:
             f.write(text)
-        args = [tool, "-m", os.path.join(run.export_dir, F32_FILES[0]), "-f", text_path, "-o", tmp, "--output-format",
-                "gguf", "-c", str(block_size), "-b", str(batch), "--chunks", str(run.chunks), "--no-ppl",
-                "--parse-special", "--output-frequency", str(run.chunks), *(["-t", str(threads)] if threads else [])]
+        args = [tool, "-m", f32, "-f", text_path, "-o", tmp, "--output-format", "gguf", "-c", str(block_size), "-b",
+                str(batch), "--chunks", str(run.chunks), "--no-ppl", "--parse-special", "--output-frequency",
+                str(run.chunks), *(["-t", str(threads)] if threads else [])]
         try:
-            done = subprocess.run(args, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise _tool_failure(tool, f"of {args[2]}", done)
-            found = re.search(r"computing over (\d+) chunks", done.stdout + done.stderr)
+            status, output = run_tool(args, f"of {args[2]}", time_limit(work / IMATRIX_FLOPS_PER_S, tool_timeout))
+            if status != 0:
+                raise _tool_failure(tool, f"of {args[2]}", status, output)
+            found = re.search(r"computing over (\d+) chunks", output)
             if found is None or int(found.group(1)) != run.chunks:
                 raise GGUFError(f"llama-imatrix computed over {found.group(1) if found else 'no'} chunks of the "
                                 f"{run.chunks} of {block_size} tokens asked for: it tokenized the training text "
                                 f"otherwise than the data's tokenizer")
+            tool_output(tool, f"of {args[2]}", tmp, _imatrix_expect(block_linear_names(run.model.config), run.chunks,
+                                                                     block_size))
             commit(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -652,7 +632,7 @@ def make_imatrix(run, manifest, tool, threads):
     return False, info
 
 
-def make_quantized(run, manifest, tool, qtype, imatrix, threads):
+def make_quantized(run, manifest, tool, qtype, imatrix, threads, tool_timeout=0.0):
     """llama-<type>[-imatrix].gguf: llama-quantize of model-fp32.gguf to qtype with llama.cpp's own type mix
     (not --pure: what a user of llama-quantize gets), the embeddings and head kept in KEEP, with imatrix.gguf
     where imatrix; reused where the manifest has it of the same inputs and tool. Returns whether reused."""
@@ -662,7 +642,8 @@ def make_quantized(run, manifest, tool, qtype, imatrix, threads):
     if manifest.reusable([name], key):
         return True
     llama_quantize(os.path.join(run.export_dir, F32_FILES[0]), os.path.join(run.export_dir, name), qtype, pure=False,
-                   keep=KEEP, imatrix=os.path.join(run.export_dir, IMATRIX) if imatrix else None, threads=threads)
+                   keep=KEEP, imatrix=os.path.join(run.export_dir, IMATRIX) if imatrix else None, threads=threads,
+                   tool_timeout=tool_timeout)
     manifest.record([name], key)
     return False
 
@@ -688,7 +669,7 @@ def open_ours(path, run):
 
 
 def llama_cpp_table(run_dir, specs, export_dir="", ours=(), imatrix_chunks=0, threads=0, eval_iters=0,
-                    plain_cpu=False, log=print):
+                    plain_cpu=False, log=print, tool_timeout=0.0):
     """From a run (a bf16 run's checkpoint, or any run's master weights), into export_dir (default
     <run>/llama.cpp): model-fp32.gguf (write_f32), an importance matrix over the training split where a spec
     asks for one (make_imatrix) and llama-quantize's file of every spec of parse_specs (make_quantized),
@@ -716,7 +697,8 @@ def llama_cpp_table(run_dir, specs, export_dir="", ours=(), imatrix_chunks=0, th
         imatrix = None
         if "llama-imatrix" in tools:
             started = time.time()
-            reused[IMATRIX], imatrix = make_imatrix(run, manifest, tools["llama-imatrix"], threads)
+            reused[IMATRIX], imatrix = make_imatrix(run, manifest, tools["llama-imatrix"], threads,
+                                                      tool_timeout)
             imatrix = dict(imatrix, path=os.path.join(run.export_dir, IMATRIX), reused=reused[IMATRIX],
                            seconds=time.time() - started)
             seconds["imatrix"] = imatrix["seconds"]
@@ -724,7 +706,8 @@ def llama_cpp_table(run_dir, specs, export_dir="", ours=(), imatrix_chunks=0, th
                 f"{imatrix['context']} training tokens ({imatrix['seconds']:.1f} s)")
         for spec, qtype, with_imatrix in specs:
             started = time.time()
-            reused[spec] = make_quantized(run, manifest, tools["llama-quantize"], qtype, with_imatrix, threads)
+            reused[spec] = make_quantized(run, manifest, tools["llama-quantize"], qtype, with_imatrix, threads,
+                                          tool_timeout)
             seconds[f"quantize {spec}"] = time.time() - started
             log(f"{'reused' if reused[spec] else 'wrote'} {quantized_name(qtype, with_imatrix)} "
                 f"({seconds[f'quantize {spec}']:.1f} s)")
@@ -748,7 +731,8 @@ def _evaluate(run, specs, opened, reused, llama_cpp, seconds, log):
     for spec, qtype, imatrix in specs:
         path = os.path.join(run.export_dir, quantized_name(qtype, imatrix))
         rows.append((dict(spec=spec, path=path, type=qtype, imatrix=imatrix, made_by="llama-quantize"),
-                     gguf_file.open_reader(path), run.ckpt["model_args"], reused[spec]))
+                     gguf_file.open_reader(path, f"make it again with python export_gguf.py --out_dir=RUN "
+                                                 f"--llama_quantize={spec}"), run.ckpt["model_args"], reused[spec]))
     for path, reader, info in opened:
         rows.append((dict(spec=None, path=path, type=info["format"], imatrix=False, made_by="export.py"), reader,
                      info["model_args"], None))

@@ -161,8 +161,14 @@ def trained_ggml_types(state_dict, pqt, quantized, fmt_name, budget):
     ste.UNCHOSEN before its switch), when the run trained --format at --bits_per_weight. Else ExportError:
     what to train (the types are chosen in training, from what export has no more: b_t's history, the
     activations)."""
-    found = {k[:-len(".ggml_type")]: int(v) for k, v in state_dict.items() if k.endswith(".ggml_type")}
     asked = f"--format={fmt_name} --bits_per_weight={budget:g} writes the GGML type each weight trained on"
+    found = {}
+    for k, v in state_dict.items():
+        if k.endswith(".ggml_type"):
+            if v.dtype != torch.uint8 or v.numel() != 1:  # int(10.5) would be Q2_K's 10
+                raise ExportError(f"{asked}, and {k} is {v.tolist()} ({v.dtype}), not the one uint8 GGML type id "
+                                  f"train.py saves: the checkpoint is damaged or foreign")
+            found[k[:-len(".ggml_type")]] = int(v)
     target, trained_budget = pqt.get("target_format"), pqt.get("bits_per_weight")
     if target in GGUF_BUDGETS and (target, trained_budget) != (fmt_name, budget):
         raise ExportError(f"{asked}, and this run trained {target} at {trained_budget:g} bits per weight: export it "
@@ -183,6 +189,12 @@ def trained_ggml_types(state_dict, pqt, quantized, fmt_name, budget):
     if odd:
         raise ExportError(f"{odd[0]}.ggml_type is {found[odd[0]]}, none of llama.cpp's types export writes "
                           f"({', '.join(f'{t} {v}' for v, t in known.items())}): the checkpoint is damaged or foreign")
+    numel = {k: state_dict[k + ".weight"].numel() for k in quantized}
+    bits = sum(ggml_quants.bits_per_weight(known[found[k]]) * n for k, n in numel.items()) / sum(numel.values())
+    if bits > budget + 1e-9:  # the choice spends at most the budget (ste.gguf_types)
+        raise ExportError(f"{asked}, and the types this checkpoint records hold {bits:.4f} bits per weight, more than "
+                          f"the budget: its ggml_type buffers were changed after training; export a checkpoint of "
+                          f"the run as train.py saved it")
     return {k: known[found[k]] for k in quantized}
 
 
@@ -210,9 +222,10 @@ def ggml_types(fmt_name, budget, state_dict, pqt, quantized, notes):
     for layer, t in types.items():
         n, size = state_dict[layer + ".weight"].shape[1], ggml_quants.block_size(t)
         if n % size:
+            other = "q4_0, q8_0 or mxfp4_row (32)" if n % 32 == 0 else "one of our 32x32-block formats (int4, ...)"
             raise ExportError(f"--format={fmt_name}: {layer}.weight has rows of {n} weights (its input width), and "
-                              f"{t} blocks rows of a multiple of {size}: export q4_0, q8_0 or mxfp4_row (32), or a "
-                              f"model whose Linears read widths of a multiple of {size}")
+                              f"{t} blocks rows of a multiple of {size}: export {other}, or a model whose Linears "
+                              f"read widths of a multiple of {size}")
     return types
 
 

@@ -66,14 +66,33 @@ class _MetadataUnpickler(pickle.Unpickler):
                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
 
 
-def _reader(directory):
+def _metadata(path, directory):
+    """DCP's .metadata of the checkpoint at path, unpickled with the allow-list, before DCP is given it: a
+    payload of other classes (a crafted file, one of another torch version) is one line here, where DCP
+    would log a traceback of each of its two attempts to read it before failing."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    try:
+        with open(os.path.join(directory, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except MemoryError:
+        raise
+    except Exception as e:  # unpickling untrusted bytes can fail with anything: none of it is a checkpoint's
+        raise CheckpointError(f"{path} is not a sharded checkpoint this code can read: its .metadata does not "
+                              f"unpickle to DCP's metadata ({type(e).__name__}: {first_line(e)[:200]}); it is damaged "
+                              f"or of another torch (this is {torch.__version__})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} is not a sharded checkpoint this code can read: its .metadata holds a "
+                              f"{type(metadata).__name__}, not DCP's metadata")
+    return metadata
+
+
+def _reader(directory, metadata):
+    """DCP's reader of the directory, given the metadata _metadata read."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            with open(os.path.join(self.path, ".metadata"), "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            from torch.distributed.checkpoint.metadata import StorageMeta
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -185,15 +204,16 @@ def _dcp_load(path, state, directory, empty):
     """dcp.load, its failures (which it wraps per rank) as one line; out of memory raised as is."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+    metadata = _metadata(path, directory)
     try:
         import torch.distributed as dist
         if empty:  # dcp.load fills only the keys given; torch's own dcp_to_torch_save does this
             from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-            _load_state_dict(state, storage_reader=_reader(directory), planner=_planner(empty), no_dist=True)
+            _load_state_dict(state, storage_reader=_reader(directory, metadata), planner=_planner(empty), no_dist=True)
         else:
             with warnings.catch_warnings():  # DCP warns that one process loads alone: that is the point
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-                dcp.load(state, storage_reader=_reader(directory), planner=_planner(empty),
+                dcp.load(state, storage_reader=_reader(directory, metadata), planner=_planner(empty),
                          no_dist=not dist.is_initialized())
     except CheckpointException as e:
         causes = _causes(e)

@@ -119,9 +119,9 @@ def check_layers(shapes, fmt, bits_per_weight=0.0):
         (name, width), more = bad[0], f" (and {len(bad) - 1} more Linears)" if len(bad) > 1 else ""
         if width % 32 == 0:
             works = f"use input widths that are multiples of {need}, or q4_0, q8_0 or mxfp4_row (blocks of 32)"
-        else:
-            works = ("use input widths (n_embd, ffn_hidden) that are multiples of 32, or one of our 32x32-block "
-                     "formats (int4, mxfp4, ...), which take any width")
+        else:  # neither does a 32-weight type: the advice is the type's own block, or another kind of format
+            works = (f"use input widths (n_embd, ffn_hidden) that are multiples of {need}, or one of our 32x32-block "
+                     f"formats (int4, mxfp4, ...), which take any width")
         what = f"{fmt}'s blocks are {need} weights of a row" if fmt in GGML_FORMATS else \
             f"{fmt} mixes GGML types whose blocks are 32 or 256 weights of a row"
         raise ValueError(f"{name} has input width {width}{more}, which target_format={fmt!r} cannot hold ({what}): "

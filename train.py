@@ -246,6 +246,11 @@ def _check_targets(kind, config):
         ste.check_budget(fmt, budget, kind)
     elif fmt:
         ste.check_format(fmt)
+    if fmt in ste.GGUF_BUDGETS and kind != "ste" and not ste_value:
+        raise ValueError(f"target_format={fmt!r} chooses one GGML type per tensor when the STE starts, and this {kind} "
+                         f"run has no ste_start: it would train PQT to its end and choose none, so export.py "
+                         f"--format={fmt} would have no type to write; set ste_start (a fraction of max_iters or a "
+                         f"step after pqt_start), or train toward one type (--target_format=q4_k, ...)")
     if ste_value and fmt not in ste.BUDGET_TARGETS:
         raise ValueError(f"ste_start={ste_value:g} trains on per-block formats a bit budget chooses at that step, "
                          f"or per-tensor GGML types: set target_format=auto-int, error-int, auto-gguf or error-gguf "

@@ -10,7 +10,7 @@ import tempfile
 
 import checkpoint as ckpt_io
 from studies.definitions import REPO
-from studies.records import GGUF_NUMBERS, STUDY_LOCK, StudyError, is_number, read_json, write_json
+from studies.records import STUDY_LOCK, StudyError, bad_gguf_entry, read_json, write_json
 
 
 def export_losses(run_dir, formats):
@@ -122,11 +122,12 @@ def _gguf_records(run_dir, specs, make):
             made = make(run_dir, missing) if missing else {}
             if isinstance(made, str):
                 return {s: cache.get(s, made) for s in specs}
+            config = read_json(os.path.join(run_dir, "config.json")) or {}  # train.py's: its vocabulary's limit
             for s in missing:
                 record = made.get(s) or {}
-                lacking = [k for k in GGUF_NUMBERS if not is_number(record.get(k))]
-                if lacking:
-                    made[s] = f"export_gguf.py reported no {lacking[0]} for {s}"
+                why = bad_gguf_entry(record, config.get("model_args", {}).get("vocab_size"))
+                if why:
+                    made[s] = f"export_gguf.py reported {why} for {s}"
                     continue
                 cache[s] = {k: record.get(k) for k in GGUF_KEPT}
                 path = record.get("path")

@@ -21,6 +21,7 @@ import statistics
 from studies.definitions import arm_label, run_name
 from studies.exports import F32_SPEC, llama_cpp_files, trained_files
 from studies.plots import plot_gguf
+from studies.records import check_gguf_files
 from studies.report import done_run, results_head, run_figures, write_results
 from studies.stats import interval, stats
 
@@ -52,6 +53,7 @@ def gguf_runs(study, root):
                 run_dir = os.path.join(root, "runs", run_name(a, seed))
                 fig["files"] = {**(llama_cpp_files(run_dir, a["llama_cpp"]) if a.get("llama_cpp") else {}),
                                 **(trained_files(run_dir, a["gguf"]) if a.get("gguf") else {})}
+                check_gguf_files(run_dir, fig["files"], run["config"].get("model_args", {}).get("vocab_size"))
                 fig["f32"] = fig["files"].pop(F32_SPEC, None)  # a trunk's F32 file: its record, or why none
             first = a["overrides"]["pqt_start"] if a.get("trunk") else 0
             fig["trained_steps"] = a["overrides"]["max_iters"] - first

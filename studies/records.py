@@ -83,6 +83,34 @@ def bad_loss(value, vocab_size, trained):
     return f"{value:.4g}, above train.py's limit {broken[2]:.4f}" if broken else None
 
 
+def bad_gguf_entry(record, vocab_size):
+    """Why one file's record of gguf.json is not a measurement llama.cpp could have made, or None: its val loss
+    held to bad_loss's rules (vocab_size: the run's, for train.py's limit; None: finite and >= 0 alone), its
+    bytes a whole number > 0, its block Linears' bits per weight in (0, 32]."""
+    lacking = [k for k in GGUF_NUMBERS if not is_number(record.get(k))]
+    if lacking:
+        return f"no {lacking[0]}"
+    why = bad_loss(record["val_loss_llama_cpp"], vocab_size, trained=True)
+    bits, size = record["block_bits_per_weight"], record["bytes"]
+    if why:
+        return f"val_loss_llama_cpp {why}"
+    if not (math.isfinite(bits) and 0 < bits <= 32):
+        return f"block_bits_per_weight {bits!r} (the bits per weight of a GGML type are in (0, 32])"
+    if not (math.isfinite(size) and size == int(size) and size > 0):
+        return f"bytes {size!r} (a file's size is a whole number > 0)"
+    return None
+
+
+def check_gguf_files(run_dir, files, vocab_size):
+    """A StudyError (one line naming the run's gguf.json and the file) for the first record of files ({spec:
+    record, or why there is none}) that is no measurement (bad_gguf_entry), which a report must not average."""
+    for spec, record in files.items():
+        why = isinstance(record, dict) and bad_gguf_entry(record, vocab_size)
+        if why:
+            raise StudyError(f"{os.path.join(run_dir, 'gguf.json')}: the record of {spec} holds {why}; remove that "
+                             f"record, and the runner measures the file again")
+
+
 def insane_record(run, until):
     """The first record of a run before step `until` (None: all) whose losses train.py would not have
     let pass (bad_loss), as a line, or None."""

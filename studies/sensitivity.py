@@ -100,9 +100,10 @@ def main(argv):
     c = dict(DEFAULTS)
     configurator.configure(c, argv, usage="usage: python -m studies.sensitivity [--key=value ...]")
     types = [t.strip() for t in c["types"].split(",") if t.strip()]
-    unknown = [t for t in types if t not in ste.GGUF_BUDGET_TYPES]
-    if len(types) < 2 or unknown:
-        raise UserError(f"--types={c['types']!r}: expected two or more of {', '.join(ste.GGUF_BUDGET_TYPES)}")
+    order = list(ste.GGUF_BUDGET_TYPES)
+    if len(types) < 2 or any(t not in order for t in types) or types != sorted(set(types), key=order.index):
+        raise UserError(f"--types={c['types']!r}: expected two or more of {', '.join(order)}, each once, cheapest "
+                        f"first (each step up the list is an upgrade: q2_k,q3_k,q4_k)")
     configurator.check_at_least(c, {"eval_iters": 0, "threads": 0})
     check_json_path(c["json"], "sensitivity.json")
     if c["threads"]:

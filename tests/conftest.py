@@ -21,6 +21,17 @@ if not torch.cuda.is_available():
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With PQT_REQUIRE_LLAMA_CPP=1 (.ci/run sets it, having built llama.cpp's tools), a test skipped for want of
+    llama.cpp (its tools or llama-cpp-python: a reason that names llama) fails instead: CI runs every llama.cpp
+    claim or says which it could not."""
+    report = (yield).get_result()
+    reason = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else ""
+    if os.environ.get("PQT_REQUIRE_LLAMA_CPP") == "1" and "llama" in reason.lower():
+        report.outcome, report.longrepr = "failed", f"PQT_REQUIRE_LLAMA_CPP=1, and this test was skipped: {reason}"
+
 def tiny_model(arch, **kw):
     """A tiny ModelConfig of either architecture; odd widths so that b_i's edge blocks are partial."""
     from model import ModelConfig

@@ -1,5 +1,6 @@
 """checkpoint.py against a hostile environment: flipped bytes, full disks, unwritable and
 concurrent out_dirs, and sharded FSDP checkpoints read back at another world size."""
+import json
 import os
 import signal
 import struct
@@ -362,6 +363,55 @@ def test_read_refuses_what_is_not_a_checkpoint_of_this_code_in_one_line(tmp_path
     with pytest.raises(CheckpointError, match="'n_expert', which this code's model does not have") as e:
         checkpoint.read(str(tmp_path))
     one_line(e.value)
+
+
+class RunsCode:
+    """Pickled, calls os.system: what a crafted .metadata would run if it were unpickled unchecked."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def sharded_with_metadata(d, data):
+    """A sharded checkpoint in d whose .metadata is replaced by data, crc32.json made to match."""
+    import zlib
+    model = torch.nn.Linear(4, 4)
+    sharded.save_sharded(d / "ckpt.dcp", model, [torch.optim.AdamW(model.parameters())],
+                         {"model_args": {"n_layer": 1}, "iter_num": 1})
+    directory = os.path.realpath(d / "ckpt.dcp")
+    with open(os.path.join(directory, ".metadata"), "wb") as f:
+        f.write(data)
+    crcs = {n: zlib.crc32(open(os.path.join(directory, n), "rb").read()) for n in sorted(os.listdir(directory))
+            if n != sharded.CRCS}
+    with open(os.path.join(directory, sharded.CRCS), "w") as f:
+        f.write(json.dumps(crcs))
+    return d / "ckpt.dcp"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP saving in one process
+@pytest.mark.parametrize("payload", ["code", "an allowed class that is not DCP's metadata", "not a pickle"])
+def test_a_sharded_checkpoint_whose_metadata_is_not_dcps_is_one_line_and_runs_nothing(tmp_path, payload, caplog):
+    """DCP's .metadata is a pickle. One that would run code, one that unpickles to something else (as one of
+    another torch version may), and bytes that are no pickle, each with a valid crc32.json: every reader
+    (checkpoint.read) refuses it in one line, nothing runs, and DCP logs nothing (it logged a traceback for each
+    of its two reads); sample.py says so in one line, exit status 1, no traceback on its stderr."""
+    import pickle
+    marker = tmp_path / "ran"
+    data = {"code": pickle.dumps(RunsCode(marker)), "not a pickle": os.urandom(300),
+            "an allowed class that is not DCP's metadata": pickle.dumps(torch.Size([1, 2]))}[payload]
+    path = sharded_with_metadata(tmp_path, data)
+    caplog.clear()
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.read(str(tmp_path))
+    assert one_line(e.value).startswith(f"{path} is not a sharded checkpoint this code can read: its .metadata ")
+    assert not caplog.records and not marker.exists()
+    if payload == "code":
+        r = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}", "--device=cpu"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and r.stderr == f"error: {e.value}\n" and not marker.exists(), r.stderr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -236,6 +236,8 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_run_bit_for_bit(type_runs, d
     (dict(method="gaussws[all]", target_format="q3_k", n_embd=288),
      r"input width 288 .*target_format='q3_k' cannot hold .*multiples of 256"),
     (dict(target_format="q8_0", n_embd=48), r"input width 48 .*multiples of 32"),
+    (dict(target_format="q4_k", n_embd=48), r"input width 48 .*: use input widths \(n_embd, ffn_hidden\) that are "
+                                            r"multiples of 256, or one of our 32x32-block formats"),
     (dict(method="ste[down]", target_format="q2_k", n_embd=256, ffn_hidden=320),
      r"^error: transformer\.h\.0\.mlp\.c_proj has input width 320, which target_format='q2_k'"),
     (dict(target_format="error-gguf", bits_per_weight=4.0, pqt_start=5, n_embd=288),
@@ -246,6 +248,10 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_run_bit_for_bit(type_runs, d
      r"this one is at step 0"),
     (dict(target_format="auto-gguf", bits_per_weight=4.0, pqt_start=5),
      r"auto-gguf' ranks tensors by their learned b_t, and method ste learns none: use error-gguf"),
+    (dict(method="gaussws[all]", target_format="auto-gguf", bits_per_weight=4.0, pqt_start=5),
+     r"^error: target_format='auto-gguf' chooses one GGML type per tensor when the STE starts, and this gaussws run "
+     r"has no ste_start: .* set ste_start"),
+    (dict(method="diffq[all]", target_format="error-gguf", bits_per_weight=4.0), r"this diffq run has no ste_start"),
     (dict(method="gaussws[all]", target_format="auto-gguf", bits_per_weight=2.5, pqt_start=5, ste_start=10),
      r"bits_per_weight=2\.5: expected 2\.625 \(every tensor Q2_K\) to 8\.5"),
     (dict(target_format="q4_k", bits_per_weight=4.0), r"or auto-gguf or error-gguf .*not target_format='q4_k'"),
@@ -269,6 +275,48 @@ def spent(types, weights):
     return sum(bits_per_weight(gguf_type(types[k])) * n[k] for k in n) / sum(n.values())
 
 
+def rungs(width):
+    """The positions in GGUF_BUDGET_TYPES of the types a row of `width` weights can be (gguf's block sizes),
+    each of more bits than the one below (of two of equal bits the first): the ladder a budget climbs."""
+    out = []
+    for j, t in enumerate(ste.GGUF_BUDGET_TYPES):
+        if width % GGML_QUANT_SIZES[gguf_type(t)][0] == 0 and (
+                not out or bits_per_weight(gguf_type(t)) > bits_per_weight(gguf_type(ste.GGUF_BUDGET_TYPES[out[-1]]))):
+            out.append(j)
+    return out
+
+
+def naive_allocation(proxy, numel, budget, per_bit=True, width=512):
+    """The allocation ste.gguf_types' docstring states, written out as a plain loop: every tensor starts at
+    its ladder's first type (rungs of its row width; Q2_K for rows of 256s); then, again and again, of the
+    tensors whose next type's extra bits still fit in what the budget has left, the one whose upgrade drops its
+    proxy error per weight the most per extra bit (but never more than an upgrade of it before: the running
+    minimum) goes up one type, ties to the tensor first in order. proxy: {tensor: its proxy error per weight at
+    each type of GGUF_BUDGET_TYPES}; numel: {tensor: weights}; per_bit False: the drop itself ranks (what
+    ste.gguf_types must not do)."""
+    order = [ste.GGUF_BUDGET_TYPES[j] for j in rungs(width)]
+    bits = [bits_per_weight(gguf_type(t)) for t in order]
+    proxy = {k: [p[j] for j in rungs(width)] for k, p in proxy.items()}
+    level, ceiling = dict.fromkeys(proxy, 0), dict.fromkeys(proxy, math.inf)
+    left = budget * sum(numel.values()) - bits[0] * sum(numel.values())
+    while True:
+        options = [(min(ceiling[k], (p[j] - p[j + 1]) / ((bits[j + 1] - bits[j]) if per_bit else 1)), k)
+                   for k, p in proxy.items() for j in [level[k]]
+                   if j + 1 < len(order) and (bits[j + 1] - bits[j]) * numel[k] <= left]
+        if not options:
+            return {k: order[j] for k, j in level.items()}
+        best = max(p for p, _ in options)
+        k = next(k for p, k in options if p == best)
+        left -= (bits[level[k] + 1] - bits[level[k]]) * numel[k]
+        ceiling[k], level[k] = best, level[k] + 1
+
+
+@pytest.fixture(scope="module")
+def tile_errors(tile):
+    """Each budget type's rounding error, measured naively on the tile (rounding_error's definition)."""
+    return [naive_relative_error(tile, t) for t in ste.GGUF_BUDGET_TYPES]
+
+
 def test_a_tensors_b_t_is_log4_of_its_weights_mean_4_to_the_b_t():
     gen = torch.Generator().manual_seed(2)
     b_t = 3 + 4 * torch.rand(2, 3, generator=gen, dtype=torch.float64)
@@ -288,7 +336,7 @@ def test_a_tensors_b_t_is_log4_of_its_weights_mean_4_to_the_b_t():
     assert ste.gguf_types("auto-gguf", weights, one_upgrade, b_t=b_t) == {"spiky": "q3_k", "flat": "q2_k"}
 
 
-def test_auto_gguf_upgrades_tensors_in_the_order_of_their_b_t_within_the_budget():
+def test_auto_gguf_upgrades_tensors_in_the_order_of_their_b_t_within_the_budget(tile_errors):
     weights = {k: torch.zeros(64, 512) for k in "abcd"}
     b_t = {"a": 5.0, "b": 6.5, "c": 4.0, "d": 5.5}
     q2, q3 = bits_per_weight(gguf_type("q2_k")), bits_per_weight(gguf_type("q3_k"))
@@ -304,17 +352,45 @@ def test_auto_gguf_upgrades_tensors_in_the_order_of_their_b_t_within_the_budget(
                                                                                     d="q2_k")
     rank = sorted(b_t, key=b_t.get)
     order = ["q2_k", "q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q8_0"]  # a row of 512: iq4_nl has q4_k's bits
+    proxy = {k: [4.0 ** b * r for r in tile_errors] for k, b in b_t.items()}
+    numel = {k: w.numel() for k, w in weights.items()}
     for budget in np.linspace(q2, 8.5, 41):
         types = ste.gguf_types("auto-gguf", weights, budget, b_t=b_t)
         assert spent(types, weights) <= budget + 1e-12
         levels = [order.index(types[k]) for k in rank]
         assert levels == sorted(levels)  # the higher b_t, the type at least as fine
-        left = (budget - spent(types, weights)) * sum(w.numel() for w in weights.values())
-        for k, t in types.items():  # no tensor's next type would still fit
-            if t != order[-1]:
-                extra = bits_per_weight(gguf_type(order[order.index(t) + 1])) - bits_per_weight(gguf_type(t))
-                assert extra * weights[k].numel() > left
+        assert types == naive_allocation(proxy, numel, budget), budget
     assert ste.gguf_types("auto-gguf", weights, 8.5, b_t=b_t) == dict.fromkeys("abcd", "q8_0")
+
+
+def test_auto_ggufs_base_4_and_its_priority_per_bit_decide_a_hand_computed_allocation(tile_errors):
+    """Three tensors of 32,768 weights, b_t 3, 4 and 6, at 4.25 bits per weight: from Q2_K each (2.625) the
+    budget leaves 3 x 1.625 = 4.875 bits per tensor weight. The ladder of a row of 512 is Q2_K 2.625, Q3_K
+    3.4375, IQ4_XS 4.25, Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625 (IQ4_NL has Q4_K's bits). An upgrade's priority is
+    4^b_t times the drop in rounding error r (measured on the tile: Q2_K 6.626e-3, Q3_K 1.894e-3, IQ4_XS
+    5.070e-4, Q4_K 4.761e-4, Q5_K 1.179e-4) per bit it adds, never above the tensor's upgrade before:
+        c Q2->Q3     4096 * 4.732e-3 / 0.8125 = 23.9   takes 0.8125, 4.0625 left
+        c Q3->IQ4_XS 4096 * 1.387e-3 / 0.8125 = 6.99   takes 0.8125, 3.25 left
+        b Q2->Q3      256 * 4.732e-3 / 0.8125 = 1.49   takes 0.8125, 2.4375 left
+        c IQ4_XS->Q4 4096 * 3.08e-5 / 0.25    = 0.505  takes 0.25, 2.1875 left
+        c Q4->Q5     4096 * 3.58e-4 / 1 = 1.47, held to 0.505, above b's and a's next: takes 1, 1.1875 left
+        b Q3->IQ4_XS  256 * 1.387e-3 / 0.8125 = 0.437  takes 0.8125, 0.375 left
+        b IQ4_XS->Q4  256 * 3.08e-5 / 0.25    = 0.032  takes 0.25, 0.125 left: nothing else fits
+    so a Q2_K, b Q4_K, c Q5_K. With 2^b_t (8, 16, 64) the three rank too close for c's upgrades to stand out:
+    IQ4_XS each; without the division by the bits the 0.25-bit step IQ4_XS->Q4_K ranks low and the bits go
+    to a and b: Q3_K, Q4_K, Q4_K."""
+    weights = {k: torch.zeros(64, 512) for k in "abc"}
+    b_t = {"a": 3.0, "b": 4.0, "c": 6.0}
+    r = dict(zip(ste.GGUF_BUDGET_TYPES, tile_errors))
+    assert 256 * (r["q3_k"] - r["iq4_xs"]) / 0.8125 < 4096 * (r["iq4_xs"] - r["q4_k"]) / 0.25 < \
+        4096 * (r["q4_k"] - r["q5_k"])  # c's IQ4_XS->Q4_K step comes before b's second upgrade, per bit
+    assert ste.gguf_types("auto-gguf", weights, 4.25, b_t=b_t) == dict(a="q2_k", b="q4_k", c="q5_k")
+    numel = dict.fromkeys("abc", 64 * 512)
+    assert naive_allocation({k: [4.0 ** b * x for x in tile_errors] for k, b in b_t.items()}, numel, 4.25) == \
+        dict(a="q2_k", b="q4_k", c="q5_k")
+    for base, per_bit, other in ((2.0, True, ("iq4_xs",) * 3), (4.0, False, ("q3_k", "q4_k", "q4_k"))):
+        proxy = {k: [base ** b * x for x in tile_errors] for k, b in b_t.items()}
+        assert tuple(naive_allocation(proxy, numel, 4.25, per_bit).values()) == other
 
 
 def test_error_gguf_weights_each_tensors_error_by_its_input_activations():
@@ -443,9 +519,10 @@ def test_the_switch_chooses_once_within_the_budget_and_the_run_trains_on_its_typ
     assert all(g is None for k, g in grads.items() if k.endswith(".b_i"))  # b_t stays as learned
 
 
-def test_auto_gguf_ranks_the_tensors_by_their_learned_b_t(budget_runs):
+def test_auto_gguf_ranks_the_tensors_by_their_learned_b_t(budget_runs, tile_errors):
     """Of two Linears of the same shape, the one of higher tensor b_t (from the switch's b_i by Eq. 11,
-    aggregated naively) has a type at least as fine; the choice is the allocation of that step's state."""
+    aggregated naively) has a type at least as fine; the choice is naive_allocation's of that step's b_t with
+    the types' errors measured on the tile."""
     _, run, _, _ = budget_runs["auto"]
     state, chosen = run[SWITCH["auto"]][0], ggml_types(run[STEPS][0])
     config = train.phase_settings("gaussws", {**BUDGETS["auto"], "max_iters": STEPS, "b_init": 6.0, "b_target": 4.0})
@@ -461,22 +538,26 @@ def test_auto_gguf_ranks_the_tensors_by_their_learned_b_t(budget_runs):
     for k in LINEARS:
         low, high = sorted((f"transformer.h.{i}.{k}" for i in (0, 1)), key=tensor_b_t.get)
         assert order.index(chosen[low]) <= order.index(chosen[high])
-    weights = {k: state[k + ".weight"] for k in chosen}
-    expected = ste.gguf_types("auto-gguf", weights, 4.0, b_t=tensor_b_t)
+    proxy = {k: [4.0 ** b * r for r in tile_errors] for k, b in tensor_b_t.items()}
+    expected = naive_allocation(proxy, {k: state[k + ".weight"].numel() for k in chosen}, 4.0)
     assert {k: gguf_type(t).value for k, t in expected.items()} == chosen
 
 
 @pytest.mark.parametrize("name", ["error", "error-pqt"])
 def test_error_gguf_sums_the_squared_inputs_of_the_steps_before_the_switch(budget_runs, name):
     """imatrix holds, per input column, the squared input activations of the training forwards of the
-    IMATRIX_STEPS steps before the switch (a hook outside the code saw them); the switch ranks by it."""
+    IMATRIX_STEPS steps before the switch (a hook outside the code saw them); the switch's choice is
+    naive_allocation's of the weights' squared errors on gguf's grid, each column weighted by those sums."""
     _, run, _, inputs = budget_runs[name]
     state, chosen = run[STEPS][0], ggml_types(run[STEPS][0])
     assert inputs.sums.keys() == chosen.keys()
     for layer in chosen:
         torch.testing.assert_close(state[layer + ".imatrix"].double(), inputs.sums[layer], rtol=1e-5, atol=0)
-    expected = ste.gguf_types("error-gguf", {k: inputs.weights[k] for k in chosen}, BUDGETS[name]["bits_per_weight"],
-                              imatrix={k: inputs.sums[k].float() for k in chosen})
+    proxy = {k: [float((((gguf_grid(inputs.weights[k], gguf_type(t)).double() - inputs.weights[k].double()) ** 2)
+                       .sum(0) * inputs.sums[k].float().double()).sum()) / inputs.weights[k].numel()
+                 for t in ste.GGUF_BUDGET_TYPES] for k in chosen}
+    numel = {k: inputs.weights[k].numel() for k in chosen}
+    expected = naive_allocation(proxy, numel, BUDGETS[name]["bits_per_weight"])
     assert {k: gguf_type(t).value for k, t in expected.items()} == chosen
 
 

@@ -58,8 +58,8 @@ def make_run(out_dir, data_dir, arch, pqt=None, types=None, **arch_args):
     args = {**ARCHS[arch], **arch_args}
     sd = GPT(ModelConfig(**args)).state_dict()
     for layer, t in (types or {}).items():
-        value = t if isinstance(t, int) else int(gguf.GGMLQuantizationType[t])
-        sd[layer + ".ggml_type"] = torch.tensor(value, dtype=torch.uint8)
+        value = t if isinstance(t, (int, float)) else int(gguf.GGMLQuantizationType[t])
+        sd[layer + ".ggml_type"] = torch.tensor(value, dtype=torch.float32 if isinstance(t, float) else torch.uint8)
     ckpt = dict(model=sd, optimizer=[], model_args=args, iter_num=7, pqt=pqt or dict(method="bf16"),
                 config=dict(dataset=str(data_dir), seed=1337, batch_size=4, block_size=64, eval_iters=1,
                             dtype="float32"))
@@ -343,6 +343,8 @@ BAD = {  # (the run: arch_args, pqt, types), the command line, what the one line
                                  "has rows of 64 weights (its input width), and Q4_K blocks rows of a multiple of 256"),
     "a width q4_0 cannot hold": ((dict(n_embd=48), None, None), ["--format=q4_0"],
                                  "has rows of 48 weights (its input width), and Q4_0 blocks rows of a multiple of 32"),
+    "a width no type of 32 holds": ((dict(n_embd=48), None, None), ["--format=q4_k"],
+                                    "Q4_K blocks rows of a multiple of 256: export one of our 32x32-block formats"),
     "auto-gguf of a bf16 run": (({}, None, None), ["--format=auto-gguf", f"--bits_per_weight={BUDGET:g}"],
                                 "and this run trained none (method 'bf16', target_format 'none'): train a run with "
                                 f"--target_format=auto-gguf --bits_per_weight={BUDGET:g}"),
@@ -356,6 +358,12 @@ BAD = {  # (the run: arch_args, pqt, types), the command line, what the one line
                              "saved before the run chose them (step 5"),
     "a type export never writes": (({}, budget_pqt(), 1), ["--format=auto-gguf", f"--bits_per_weight={BUDGET:g}"],
                                    ".ggml_type is 1, none of llama.cpp's types export writes"),
+    "a type edited above the budget": (({}, budget_pqt(), "mix, c_fc Q8_0"),
+                                       ["--format=auto-gguf", f"--bits_per_weight={BUDGET:g}"],
+                                       "the types this checkpoint records hold 5.9010 bits per weight, more than the "
+                                       "budget: its ggml_type buffers were changed after training"),
+    "a type of another dtype": (({}, budget_pqt(), 10.5), ["--format=auto-gguf", f"--bits_per_weight={BUDGET:g}"],
+                                ".ggml_type is 10.5 (torch.float32), not the one uint8 GGML type id train.py saves"),
     "no budget": (({}, budget_pqt(), "mix"), ["--format=auto-gguf"], "pass that --bits_per_weight (the run's own)"),
     "a budget below q2_k": (({}, budget_pqt(), "mix"), ["--format=error-gguf", "--bits_per_weight=2"],
                             "expected a mean of 2.625 (q2_k) to 8.5 (q8_0) bits per weight"),
@@ -366,8 +374,10 @@ BAD = {  # (the run: arch_args, pqt, types), the command line, what the one line
 def test_what_a_ggml_format_cannot_export_is_one_line_and_nothing_written(case, tmp_path):
     (arch_args, pqt, types), argv, message = BAD[case]
     write_data(str(tmp_path / "data"), tokenizer.Tokenizer("bytes", "bytes"))
+    mix = trained_types("gpt2")  # 3.943 bits per weight by hand; 5.901 with c_fc's 262,144 weights in Q8_0
     if types is not None:
-        types = trained_types("gpt2") if types == "mix" else dict.fromkeys(trained_types("gpt2"), types)
+        types = {"mix": mix, "mix, c_fc Q8_0": {**mix, "transformer.h.0.mlp.c_fc": "Q8_0"}}.get(types) or \
+            dict.fromkeys(mix, types)
     make_run(tmp_path / "run", tmp_path / "data", "gpt2", pqt=pqt, types=types, **arch_args)
     rc, _, err = export(tmp_path / "run", *argv, "--gguf=True", "--evaluate=False")
     assert rc == 1 and err.strip().count("\n") == 0 and message in err, err

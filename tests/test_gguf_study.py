@@ -605,6 +605,39 @@ def test_the_report_refuses_a_run_cut_short_in_one_line_and_writes_nothing(tmp_p
     assert not os.path.exists(os.path.join(root, "gguf"))
 
 
+@pytest.mark.parametrize("key, value, says", [
+    ("val_loss_llama_cpp", float("nan"), "val_loss_llama_cpp nan (a loss is a finite number >= 0)"),
+    ("val_loss_llama_cpp", -1.0, "val_loss_llama_cpp -1.0 (a loss is a finite number >= 0)"),
+    ("val_loss_llama_cpp", 1e9, "val_loss_llama_cpp 1e+09, above train.py's limit 6.5452"),  # ln(256) + 1
+    ("bytes", 0, "bytes 0 (a file's size is a whole number > 0)"),
+    ("block_bits_per_weight", float("inf"), "block_bits_per_weight inf (the bits per weight of a GGML type are in"),
+])
+def test_the_report_refuses_a_llama_cpp_loss_train_py_would_not_pass_in_one_line_and_writes_nothing(
+        tmp_path, key, value, says):
+    """gguf.json's records are held to what a measurement can be, as metrics.jsonl's losses are: llama.cpp's val
+    loss finite, >= 0 and within step.insanity's limit for the run's vocabulary, the file's size and bits per
+    weight positive (a val loss of -1 made a file "lowest" at -67 % over bf16)."""
+    root = str(tmp_path / "root")
+    for i in range(len(STUDY["arms"])):
+        write_run(root, i, 1)
+    path = os.path.join(root, "runs", defs.run_name(STUDY["arms"][3], 1), "gguf.json")
+    with open(path) as f:
+        records = json.load(f)
+    (spec,) = records
+    records[spec][key] = value
+    with open(path, "w") as f:
+        json.dump(records, f)
+    with pytest.raises(StudyError) as e, contextlib.redirect_stdout(io.StringIO()):
+        runner.write_results("gguf", STUDY, root)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{path}: the record of {spec} holds {says}")
+    assert not os.path.exists(os.path.join(root, "gguf"))
+    made = exports._gguf_records(os.path.dirname(path), [spec, "Q8_0"], lambda run_dir, specs: {
+        "Q8_0": {**records[spec], "type": "Q8_0"}})  # export_gguf.py's record of such a file: not kept either
+    assert made["Q8_0"].startswith(f"export_gguf.py reported {says}")
+    with open(path) as f:
+        assert "Q8_0" not in json.load(f)
+
+
 def test_the_dry_run_lists_every_run_and_each_arms_cost(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # main() works in the repository; the test's directory is restored after
     assert entry.main(["gguf", "--dry_run", f"--root={tmp_path}"]) == 0

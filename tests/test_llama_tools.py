@@ -14,6 +14,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ import torch
 import export as E
 import export_gguf
 import gguf_file
+import llama_build
 import llama_tools
 import tokenizer
 import util
@@ -306,8 +308,8 @@ def test_build_commands_fetch_the_pinned_source_and_build_the_three_tools(tmp_pa
     import sys
     with open(os.path.join(ROOT, "constraints.txt")) as f:
         (pinned,) = [line.split("==")[1].strip() for line in f if line.lower().startswith("llama_cpp_python==")]
-    assert llama_tools.pinned_version() == pinned
-    (_, download), (_, configure), (_, build) = llama_tools.build_commands(pinned, str(tmp_path), 2)
+    assert llama_build.pinned_version() == pinned
+    (_, download, _), (_, configure, _), (_, build, _) = llama_build.build_commands(pinned, str(tmp_path), 2)
     assert download == [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
                         f"llama-cpp-python=={pinned}", "-d", str(tmp_path)]
     source = os.path.join(str(tmp_path), f"llama_cpp_python-{pinned}", "vendor", "llama.cpp")
@@ -332,8 +334,8 @@ def fake_tools(folder, names):
 def test_the_tools_are_found_in_llama_cpp_bin_then_path_then_the_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    bin_dir = cache / "pqt" / f"llama.cpp-{llama_tools.pinned_version()}" / "bin"
-    assert llama_tools.cache_bin() == str(bin_dir)
+    bin_dir = cache / "pqt" / f"llama.cpp-{llama_build.pinned_version()}" / "bin"
+    assert llama_build.cache_bin() == str(bin_dir)
     fake_tools(bin_dir, ["llama-quantize"])
     fake_tools(tmp_path / "path", ["llama-quantize"])
     fake_tools(tmp_path / "env", ["llama-quantize"])
@@ -363,7 +365,7 @@ def test_a_build_without_cmake_or_with_a_failing_download_is_one_line_and_fills_
     assert rc == 1 and err.count("\n") == 1, err
     assert "pip download of llama-cpp-python's source failed (exit status 1): ERROR: " in err
     assert f"(the whole output: {tmp_path / 'cache' / 'pqt'}" in err
-    assert not os.path.exists(llama_tools.cache_bin())
+    assert not os.path.exists(llama_build.cache_bin())
 
 
 @pytest.mark.skipif(llama_tools.llama_cpp_tool("llama-quantize") is None,
@@ -434,3 +436,134 @@ def test_what_the_command_refuses_is_one_line_and_nothing_written(untrained, cas
     assert rc == 1 and err.count("\n") == 1 and message in err, err
     assert sorted(os.listdir(run)) == before
     assert not export_dir.exists() or sorted(os.listdir(export_dir)) == foreign
+
+
+# --- a llama.cpp tool that fails quietly, writes the wrong file or hangs ------------------------------------
+
+# Stand-ins for llama-quantize and llama-imatrix (sh): each finds the file it is to write (the temporary name the
+# command gives it) and writes nothing, random bytes, another GGUF (the model's F32 file), or hangs (a child
+# that sleeps, its pid in hung.pid). A stand-in llama-imatrix says the chunk count it was asked for, as the real
+# one does, so that what it wrote is what the command checks next.
+FAKE = r'''#!/bin/sh
+out=""; model=""; chunks=""; prev=""
+for a in "$@"; do
+  case "$prev" in -m) model="$a";; --chunks) chunks="$a";; esac
+  case "$a" in *.tmp|*.tmp.gguf) out="$a";; *.gguf) [ -z "$model" ] && model="$a";; esac
+  prev="$a"
+done
+[ -n "$chunks" ] && echo "computing over $chunks chunks"
+case "{what}" in
+  garbage) head -c 5000 /dev/urandom > "$out";;
+  another) cp "$model" "$out";;
+  hang) sleep 600 & echo $! > "{folder}/hung.pid"; wait;;
+esac
+exit 0
+'''
+FAULTS = {  # the spec, the stand-in that misbehaves and how, what the one line says
+    "quantize writes nothing": ("Q4_0", "llama-quantize", "nothing", "exited 0 and wrote no file"),
+    "quantize writes garbage": ("Q4_0", "llama-quantize", "garbage", "exited 0 and wrote a file gguf cannot read"),
+    "quantize writes the F32 file": ("Q4_0", "llama-quantize", "another",
+                                     "exited 0 and wrote a file that says general.file_type None, not Q4_0's"),
+    "quantize hangs": ("Q4_0", "llama-quantize", "hang", "did not finish within 2 s and was stopped"),
+    "imatrix writes nothing": ("Q4_0+imatrix", "llama-imatrix", "nothing", "exited 0 and wrote no file"),
+    "imatrix writes garbage": ("Q4_0+imatrix", "llama-imatrix", "garbage", "exited 0 and wrote a file gguf cannot"),
+    "imatrix writes the F32 file": ("Q4_0+imatrix", "llama-imatrix", "another", "exited 0 and wrote a file that says "
+                                    "{'imatrix.chunk_count': None, 'imatrix.chunk_size': None}, not 4 chunks"),
+    "imatrix hangs": ("Q4_0+imatrix", "llama-imatrix", "hang", "did not finish within 2 s and was stopped"),
+}
+
+
+def alive(pid):
+    """Whether process pid runs (a zombie no longer does)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def faked(untrained):
+    """One export directory for every fault: model-fp32.gguf is made once and reused, as it would be."""
+    return untrained / "faked"
+
+
+@pytest.mark.parametrize("case", FAULTS)
+def test_a_tool_that_fails_quietly_writes_another_file_or_hangs_is_one_line_and_nothing_is_kept(
+        untrained, faked, case, tmp_path, monkeypatch):
+    """The tool's file is read back before it gets its name or a manifest entry (a GGUF of the model's tensors in
+    the type asked; an importance matrix of every block Linear over the chunks asked); a call past its time limit
+    (--tool_timeout=2 here) is stopped with its children. Either way: one line naming the tool and where to get a
+    working one, exit status 1, and no file of it, no temporary and no manifest entry left; asked again, the
+    command does not reuse anything of it."""
+    spec, tool, what, message = FAULTS[case]
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in ("llama-quantize", "llama-imatrix"):
+        (folder / name).write_text(FAKE.replace("{what}", what if name == tool else "nothing")
+                                   .replace("{folder}", str(folder)))
+        os.chmod(folder / name, 0o755)
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(folder))
+    argv = [f"--out_dir={untrained / 'run'}", f"--llama_quantize={spec}", f"--export_dir={faked}",
+            "--imatrix_chunks=4", "--tool_timeout=2", "--plain_cpu=True"]
+    for _ in range(1 if what == "hang" else 2):
+        started = time.time()
+        rc, _, err = command(export_gguf, *argv)
+        assert rc == 1 and err.count("\n") == 1 and message in err, err
+        assert err.startswith(f"error: {tool} (") and f"{folder / tool} is broken or not llama.cpp's" in err \
+            if what != "hang" else err.startswith(f"error: {tool} (") and "--tool_timeout=SECONDS" in err, err
+        assert time.time() - started < 60
+        manifest = json.loads((faked / "manifest.json").read_text())
+        assert set(manifest["files"]) == {"model-fp32.gguf", "model-fp32.safetensors"}
+        assert sorted(os.listdir(faked)) == ["manifest.json", "model-fp32.gguf", "model-fp32.safetensors"]
+    if what == "hang":
+        assert not alive(int((folder / "hung.pid").read_text()))
+
+
+def test_each_call_of_a_tool_has_a_time_limit_from_its_work(untrained, tmp_path, monkeypatch):
+    """llama-quantize may take TOOL_FLOOR_S plus the F32 file's weights (counted here with gguf's reader) at its
+    type's QUANTIZE_WEIGHTS_PER_S (IQ2_XS: the slower IQ2 rate); llama-imatrix TOOL_FLOOR_S plus 2 multiply-adds
+    per weight (the same) and token of its chunks at IMATRIX_FLOPS_PER_S; --tool_timeout=S sets S for every
+    call; the build's steps theirs."""
+    limits = []
+
+    def spy(argv, what, limit, log=None):
+        limits.append((os.path.basename(argv[0]), limit))
+        return 1, "error: stopped by the test"
+    monkeypatch.setattr(llama_tools, "run_tool", spy)
+    folder = tmp_path / "bin"
+    fake_tools(folder, ["llama-quantize", "llama-imatrix"])
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(folder))
+    run = untrained / "run"
+    for spec, tool_timeout in (("Q4_0", 0), ("IQ2_XS", 0), ("Q4_0+imatrix", 0), ("Q4_0", 7.5)):
+        rc, _, err = command(export_gguf, f"--out_dir={run}", f"--llama_quantize={spec}", "--imatrix_chunks=4",
+                             f"--export_dir={tmp_path / 'out'}", f"--tool_timeout={tool_timeout}")
+        assert rc == 1 and "failed (exit status 1): error: stopped by the test" in err, err
+    weights = sum(int(t.n_elements) for t in gguf.GGUFReader(str(tmp_path / "out" / "model-fp32.gguf")).tensors)
+    floor = llama_build.TOOL_FLOOR_S
+    rates = llama_tools.QUANTIZE_WEIGHTS_PER_S
+    assert limits == [("llama-quantize", floor + weights / rates[""]),
+                      ("llama-quantize", floor + weights / rates["IQ2"]),
+                      ("llama-imatrix", floor + 2 * weights * 4 * 64 / llama_tools.IMATRIX_FLOPS_PER_S),
+                      ("llama-quantize", 7.5)]
+    steps = llama_build.build_commands("0.3.36", str(tmp_path), 64)
+    cores = min(64, os.cpu_count())
+    assert [s[2] for s in steps] == [llama_build.BUILD_SECONDS[k] for k in ("download", "configure")] + \
+        [llama_build.BUILD_SECONDS["build"] / cores]
+
+
+def test_a_build_without_a_network_says_so_in_one_line(tmp_path, monkeypatch):
+    """pip, finding no index that answers, ends with "No matching distribution found"; the line says the cause:
+    no package index answered (here: a port nothing listens on), and what to do instead."""
+    fake_tools(tmp_path / "bin", ["cmake", "ninja"])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    for key, value in (("PIP_INDEX_URL", "http://127.0.0.1:9/simple"), ("PIP_RETRIES", "1"), ("PIP_TIMEOUT", "2"),
+                       ("PIP_FIND_LINKS", str(tmp_path / "empty")), ("PIP_EXTRA_INDEX_URL", "")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("PIP_NO_INDEX", raising=False)
+    rc, _, err = command(export_gguf, "--build_llama_cpp")
+    assert rc == 1 and err.count("\n") == 1, err
+    assert "pip download of llama-cpp-python's source failed: no package index answered (" in err
+    assert "Connection refused" in err and "set LLAMA_CPP_BIN to the directory of llama.cpp's tools" in err
+    assert not os.path.exists(llama_build.cache_bin())

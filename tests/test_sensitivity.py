@@ -124,14 +124,18 @@ def test_spearman_is_the_textbook_formula_and_ignores_monotone_maps():
     assert sensitivity.spearman(a, [-x for x in a]) == pytest.approx(-1.0)
 
 
-@pytest.mark.parametrize("case", ["one type", "unknown type", "no checkpoint", "json is a folder", "rows too short"])
+@pytest.mark.parametrize("case", ["one type", "unknown type", "a type twice", "not cheapest first", "no checkpoint",
+                                  "json is a folder", "rows too short"])
 def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path):
+    """Refused before any measurement: a type given twice would divide by the 0 bits between it and itself."""
     write_data(str(tmp_path / "data"), tokenizer.Tokenizer("bytes", "bytes"))
     make_run(tmp_path / "run", tmp_path / "data", "gpt2", n_embd=128)  # K-quant blocks of 256 do not fit 128
     make_run(tmp_path / "wide", tmp_path / "data", "gpt2")
     argv, says = {
         "one type": (["--checkpoint=RUN/wide", "--types=q4_k"], "expected two or more of"),
         "unknown type": (["--checkpoint=RUN/wide", "--types=q4_k,q9_k"], "expected two or more of"),
+        "a type twice": (["--checkpoint=RUN/wide", "--types=q2_k,q2_k"], "each once, cheapest first"),
+        "not cheapest first": (["--checkpoint=RUN/wide", "--types=q4_k,q2_k"], "each once, cheapest first"),
         "no checkpoint": (["--checkpoint=RUN/nowhere"], "no checkpoint at"),
         "json is a folder": (["--checkpoint=RUN/wide", "--json=RUN"], "give the path of the JSON file"),
         "rows too short": (["--checkpoint=RUN/run"], "reads 128 inputs, which q2_k's blocks of 256 do not divide"),
