@@ -6,8 +6,9 @@ Each training step replaces a weight w by (Eq. 3, docs/METHOD.md section 1)
 
 with 32x32 blocks, a learnable bitwidth b_t per block, and noise R that is redrawn every optimizer
 step: round(N(0,1)/2) made from random bits (gaussws) or U(-1/2, 1/2) in BF16 (diffq, the
-baseline). w_hat is BF16; the matmul that follows is the ordinary one. The noise kernels live in
-kernels/; this file holds the math around them, the layer, the seeds, and how a model trains with it:
+baseline). w_hat is BF16; the matmul that follows is the ordinary one. The noise kernels and Eq. 3/4 as
+autograd ops live in kernels/ (pseudo_quantize: kernels/ops.py); this file holds the layer, the seeds, and
+how a model trains with it:
 
     convert(model, "gaussws[od]", roles, seed=seed)    # once, after the model is built: Linear -> PQTLinear
     optimizers = build_optimizers(model, "adamw", roles, lr=..., ...)   # b_i in an AdamW group of their own
@@ -36,6 +37,8 @@ import torch.nn.functional as F
 
 import ste
 from kernels import BL
+from kernels.ops import (RecomputedLinear, backend_name, check_seed, noise_e, noise_kernels,  # noqa: F401 (API)
+                         pseudo_quantize, sample_r, scale_bl)
 from kernels.torch_noise import block_absmax
 from util import load_error
 
@@ -72,151 +75,6 @@ def parse_method(spec, roles):
     return method, frozenset(layers)
 
 
-def noise_e(b_t):
-    """2^(1 - b_t) of each block, FP32: Eq. 3's scale without the block max. Differentiating the scale
-    max_bl * noise_e(b_t) in b_t (max_bl a constant) turns sum_bl(dL/dw_hat * R) into Eq. 4's b_t gradient."""
-    return torch.exp2(1.0 - b_t.float())
-
-
-def scale_bl(max_bl, b_t):
-    """max_bl(|w|) * 2^(1 - b_t): the scale of each block's noise in Eq. 3."""
-    return max_bl * noise_e(b_t)
-
-
-def _backend_name(backend, device):
-    """'triton' or 'torch': the backend 'auto' is on `device` (Triton on a GPU), else the one named."""
-    if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" else "torch"
-    if backend not in ("triton", "torch"):
-        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'torch'")
-    return backend
-
-
-def _kernels(backend, device):
-    """The module that makes R: 'triton' (kernels/triton_noise.py) or 'torch' (kernels/torch_noise.py)."""
-    if _backend_name(backend, device) == "triton":
-        from kernels import triton_noise
-        return triton_noise
-    from kernels import torch_noise
-    return torch_noise
-
-
-def _check_seed(seed):
-    seed = int(seed)
-    if not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an integer in [0, 2^63), got {seed}")
-    return seed
-
-
-def sample_r(shape, seed, method="gaussws", *, device="cpu", backend="auto"):
-    """The noise R (FP32) that pseudo_quantize(w, b_t, seed, method) adds for a w of this shape."""
-    m, n = shape
-    k = _kernels(backend, device)
-    r_store = k.gen(m * n, _check_seed(seed), method, device)
-    ones = torch.ones(-(-m // BL), -(-n // BL), device=device)
-    return k.apply(torch.zeros(m, n, device=device), r_store, ones, method).float()  # 0 + R * 1, exact
-
-
-# Eq. 3 as an opaque op, so torch.compile neither traces the kernels nor specialises on the seed
-# (a CPU int64 tensor): its value changes every step and must not trigger a recompile.
-@torch.library.custom_op("pqt::w_hat", mutates_args=())
-def _w_hat_op(w: torch.Tensor, e: torch.Tensor, seed: torch.Tensor, method: str,
-              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(BF16 w_hat, max_bl(|w|)) of Eq. 3 with e = 2^(1 - b_t): one pass over w on the Triton backend."""
-    w_hat, _, max_bl = _kernels(backend, w.device).eq3(w.contiguous(), e.contiguous(), int(seed), method)
-    return w_hat, max_bl
-
-
-@_w_hat_op.register_fake
-def _(w, e, seed, method, backend):
-    return torch.empty(w.shape, dtype=torch.bfloat16, device=w.device), torch.empty_like(e)
-
-
-@torch.library.custom_op("pqt::block_sums", mutates_args=())
-def _block_sums_op(g: torch.Tensor, seed: torch.Tensor, method: str, backend: str) -> torch.Tensor:
-    """sum_bl(g * R) with R regenerated from the seed: never stored between forward and backward."""
-    k = _kernels(backend, g.device)
-    r_store = k.gen(g.numel(), int(seed), method, g.device)
-    return k.block_sums(g.contiguous(), r_store, method)
-
-
-@_block_sums_op.register_fake
-def _(g, seed, method, backend):
-    return g.new_empty((-(-g.shape[0] // BL), -(-g.shape[1] // BL)), dtype=torch.float32)
-
-
-def _w_hat_setup(ctx, inputs, output):
-    w, e, seed, method, backend = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.w_dtype = w.dtype
-    ctx.save_for_backward(seed, output[1])
-    ctx.method, ctx.backend = method, backend
-
-
-def _w_hat_backward(ctx, g, _):
-    # dL/dw = dL/dw_hat; dL/de = sum_bl(dL/dw_hat * R) * max_bl, the backward of scale = max_bl * e. Autograd
-    # then carries it through e = 2^(1 - b_t) and Eq. 11, which gives Eq. 4 for b_t and b_i.
-    seed, max_bl = ctx.saved_tensors
-    grad_w = g.to(ctx.w_dtype) if ctx.needs_input_grad[0] else None
-    grad_e = _block_sums_op(g, seed, ctx.method, ctx.backend) * max_bl if ctx.needs_input_grad[1] else None
-    return grad_w, grad_e, None, None, None
-
-
-_w_hat_op.register_autograd(_w_hat_backward, setup_context=_w_hat_setup)
-
-
-def pseudo_quantize(w, b_t, seed, method="gaussws", *, backend="auto"):
-    """Eq. 3: BF16 w_hat = w + R * broadcast(max_bl(|w|) * 2^(1 - b_t)); backward is Eq. 4.
-
-    Differentiable in w (dL/dw = dL/dw_hat) and b_t; max_bl(|w|) is a constant in the backward.
-    `seed` is an int in [0, 2^63) or a 0-dim int64 CPU tensor holding one. On the Triton backend one
-    kernel reads w once (kernels.triton_noise.eq3); where nothing needs a gradient or compiles, it is
-    called directly (Figure 6's `ours`: the launch without the op's dispatch).
-    """
-    if method not in ("gaussws", "diffq"):
-        raise ValueError(f"unknown noise method {method!r}; expected 'gaussws' or 'diffq'")
-    if w.dim() != 2:
-        raise ValueError(f"w must be 2-D, got shape {tuple(w.shape)}")
-    expected = (-(-w.shape[0] // BL), -(-w.shape[1] // BL))
-    if tuple(b_t.shape) != expected:
-        raise ValueError(f"b_t must have shape {expected} for w of shape {tuple(w.shape)}, got {tuple(b_t.shape)}")
-    e = noise_e(b_t)
-    if not (torch.is_grad_enabled() and (w.requires_grad or e.requires_grad)) and not torch.compiler.is_compiling():
-        return _kernels(backend, w.device).eq3(w.detach().contiguous(), e.detach().contiguous(), _check_seed(seed),
-                                                 method)[0]
-    if not isinstance(seed, torch.Tensor):
-        seed = torch.tensor(_check_seed(seed), dtype=torch.int64)
-    return _w_hat_op(w, e, seed, method, backend)[0]
-
-
-class _RecomputedLinear(torch.autograd.Function):
-    """F.linear(x, w_hat) that keeps neither w_hat nor R for the backward: both are made again there
-    from (w, seed). Saves w_hat's 2 bytes per parameter for one more Eq. 3 per micro-step."""
-
-    @staticmethod
-    def forward(ctx, x, w, e, bias, seed, method, backend):
-        # Under autocast the matmul runs in its dtype, as F.linear's would; autocast is off inside
-        # custom Functions' backward, so the dtype is kept here for it.
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x_c = x.to(dtype)
-        w_hat, max_bl = _w_hat_op(w.detach(), e.detach(), seed, method, backend)
-        ctx.save_for_backward(x_c, w, e, max_bl, seed)
-        ctx.method, ctx.backend, ctx.x_dtype, ctx.has_bias = method, backend, x.dtype, bias is not None
-        return F.linear(x_c, w_hat.to(dtype), None if bias is None else bias.to(dtype))
-
-    @staticmethod
-    def backward(ctx, g):
-        x_c, w, e, max_bl, seed = ctx.saved_tensors
-        w_hat = _w_hat_op(w.detach(), e.detach(), seed, ctx.method, ctx.backend)[0].to(x_c.dtype)
-        g = g.to(x_c.dtype)
-        grad_x = (g @ w_hat).to(ctx.x_dtype)
-        g2, x2 = g.reshape(-1, g.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
-        grad_w_hat = g2.t() @ x2
-        grad_e = _block_sums_op(grad_w_hat, seed, ctx.method, ctx.backend) * max_bl  # as _w_hat_backward
-        grad_bias = g2.sum(0).float() if ctx.has_bias else None
-        return grad_x, grad_w_hat.to(w.dtype), grad_e, grad_bias, None, None, None
-
-
 class PQTLinear(ste.BlockFormats, nn.Linear):
     """nn.Linear whose weight is pseudo-quantized (Eq. 3) in training mode.
 
@@ -248,7 +106,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         self.method, self.b_init, self.b_target, self.backend = method, float(b_init), float(b_target), backend
         self.recompute = bool(recompute)  # keep no w_hat for the backward: make it again there
         self.b_i = nn.Parameter(torch.ones(-(-out_features // BL), -(-in_features // BL), device=device))
-        self.layer_seed = _check_seed(layer_seed)  # convert / set_noise_seed derive it from (seed, module name)
+        self.layer_seed = check_seed(layer_seed)  # convert / set_noise_seed derive it from (seed, module name)
         # The step state, set by TrainStep only. The seed of this step's R is a CPU tensor, so a new
         # value neither syncs a GPU nor makes torch.compile recompile.
         self.noise_seed = torch.tensor(_step_seed(self.layer_seed, 0), dtype=torch.int64, device="cpu")
@@ -307,7 +165,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
                                    "(optimizer.step() belongs after the `with gaussws.TrainStep(...)` block)")
             w_hat = self.w_hat
         elif self.recompute:  # per micro-step, w_hat made again in the backward
-            return _RecomputedLinear.apply(x, self.weight, noise_e(self.b_t), self.bias,
+            return RecomputedLinear.apply(x, self.weight, noise_e(self.b_t), self.bias,
                                            self.noise_seed, self.method, self.backend)
         else:  # per micro-step: Eq. 3 here, Eq. 4 in this backward
             w_hat = pseudo_quantize(self.weight, self.b_t, self.noise_seed, self.method, backend=self.backend)
@@ -322,7 +180,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         """Whether TrainStep makes this layer's w_hat and Eq. 4 in a _Batch, with the other step-mode layers
         of its kind (the Triton backend's multi-layer kernels), rather than in _begin and _end."""
         w = self.weight
-        return (_backend_name(self.backend, w.device) == "triton" and self.b_i.dtype == torch.float32
+        return (backend_name(self.backend, w.device) == "triton" and self.b_i.dtype == torch.float32
                 and w.is_contiguous() and w.data_ptr() % 16 == 0)
 
     def step_mode(self):
@@ -352,7 +210,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
     def _begin_alone(self, step):
         """Step mode, one layer: this step's w_hat and stored R; the scale with its graph to b_i for Eq. 4."""
         self.noise_seed.fill_(_step_seed(self.layer_seed, step))
-        k = _kernels(self.backend, self.weight.device)
+        k = noise_kernels(self.backend, self.weight.device)
         with torch.enable_grad():  # the scale keeps its graph to b_i: Eq. 4 backpropagates through it at the end
             scale = scale_bl(block_absmax(self.weight), self.b_t)
         r_store = k.gen(self.weight.numel(), int(self.noise_seed), self.method, self.weight.device)
@@ -377,7 +235,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
             return None
         self._check_version(version)
         with torch.no_grad():
-            return scale, _kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
+            return scale, noise_kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
 
     def _check_version(self, version):
         if self.weight._version != version:
@@ -776,7 +634,7 @@ def method_layers(model):
 
 def set_noise_seed(model, seed):
     """Give every PQTLinear of `model` its own layer seed, from `seed` and its module path; returns model."""
-    seed = _check_seed(seed)
+    seed = check_seed(seed)
     for name, layer in model.named_modules():
         if isinstance(layer, PQTLinear):
             layer.layer_seed = _layer_seed(seed, name)

@@ -1,7 +1,9 @@
 """Noise kernels for PQT: the same R from two backends.
 
-triton_noise.py: Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1).
+triton_noise.py: Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1), among them the one pass of
+                 Eq. 3 and Eq. 4 over many weights that gaussws.TrainStep launches once a step.
 torch_noise.py:  PyTorch replaying the same Philox bits (CPU, or anywhere Triton is absent).
+ops.py:          Eq. 3 and Eq. 4 as differentiable ops over either backend (pseudo_quantize).
 Both expose gen(numel, seed, method, device), apply(w, r_store, scale_bl, method) and
 block_sums(g, r_store, method). tests/test_kernels.py holds what they agree on:
   - gen and apply (R, w_hat): equal bit for bit.

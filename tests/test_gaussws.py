@@ -431,6 +431,32 @@ def test_step_mode_compiles_once():
                 y.sum().backward()
 
 
+def test_a_compiled_model_in_step_mode_is_one_graph_whose_inputs_hold_no_seed():
+    """torch.compile of a gaussws[all] Llama2 trained in step mode (the batched path): the whole model is one
+    graph (no graph break), compiled once over three steps, and what the graph takes holds no noise seed (its
+    only int64 input is the tokens): under CUDA graphs no CPU scalar can make inductor skip them. The
+    per-micro-step path (recompute_w_hat, FSDP) still passes each layer's seed as a CPU tensor."""
+    from model import GPT, ROLES, ModelConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = ModelConfig(arch="llama2", n_layer=2, n_head=4, n_embd=64, vocab_size=97, block_size=16, ffn_hidden=128)
+    model = gaussws.convert(GPT(config), "gaussws[all]", ROLES["llama2"], backend="triton")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([t for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randint(97, (2, 16))
+    for step in range(3):
+        with gaussws.TrainStep(model, step):
+            compiled(x, x)[1].backward()
+    assert len(graphs) == 1
+    assert [tuple(t.shape) for t in graphs[0] if t.dtype == torch.int64] == [(2, 16)]
+
+
 def _saved_bytes(fn):
     """Bytes of the tensors autograd keeps for the backward, parameters not counted."""
     saved = []
