@@ -70,7 +70,7 @@ import torch
 
 import gaussws
 from model import ModelConfig
-from ste import IMATRIX_STEPS
+from quant.ste import IMATRIX_STEPS
 from sharded import CRCS, HEADER, CheckpointError, load_sharded, save_sharded
 from sharded import load_model as load_sharded_model
 from util import (atomic_open, first_line, fsync_dir, load_error, read_record, remove_stale_temporaries, unusable_dir,

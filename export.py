@@ -49,13 +49,13 @@ import torch
 
 import checkpoint
 import gaussws
-import ggml_quants
 import lowbit
 from configurator import check_device, configure
 from data import loader
 from data.common import DataError
-from formats import FORMATS, GGML_FORMATS, GGUF_BUDGETS, block_weights
 from lowbit import ExportError, block_linears, build_model
+from quant import ggml_quants
+from quant.formats import FORMATS, GGML_FORMATS, GGUF_BUDGETS, block_weights
 from util import check_json_path, cli, remove_stale_temporaries, unusable_dir, write_atomic
 
 # -----------------------------------------------------------------------------------------------

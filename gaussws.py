@@ -35,11 +35,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ste
 from kernels import BL
 from kernels.ops import (RecomputedLinear, backend_name, check_seed, noise_e, noise_kernels,  # noqa: F401 (API)
                          pseudo_quantize, sample_r, scale_bl)
 from kernels.torch_noise import block_absmax
+from quant import ste
 from util import load_error
 
 METHODS = ("bf16", "gaussws", "diffq", "ste")

@@ -56,8 +56,8 @@ import torch
 import lowbit
 import tokenizer
 from configurator import ConfigError
-from formats import FORMATS
 from model import GPT, ModelConfig
+from quant.formats import FORMATS
 from util import UserError, commit, first_line, temp_path
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -32,12 +32,11 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES
 
-import ggml_quants
-import ste
-from formats import (BY_NAME, FORMATS, GGML_FORMATS, GGML_NAMES, GGUF_BUDGETS, block_weights, budget_format_ids,
-                     dequantize_blocks, from_blocks, quantize_blocks, to_blocks)
 from kernels import BL
 from model import GPT, ROLES, ModelConfig
+from quant import ggml_quants, ste
+from quant.formats import (BY_NAME, FORMATS, GGML_FORMATS, GGML_NAMES, GGUF_BUDGETS, block_weights, budget_format_ids,
+                           dequantize_blocks, from_blocks, quantize_blocks, to_blocks)
 from util import UserError, first_line
 
 

@@ -20,7 +20,7 @@ import os
 import torch
 
 import checkpoint
-import ste
+from quant import ste
 from util import UserError, atomic_dir, reason, unusable_dir
 
 GPT2_HUB = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}

@@ -42,10 +42,10 @@ import configurator
 import gaussws
 import pretrained
 import progress
-import ste
 from configurator import ConfigError, configure
 from data import loader
 from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
+from quant import ste
 from step import Diverging, NonFinite, check_sane, get_lr, schedule_notes, share_out, train_step
 from util import cli, git_commit, keep_freed_cpu_memory, machine
 

@@ -6,8 +6,8 @@ import torch
 
 import gaussws
 import model as model_lib
-import ste
 from benchmarks.common import BenchError, load_avg, machine_load, markdown_table, say
+from quant import ste
 from step import sync, train_step
 
 def split_methods(text):

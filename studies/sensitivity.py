@@ -18,10 +18,9 @@ import torch
 
 import checkpoint
 import configurator
-import ggml_quants
 import llama_tools
 import lowbit
-import ste
+from quant import ggml_quants, ste
 from util import UserError, check_json_path, cli, write_atomic
 
 DEFAULTS = dict(

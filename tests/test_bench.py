@@ -15,12 +15,12 @@ import torch.nn as nn
 
 import bench
 import gaussws
-import ggml_quants as G
-import ste
 import train
 import util
 from benchmarks import fig6, options, table1
 from conftest import ROOT
+from quant import ggml_quants as G
+from quant import ste
 
 KERNEL_KEYS = {"shape", "impl", "gelem_per_s", "speedup_vs_torch", "share_of_copy", "device"}
 TRAIN_KEYS = {"method", "grad_accum", "tokens_per_s", "overhead_pct", "extra_bytes_per_param", "model", "device"}

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import export as E
-import formats
 import lowbit
 import util
 from model import GPT, ModelConfig
+from quant import formats
 
 ARGS = dict(arch="gpt2", n_layer=1, n_head=2, n_embd=64, vocab_size=256, block_size=32, bias=True)
 

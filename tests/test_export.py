@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 import export as E
-import formats
 import lowbit
 import train
 import util
+from conftest import ROOT
 from data import loader
 from model import GPT, ModelConfig
+from quant import formats
 from step import get_lr
-from conftest import ROOT
 
 # Contract of the model: the role of each Linear of a transformer block, by its path in the block.
 ROLES = {"gpt2": {"attn.c_attn": "qkv", "attn.c_proj": "out", "mlp.c_fc": "up", "mlp.c_proj": "down"},

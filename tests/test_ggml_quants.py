@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf.constants import GGML_QUANT_SIZES
 
-import ggml_quants as G
+from quant import ggml_quants as G
 
 T = G.T
 K_TYPES = (T.Q4_K, T.Q5_K, T.Q3_K, T.Q2_K, T.Q6_K)

@@ -18,11 +18,11 @@ from gguf.constants import GGML_QUANT_SIZES
 
 import checkpoint
 import gaussws
-import ggml_quants as G
-import ste
 import train
 from conftest import ROOT
 from model import GPT, ROLES, ModelConfig
+from quant import ggml_quants as G
+from quant import ste
 from test_phase import STEPS, curve, one_line, tiny, train_recording
 
 TYPES = tuple(ste.GGML_FORMATS)

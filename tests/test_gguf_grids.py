@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import export as E
-import ggml_quants
 import gguf_file
 import llama_tools
 import lowbit
 import tokenizer
 import util
+from quant import ggml_quants
 from test_export import file_parts, seal
 from test_gguf import (our_key, safetensors_bits_per_weight, seeded_tokens, transformers_from_export,
                        transformers_from_gguf, write_data)

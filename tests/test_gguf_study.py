@@ -139,7 +139,7 @@ def test_the_mix_budgets_are_llama_quantizes_bits_per_weight_on_each_model():
     assert defs.llama_mix_bits("Q2_K", llama) == pytest.approx(q2_k, rel=1e-12) == 2.9375
     assert defs.GGUF_MIX_BITS == {"config/mini_gpt2_gguf.py": {"Q3_K_M": 4.2708, "Q3_K_S": 3.4375, "Q2_K": 3.1666},
                                   llama: {"Q3_K_M": 3.8846, "Q3_K_S": 3.4375, "Q2_K": 2.9375}}  # never more bytes
-    import ggml_quants
+    from quant import ggml_quants
     for t, bits in BITS.items():
         assert defs.type_bits(t) == bits == ggml_quants.bits_per_weight(t)
 

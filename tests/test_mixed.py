@@ -16,15 +16,15 @@ import export as E
 import gaussws
 import lowbit
 import sample
-import ste
 import train
 import util
 from configurator import ConfigError
-from formats import BY_NAME, FORMATS, block_weights
 from model import GPT, ROLES, ModelConfig
-from util import UserError
+from quant import ste
+from quant.formats import BY_NAME, FORMATS, block_weights
 from test_phase import curve, tiny, train_recording
 from test_ste import random_weight
+from util import UserError
 
 PQT_START, STE_START, STEPS = 5, 10, 20
 SHAPE = dict(n_embd=48)  # 48 = 32 + 16: every block Linear has partial edge blocks

@@ -15,12 +15,12 @@ import checkpoint
 import export as E
 import gaussws
 import lowbit
-import ste
 import train
 import util
 from configurator import ConfigError
 from data import loader
 from model import GPT, ROLES, ModelConfig
+from quant import ste
 from util import UserError
 
 START, STEPS = 10, 20

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ste
 import tokenizer
 import util
 from conftest import ROOT
 from model import GPT, ModelConfig
+from quant import ste
 from studies import sensitivity
 from test_gguf import write_data
 from test_gguf_grids import ARCHS, make_run

@@ -6,10 +6,9 @@ import torch.nn as nn
 
 import export as E
 import gaussws
-import formats
 import lowbit
-import ste
-from formats import BY_NAME, FORMATS
+from quant import formats, ste
+from quant.formats import BY_NAME, FORMATS
 
 SHAPES = [(70, 45), (33, 97), (5, 3), (64, 32)]  # partial edge blocks, a single partial block, whole blocks
 

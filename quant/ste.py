@@ -37,10 +37,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from formats import (BY_NAME, FORMATS, GGML_FORMATS, block_weights, budget_format_ids, e8m0_exponents, greedy_upgrades,
-                     int_scales, pow2)
 from kernels import BL
 from kernels.torch_noise import block_absmax
+from quant.formats import (BY_NAME, FORMATS, GGML_FORMATS, block_weights, budget_format_ids, e8m0_exponents,
+                           greedy_upgrades, int_scales, pow2)
 
 STE_FORMATS = tuple(f"int{b}" for b in range(2, 9)) + ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3",
                                                         "mxfp8_e5m2")  # and llama.cpp's types, GGML_FORMATS
@@ -61,7 +61,7 @@ UNCHOSEN = 255  # format_ids and ggml_type before the budget chose them (no form
 
 def _ggml():
     """ggml_quants, imported where used: it imports torch._dynamo (over a second)."""
-    import ggml_quants
+    from quant import ggml_quants
     return ggml_quants
 
 
