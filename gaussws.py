@@ -39,7 +39,7 @@ from kernels import BL
 from kernels.ops import (RecomputedLinear, backend_name, check_seed, noise_e, noise_kernels,  # noqa: F401 (API)
                          pseudo_quantize, sample_r, scale_bl)
 from kernels.torch_noise import block_absmax
-from quant import ste
+from quant import budget, ste
 from util import load_error
 
 METHODS = ("bf16", "gaussws", "diffq", "ste")
@@ -101,7 +101,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         if ste_start:
             if not int(ste_start) > int(start):
                 raise ValueError(f"ste_start={ste_start} must come after the PQT phase's start {start}")
-            ste.check_budget(fmt, bits_per_weight, method)
+            budget.check_budget(fmt, bits_per_weight, method)
             self._init_formats(fmt, bits_per_weight, ste_start, device)
         self.method, self.b_init, self.b_target, self.backend = method, float(b_init), float(b_target), backend
         self.recompute = bool(recompute)  # keep no w_hat for the backward: make it again there
@@ -481,11 +481,11 @@ def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="
 
     method: "bf16" (nothing changes), or "gaussws[...]" / "diffq[...]" / "ste[...]" naming roles
     (parse_method). start: the first optimizer step with the method; the layers are plain nn.Linear
-    before it. fmt: the format STELinear trains on (ste.STE_FORMATS, ste.GGML_FORMATS), or for ste
+    before it. fmt: the format STELinear trains on (grids.STE_FORMATS, formats.GGML_FORMATS), or for ste
     "error-int" / "error-gguf" with bits_per_weight: per block int2/int3/int4, or a GGML type per
-    tensor, chosen at `start`; a width fmt cannot hold is refused (ste.check_layers). PQT layers take
+    tensor, chosen at `start`; a width fmt cannot hold is refused (budget.check_layers). PQT layers take
     their b_t from b_init, b_target. ste_start (PQT only; 0: never): the first step of STE on the
-    formats chosen then by the budget (fmt one of ste.BUDGET_TARGETS, bits_per_weight), after PQT.
+    formats chosen then by the budget (fmt one of formats.BUDGET_TARGETS, bits_per_weight), after PQT.
     Call it after the model is built and initialised and before it is wrapped (DDP, FSDP, compile).
     The weights and biases are the same Parameters, so values, dtype and device are kept exactly,
     also on the meta device; b_i starts at 1 (b_t = b_init); nothing is drawn from torch's RNG, so
@@ -504,8 +504,8 @@ def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="
     if kind == "ste":
         return ste.convert(model, fmt, start=start, bits_per_weight=bits_per_weight,
                            takes=lambda name, _: name in taken)
-    ste.check_layers({name: tuple(m.weight.shape[::-1] if _is_conv1d(m) else m.weight.shape)
-                      for name, m in taken.items()}, fmt, bits_per_weight)  # a width fmt cannot hold: refused
+    budget.check_layers({name: tuple(m.weight.shape[::-1] if _is_conv1d(m) else m.weight.shape)
+                         for name, m in taken.items()}, fmt, bits_per_weight)  # a width fmt cannot hold: refused
     for name, module in taken.items():
         make = PQTConv1D.from_conv1d if _is_conv1d(module) else PQTLinear.from_linear
         model.set_submodule(name, make(module, method=kind, b_init=b_init, b_target=b_target, backend=backend,
@@ -566,18 +566,18 @@ def build_optimizers(model, optimizer="adamw", roles=None, *, lr, betas, weight_
 def load_weights(model, state_dict):
     """Load a state dict into a converted model: b_i the source lacks keep their fresh init (b_t =
     b_init); b_i of layers the new method leaves plain are dropped; the STE's formats state (a budget's
-    choice, a GGML type, imatrix: ste.FORMAT_STATE) is never taken (the new run makes its own). Anything
+    choice, a GGML type, imatrix: budget.FORMAT_STATE) is never taken (the new run makes its own). Anything
     else must match, else ValueError names what is missing and unexpected, or the shape that differs."""
     own = model.state_dict()
     state_dict = {k: v for k, v in state_dict.items() if (k in own or not k.endswith(".b_i"))
-                  and not k.endswith(ste.FORMAT_STATE)}
+                  and not k.endswith(budget.FORMAT_STATE)}
     try:
         result = model.load_state_dict(state_dict, strict=False)
     except RuntimeError as e:  # a shape that differs is an error even when not strict
         if isinstance(e, torch.OutOfMemoryError):
             raise
         raise ValueError(load_error(e)) from None
-    missing = [k for k in result.missing_keys if not k.endswith((".b_i",) + ste.FORMAT_STATE)]
+    missing = [k for k in result.missing_keys if not k.endswith((".b_i",) + budget.FORMAT_STATE)]
     if missing or result.unexpected_keys:
         raise ValueError(f"missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
 

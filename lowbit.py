@@ -34,8 +34,9 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from kernels import BL
 from model import GPT, ROLES, ModelConfig
-from quant import ggml_quants, ste
-from quant.formats import (BY_NAME, FORMATS, GGML_FORMATS, GGML_NAMES, GGUF_BUDGETS, block_weights, budget_format_ids,
+from quant import ggml_quants
+from quant.budget import FORMAT_STATE, UNCHOSEN, budget_format_ids, trained_formats, trained_ggml_types
+from quant.formats import (BY_NAME, FORMATS, GGML_FORMATS, GGML_NAMES, GGUF_BUDGETS, INT_BUDGETS, block_weights,
                            dequantize_blocks, from_blocks, quantize_blocks, to_blocks)
 from util import UserError, first_line
 
@@ -58,14 +59,14 @@ def block_linears(state_dict, arch):
 
 
 def build_model(state_dict, arch_args):
-    """The model with the checkpoint's weights, b_i and the STE's state (ste.FORMAT_STATE: format_ids,
+    """The model with the checkpoint's weights, b_i and the STE's state (FORMAT_STATE: format_ids,
     ggml_type, error-gguf's imatrix) aside: an eval-mode PQT or STE layer is a plain Linear."""
     try:
         model = GPT(ModelConfig(**arch_args))
         result = model.load_state_dict(state_dict, strict=False)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ExportError(f"the checkpoint does not fit this project's model: {first_line(e)}")
-    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", *ste.FORMAT_STATE))]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", *FORMAT_STATE))]
     if result.missing_keys or unexpected:
         raise ExportError(f"the checkpoint does not fit this project's model: missing {result.missing_keys[:3]}, "
                           f"unexpected {unexpected[:3]}")
@@ -111,19 +112,6 @@ def auto_int_format_ids(b_t):
     return ids
 
 
-def trained_formats(state_dict, pqt, quantized, fmt_name, budget):
-    """{layer: format ids} a run trained on (STE at a bit budget: the format_ids saved beside each
-    weight, chosen at its switch), when they are what --format at --bits_per_weight asks for: the run's
-    own target_format and bits_per_weight, every quantized layer holding its chosen ids. Else None: the
-    budget is allocated afresh (budget_format_ids) from the checkpoint's weights and b_t."""
-    ids = {k[:-len(".format_ids")]: v for k, v in state_dict.items() if k.endswith(".format_ids")}
-    if (fmt_name, budget) != (pqt.get("target_format"), pqt.get("bits_per_weight")) or set(ids) != set(quantized):
-        return None
-    if any((v == ste.UNCHOSEN).any() for v in ids.values()):
-        return None  # saved before the switch: the run has not chosen them yet
-    return {k: ids[k].to(torch.uint8) for k in quantized}
-
-
 def format_ids_for(name, fmt_name, b_t, shape):
     """The format id of each block of layer `name` under --format (auto/auto-int need the layer's b_t)."""
     nb = (-(-shape[0] // BL), -(-shape[1] // BL))
@@ -137,8 +125,8 @@ def format_ids_for(name, fmt_name, b_t, shape):
 def budget_formats(fmt_name, budget, model, state_dict, pqt, quantized, b_t, notes):
     """{layer: format ids} of --format auto-int or error-int at a bit budget (--bits_per_weight; None
     without one): the per-block formats the run trained on, where it trained on this budget's (a note
-    says so), else formats.budget_format_ids's choice from the weights (and b_t, for auto-int)."""
-    if not budget or fmt_name not in ("auto-int", "error-int"):
+    says so), else budget_format_ids's choice from the weights (and b_t, for auto-int)."""
+    if not budget or fmt_name not in INT_BUDGETS:
         return None
     chosen = trained_formats(state_dict, pqt, quantized, fmt_name, budget)
     if chosen is not None:
@@ -154,48 +142,6 @@ def budget_formats(fmt_name, budget, model, state_dict, pqt, quantized, b_t, not
 
 # --- which GGML type a weight takes (the types themselves: ggml_quants.py) ----------------------
 
-def trained_ggml_types(state_dict, pqt, quantized, fmt_name, budget):
-    """{layer: GGML type name} a run trained on at a bit budget of one type per weight (auto-gguf,
-    error-gguf): the type saved beside each weight (<layer>.ggml_type, gguf's GGMLQuantizationType value,
-    ste.UNCHOSEN before its switch), when the run trained --format at --bits_per_weight. Else ExportError:
-    what to train (the types are chosen in training, from what export has no more: b_t's history, the
-    activations)."""
-    asked = f"--format={fmt_name} --bits_per_weight={budget:g} writes the GGML type each weight trained on"
-    found = {}
-    for k, v in state_dict.items():
-        if k.endswith(".ggml_type"):
-            if v.dtype != torch.uint8 or v.numel() != 1:  # int(10.5) would be Q2_K's 10
-                raise ExportError(f"{asked}, and {k} is {v.tolist()} ({v.dtype}), not the one uint8 GGML type id "
-                                  f"train.py saves: the checkpoint is damaged or foreign")
-            found[k[:-len(".ggml_type")]] = int(v)
-    target, trained_budget = pqt.get("target_format"), pqt.get("bits_per_weight")
-    if target in GGUF_BUDGETS and (target, trained_budget) != (fmt_name, budget):
-        raise ExportError(f"{asked}, and this run trained {target} at {trained_budget:g} bits per weight: export it "
-                          f"with --format={target} --bits_per_weight={trained_budget:g}")
-    missing = [k for k in quantized if k not in found]
-    if target != fmt_name or missing:
-        raise ExportError(f"{asked}, and {'this run' if target != fmt_name else missing[0]} trained none (method "
-                          f"{pqt.get('method')!r}, target_format {target or 'none'!r}): train a run with "
-                          f"--target_format={fmt_name} --bits_per_weight={budget:g}, or export one type for every "
-                          f"weight (--format={', '.join(GGML_FORMATS)})")
-    unchosen = [k for k in quantized if found[k] == ste.UNCHOSEN]
-    if unchosen:
-        raise ExportError(f"{asked}, and this checkpoint was saved before the run chose them (step "
-                          f"{pqt.get('ste_start') or pqt.get('pqt_start'):.0f}; {unchosen[0]}.ggml_type unchosen): "
-                          f"export a later checkpoint of the run")
-    known = {int(ggml_quants.ggml_type(t)): t for t in GGML_FORMATS.values()}
-    odd = [k for k in quantized if found[k] not in known]
-    if odd:
-        raise ExportError(f"{odd[0]}.ggml_type is {found[odd[0]]}, none of llama.cpp's types export writes "
-                          f"({', '.join(f'{t} {v}' for v, t in known.items())}): the checkpoint is damaged or foreign")
-    numel = {k: state_dict[k + ".weight"].numel() for k in quantized}
-    bits = sum(ggml_quants.bits_per_weight(known[found[k]]) * n for k, n in numel.items()) / sum(numel.values())
-    if bits > budget + 1e-9:  # the choice spends at most the budget (ste.gguf_types)
-        raise ExportError(f"{asked}, and the types this checkpoint records hold {bits:.4f} bits per weight, more than "
-                          f"the budget: its ggml_type buffers were changed after training; export a checkpoint of "
-                          f"the run as train.py saved it")
-    return {k: known[found[k]] for k in quantized}
-
 
 def _type_name(value):
     return ggml_quants.T(value).name if value in set(ggml_quants.T) else str(value)
@@ -208,7 +154,7 @@ def ggml_types(fmt_name, budget, state_dict, pqt, quantized, notes):
     if fmt_name in GGML_FORMATS:
         types = {k: GGML_FORMATS[fmt_name] for k in quantized}
         trained = {int(v) for k, v in state_dict.items() if k.endswith(".ggml_type") and k[:-len(".ggml_type")]
-                   in quantized} - {int(ggml_quants.ggml_type(types[k])) for k in quantized} - {ste.UNCHOSEN}
+                   in quantized} - {int(ggml_quants.ggml_type(types[k])) for k in quantized} - {UNCHOSEN}
         if trained:
             notes.append(f"the run trained on other GGML types ({', '.join(_type_name(v) for v in sorted(trained))}): "
                          f"--format={fmt_name} quantizes its master weights afresh, as a post-training quantization")

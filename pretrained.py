@@ -20,7 +20,7 @@ import os
 import torch
 
 import checkpoint
-from quant import ste
+from quant import budget
 from util import UserError, atomic_dir, reason, unusable_dir
 
 GPT2_HUB = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
@@ -358,14 +358,14 @@ def save_pretrained(model_args, state_dict, out_dir, tokenizer=None):
     loads: GPT2LMHeadModel or LlamaForCausalLM, logits equal to ours.
 
     model_args and state_dict as in a training checkpoint: model_args' PQT keys (older checkpoints)
-    are ignored, b_i and the STE's formats state (ste.FORMAT_STATE) dropped, PQT layers' weights w written
+    are ignored, b_i and the STE's formats state (budget.FORMAT_STATE) dropped, PQT layers' weights w written
     as they are (eval mode uses w itself).
     out_dir must not exist or be empty; it is written whole or not at all. Returns (the names of the
     files written, None or why no tokenizer files were written)."""
     from model import ModelConfig
     args = {k: v for k, v in model_args.items() if k not in checkpoint.PQT_KEYS}
     sd = {k.removeprefix("_orig_mod."): v.detach().cpu() for k, v in state_dict.items()
-          if not k.endswith((".b_i",) + ste.FORMAT_STATE)}
+          if not k.endswith((".b_i",) + budget.FORMAT_STATE)}
     _check_shapes(args, sd, "the checkpoint")
     bad = [k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:

@@ -25,7 +25,6 @@ is the loss.
 `python train.py --help` lists every key below with its default and comment. What the run prints,
 and what it records in metrics.jsonl, is progress.py's.
 """
-import functools
 import json
 import math
 import os
@@ -45,7 +44,9 @@ import progress
 from configurator import ConfigError, configure
 from data import loader
 from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
-from quant import ste
+from quant.budget import budget_level, check_budget, matched_b_t
+from quant.formats import BUDGET_TARGETS, GGML_FORMATS, GGUF_BUDGETS
+from quant.grids import STE_FORMATS, check_format
 from step import Diverging, NonFinite, check_sane, get_lr, schedule_notes, share_out, train_step
 from util import cli, git_commit, keep_freed_cpu_memory, machine
 
@@ -173,45 +174,6 @@ def validate(c, explicit):
 
 # --- config: the method's phases and the format it trains toward --------------------------------
 
-@functools.lru_cache(maxsize=None)
-def matched_b_t(method, name):
-    """The b_t at which Eq. 3's PQN has the variance of format `name`'s rounding error, both relative to
-    max_bl(|w|)^2:  E[R^2] * 4^(1 - b_t) = r,  so  b_t = 1 + log2(E[R^2] / r) / 2.
-
-    r is ste.rounding_error's, measured with the STE's own grid (ste.fake_quantize) on quantiles of
-    N(0, 1) (weights as initialised; no draw, so the level is a constant, rounded to 0.01): a 32x32
-    block of them for our formats, a 256x256 tile in a fixed pseudo-random order for llama.cpp's
-    (GGML) types, whose blocks run along rows. For int-b the rounding error is close to uniform on one
-    step max_bl / L (L = 2^(b-1) - 1) whatever the weights, r = 1 / (12 L^2), which gives b_t = log2(L)
-    + log2(48 E[R^2]) / 2: for gaussws int3 3.49, int4 4.71 (diffq 2.58, 3.81); int2, whose step is the
-    whole block max, is where the two part most. For the MX formats r depends on how the weights fill
-    each binade, and for the GGML types on their 32- or 16-weight sub-block scales, hence the
-    measurement. gaussws (diffq): q2_k 3.73 (2.83), q3_k 4.63 (3.73), q4_0 5.42 (4.52), q4_k 5.63
-    (4.73), q5_k 6.64 (5.73), q6_k 7.66 (6.75), q8_0 9.43 (8.52), mxfp4_row 5.00 (4.10), iq4_xs 5.59
-    (4.68), iq4_nl 5.60 (4.69): a row block's
-    scale follows its own 32 (or 16) weights, so the error relative to the 32x32 block max falls below
-    that of int-b at the same code bits (int4 4.71).
-    """
-    if method not in gaussws.R_SECOND_MOMENT:
-        raise ValueError(f"matched_b_t: method {method!r} has no noise; expected gaussws or diffq")
-    return round(1 + 0.5 * math.log2(gaussws.R_SECOND_MOMENT[method] / ste.rounding_error(name)), 2)
-
-
-def budget_level(method, bits, fmt="auto-int"):
-    """The b_t level of a bit budget of `bits` bits per weight, linear in bits between the matched_b_t
-    of the two formats it mixes around it (our choice): for the int budgets int<b> at b element bits;
-    for the GGUF ones (fmt auto-gguf, error-gguf) the types of a K-quant row's ladder (ste.budget_ladder:
-    every type of ste.GGUF_BUDGET_TYPES but IQ4_NL, which has Q4_K's bits) at their bits per weight, scales
-    included (Q2_K's level at 2.625, Q3_K's at 3.4375, IQ4_XS's at 4.25, ...)."""
-    if fmt in ste.GGUF_BUDGETS:
-        points = [(b, t) for t, b in ste.budget_ladder(256)]
-    else:
-        points = [(b, f"int{b}") for b in (2, 3, 4)]
-    i = max(1, min(len(points) - 1, next((i for i, (b, _) in enumerate(points) if b > bits), len(points))))
-    (low, a), (high, b) = points[i - 1], points[i]
-    a, b = matched_b_t(method, a), matched_b_t(method, b)
-    return round(a + (bits - low) / (high - low) * (b - a), 2)
-
 
 def _start_step(key, value, max_iters, zero):
     """A start given as 0 (`zero`), a fraction in (0, 1) of max_iters (rounded) or a whole step: the step."""
@@ -234,24 +196,24 @@ def _check_targets(kind, config):
                          f"gaussws[...], diffq[...] or ste[...]")
     if kind == "ste" and not fmt:
         raise ValueError(f"method ste[...] needs --target_format, the grid it trains on: one of "
-                         f"{', '.join(ste.STE_FORMATS + tuple(ste.GGML_FORMATS))}")
+                         f"{', '.join(STE_FORMATS + tuple(GGML_FORMATS))}")
     if kind == "ste" and ste_value:
         raise ValueError(f"ste_start={ste_value:g} switches a gaussws[...] or diffq[...] run from PQT to STE; an "
                          f"ste[...] run is STE from pqt_start on: drop ste_start")
-    if budget and fmt not in ste.BUDGET_TARGETS:
+    if budget and fmt not in BUDGET_TARGETS:
         raise ValueError(f"bits_per_weight={budget:g} is for target_format auto-int or error-int (int2/int3/int4 "
                          f"per block at that mean) or auto-gguf or error-gguf (a GGML type per tensor), not "
                          f"target_format={fmt!r}")
-    if fmt in ste.BUDGET_TARGETS:
-        ste.check_budget(fmt, budget, kind)
+    if fmt in BUDGET_TARGETS:
+        check_budget(fmt, budget, kind)
     elif fmt:
-        ste.check_format(fmt)
-    if fmt in ste.GGUF_BUDGETS and kind != "ste" and not ste_value:
+        check_format(fmt)
+    if fmt in GGUF_BUDGETS and kind != "ste" and not ste_value:
         raise ValueError(f"target_format={fmt!r} chooses one GGML type per tensor when the STE starts, and this {kind} "
                          f"run has no ste_start: it would train PQT to its end and choose none, so export.py "
                          f"--format={fmt} would have no type to write; set ste_start (a fraction of max_iters or a "
                          f"step after pqt_start), or train toward one type (--target_format=q4_k, ...)")
-    if ste_value and fmt not in ste.BUDGET_TARGETS:
+    if ste_value and fmt not in BUDGET_TARGETS:
         raise ValueError(f"ste_start={ste_value:g} trains on per-block formats a bit budget chooses at that step, "
                          f"or per-tensor GGML types: set target_format=auto-int, error-int, auto-gguf or error-gguf "
                          f"and bits_per_weight (e.g. 3.0), not target_format={fmt!r}")
@@ -280,7 +242,7 @@ def phase_settings(kind, config, explicit=()):
     a phase spreads b_t by at most the sum of its lr times (b_init - b_target), and auto-int, which
     ranks an upgrade by b_t - bits, mixes formats at a whole budget (3.0) only where b_t spread > 1 bit.
     A GGUF budget, auto-gguf or error-gguf with bits_per_weight from Q2_K's 2.625 to Q8_0's 8.5, gives
-    each Linear one GGML type (ste.gguf_types; ste: error-gguf only, chosen at pqt_start >= 1, after
+    each Linear one GGML type (quant.budget.gguf_types; ste: error-gguf only, chosen at pqt_start >= 1, after
     some steps' input activations); its level is budget_level's between the types' matched levels.
     ste_start (gaussws, diffq with a budget; same forms as pqt_start, 0: none): from that step, after
     pqt_start, STE on the formats the budget chooses then (convert's `ste_start`).
@@ -291,7 +253,7 @@ def phase_settings(kind, config, explicit=()):
     ste_start = _start_step("ste_start", ste_value, max_iters, "no STE phase")
     _check_targets(kind, config)
     if fmt == "error-gguf" and (kind == "ste" or ste_start):
-        ste.check_budget(fmt, budget, kind, switch=start if kind == "ste" else ste_start)
+        check_budget(fmt, budget, kind, switch=start if kind == "ste" else ste_start)
     if ste_value and ste_start <= start:
         raise ValueError(f"ste_start={ste_value:g} (step {ste_start}) must come after pqt_start={value:g} (step "
                          f"{start}): PQT from pqt_start, STE from ste_start")
@@ -300,7 +262,8 @@ def phase_settings(kind, config, explicit=()):
         if "b_target" in explicit:
             raise ValueError(f"b_target={b_target:g} and target_format={fmt!r} both set the level b_t is pulled "
                              f"to; drop one")
-        b_target = budget_level(kind, budget, fmt) if budget else matched_b_t(kind, fmt)
+        second_moment = gaussws.R_SECOND_MOMENT[kind]
+        b_target = budget_level(second_moment, budget, fmt) if budget else matched_b_t(second_moment, fmt)
         if start > 0 and "b_init" not in explicit:
             b_init = b_target + 1.0 if budget else b_target
     return {"pqt_start": float(start), "ste_start": float(ste_start), "b_init": b_init, "b_target": b_target}

@@ -7,7 +7,9 @@ import torch
 import gaussws
 import model as model_lib
 from benchmarks.common import BenchError, load_avg, machine_load, markdown_table, say
-from quant import ste
+from quant.budget import check_budget
+from quant.formats import BUDGET_TARGETS
+from quant.grids import check_format
 from step import sync, train_step
 
 def split_methods(text):
@@ -46,11 +48,11 @@ def parse_arm(spec, roles):
     try:
         kind, _ = gaussws.parse_method(method, roles)
         budget = float(bits) if bits else 0.0
-        if fmt in ste.BUDGET_TARGETS:
-            ste.check_budget(fmt, budget, kind, switch=1)
+        if fmt in BUDGET_TARGETS:
+            check_budget(fmt, budget, kind, switch=1)
         elif fmt or kind == "ste":
-            ste.check_format(fmt)
-        if bits and fmt not in ste.BUDGET_TARGETS or kind == "bf16" and fmt:
+            check_format(fmt)
+        if bits and fmt not in BUDGET_TARGETS or kind == "bf16" and fmt:
             raise ValueError(f"{fmt!r} takes no :BITS" if bits else "bf16 trains on no format")
     except ValueError as e:
         raise BenchError(f"--methods: arm {spec!r}: {e} (an arm is METHOD, METHOD@FORMAT or METHOD@BUDGET:BITS, "
@@ -111,7 +113,7 @@ class Runner:
         method, fmt, budget = parse_arm(arm, model_lib.ROLES[config.arch].values())
         # a budget chooses its formats at step 1 (error-gguf: from step 0's activations), before any timing
         kind, _ = gaussws.parse_method(method, model_lib.ROLES[config.arch].values())
-        self.switch = 1 if fmt in ste.BUDGET_TARGETS else 0
+        self.switch = 1 if fmt in BUDGET_TARGETS else 0
         phase = dict(start=self.switch) if kind == "ste" else dict(ste_start=self.switch)
         torch.manual_seed(args.seed)  # the same initial weights for every method: convert draws nothing
         try:

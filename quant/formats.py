@@ -1,13 +1,13 @@
-"""The element formats a 32x32 block is stored in: their grids, codes and shared scales, and which
-of int2/int3/int4 each block takes at a bit budget.
+"""The element formats a 32x32 block is stored in (their grids, codes and shared scales), and the names
+of every format a weight can be trained toward and exported in.
 
-export.py writes weights in them; ste.py's STE trains on the same grids, with the same scales
-(ste.fake_quantize), so a model trained with it exports as it was trained, and a run that trains
-on a budget's per-block formats chooses them with the function export.py uses (budget_format_ids).
-Both import this file and neither imports the other. The grids and codes are exact in float64.
+export.py writes weights in them; the STE trains on the same grids, with the same scales
+(grids.fake_quantize), so a model trained with it exports as it was trained. The grids and codes
+are exact in float64.
 
 llama.cpp's block types are export formats too (GGML_FORMATS): their grids, codes and bytes are
 ggml_quants.py's, and a weight takes one of them whole, blocks along its rows, not one per 32x32 block.
+A bit budget (INT_BUDGETS, GGUF_BUDGETS) mixes formats at a mean number of bits per weight: budget.py.
 """
 from dataclasses import dataclass
 
@@ -65,7 +65,11 @@ BY_NAME = {f.name: i for i, f in enumerate(FORMATS)}
 GGML_FORMATS = {"q4_0": "Q4_0", "q8_0": "Q8_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q3_k": "Q3_K", "q2_k": "Q2_K",
                 "q6_k": "Q6_K", "mxfp4_row": "MXFP4", "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS"}
 GGML_NAMES = {t: name for name, t in GGML_FORMATS.items()}
-GGUF_BUDGETS = ("auto-gguf", "error-gguf")  # one GGML type per weight at a mean bits per weight: by b_t, by error
+# The bit budgets: a format per 32x32 block of int2/int3/int4, or a GGML type per tensor, at bits_per_weight, ranked
+# by the learned b_t (auto-*) or by each one's own rounding error (error-*)
+INT_BUDGETS = ("auto-int", "error-int")
+GGUF_BUDGETS = ("auto-gguf", "error-gguf")
+BUDGET_TARGETS = INT_BUDGETS + GGUF_BUDGETS
 
 
 def pow2(k):
@@ -176,66 +180,3 @@ def dequantize_blocks(codes, scales, fmt):
         return q.double() * scales.double()[:, None]
     values = fp_decode(codes, fmt)
     return values if scales is None else values * pow2(scales.long() - 127)[:, None]
-
-
-# --- which of int2/int3/int4 a block takes at a bit budget ---------------------------------------
-
-BUDGET_FORMATS = ("int2", "int3", "int4")  # what a bit budget mixes, one bit apart
-
-
-def greedy_upgrades(priority, cost, allowance):
-    """How many upgrades each item takes: item i's upgrade j (from its level j to j + 1) has priority
-    priority[i, j] and costs cost[i, j] (-inf and inf where an item has fewer upgrades). Upgrades are
-    made in descending priority (ties: item order, then upgrade order) while their cost fits what is
-    left of `allowance`, skipping those that do not fit; an item's upgrade never ranks above one before
-    it (its priority is the running minimum along the item's upgrades), nor is made without it.
-    Returns the levels (a long tensor, one per item)."""
-    k, u = priority.shape
-    priority = priority.double().cummin(dim=1).values.flatten()
-    order = torch.argsort(priority, descending=True, stable=True).tolist()
-    cost, levels, left = cost.double().flatten().tolist(), [0] * k, float(allowance)
-    for i in order:
-        item = i // u
-        if levels[item] == i % u and cost[i] <= left:
-            levels[item] += 1
-            left -= cost[i]
-    return torch.tensor(levels)
-
-
-def budget_bits(priority, weights, budget):
-    """Element bits of each block for a mean of `budget` bits per weight (weights: how many each block
-    holds). Every block starts at 2 bits; one-bit upgrades, priority[:, 0] for 2 -> 3 and [:, 1] for
-    3 -> 4, are made by greedy_upgrades (descending priority, ties: block order) while the bits they
-    add fit the budget, skipping those that do not fit (a whole block after an edge one). A block's
-    second upgrade never ranks above its first, nor is made without it."""
-    weights = weights.double()
-    return 2 + greedy_upgrades(priority, weights[:, None].expand(-1, 2), (budget - 2) * weights.sum().item())
-
-
-def budget_format_ids(fmt_name, weights, b_t, budget):
-    """{layer: format ids} of int2/int3/int4 at a mean of `budget` element bits per weight over all the
-    layers' blocks together (weights: {layer: weight}), the blocks ranked
-      - auto-int: by their learned b_t, each upgrade by b_t - bits, the bits it lacks by its own b_t;
-      - error-int: by their own quantization error (a PTQ heuristic for any run), each upgrade by the
-        drop in the block's squared error it buys, per bit it costs."""
-    layers = list(weights)
-    counts = torch.cat([block_weights(*weights[k].shape).flatten() for k in layers])
-    if fmt_name == "auto-int":
-        if any(k not in b_t for k in layers):
-            raise ValueError("auto-int at a bit budget ranks blocks by their learned b_t, and these layers have "
-                             "none (no PQT): use error-int, which ranks them by their own error")
-        learned = torch.cat([b_t[k].flatten() for k in layers])[:, None]
-        priority = learned - torch.tensor([2.0, 3.0], dtype=torch.float64)
-    else:
-        errors = []
-        for k in layers:
-            blocks = to_blocks(weights[k].detach().float().cpu().double())
-            fmts = [FORMATS[BY_NAME[f]] for f in BUDGET_FORMATS]
-            errors.append(torch.stack([(dequantize_blocks(*quantize_blocks(blocks, f), f) - blocks).square().sum(1)
-                                       for f in fmts], dim=1))
-        error = torch.cat(errors)
-        priority = (error[:, :-1] - error[:, 1:]) / counts[:, None]
-    candidates = torch.tensor([BY_NAME[f] for f in BUDGET_FORMATS], dtype=torch.uint8)
-    ids = candidates[budget_bits(priority, counts, budget) - 2]
-    sizes = [block_weights(*weights[k].shape).shape for k in layers]
-    return {k: part.view(size) for k, part, size in zip(layers, ids.split([a * b for a, b in sizes]), sizes)}

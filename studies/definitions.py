@@ -186,7 +186,7 @@ STUDIES["deploy"] = dict(
 GGUF_CONFIG = "config/mini_gpt2_gguf.py"
 GGUF_STEPS = 6400
 GGUF_SEEDS = (1, 2, 3)
-GGUF_STE_FORMATS = ("q4_0", "q4_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs")  # the STE phases' grids (ste.GGML_FORMATS)
+GGUF_STE_FORMATS = ("q4_0", "q4_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs")  # the STE phases' grids (formats.GGML_FORMATS)
 # llama-quantize of each trunk's last checkpoint (export_gguf.py --llama_quantize): each type or mix with the
 # importance matrix of the training split (+imatrix), and the two most used without it. Q3_K_S and Q2_K_S are
 # there because on this model their mixes are Q3_K and Q2_K on every block Linear (tests/test_llama_tools.py):

@@ -4,9 +4,9 @@
 
 For each block Linear of a checkpoint and each type (cheapest first), on train.py's evaluation batches
 of its run: the val loss with that tensor alone on the type's grid (llama.cpp's reference rounding,
-without an importance matrix) less the checkpoint's own, and error-gguf's proxy of it (ste.imatrix_error,
+without an importance matrix) less the checkpoint's own, and error-gguf's proxy of it (budget.imatrix_error,
 the importance matrix taken over the same batches). Then, for each step up the types, what one bit per
-weight buys by each measure (the drop per weight and per bit: what ste.gguf_types' greedy allocator ranks
+weight buys by each measure (the drop per weight and per bit: what budget.gguf_types' greedy allocator ranks
 upgrades by), and Spearman's correlation of the tensors' two rankings: how well the proxy orders the
 tensors as the loss does. The rounding is after training (no STE phase adapts the weights to it), so it
 measures which tensors are sensitive, not what a trained mix reaches.
@@ -20,12 +20,12 @@ import checkpoint
 import configurator
 import llama_tools
 import lowbit
-from quant import ggml_quants, ste
+from quant import budget, formats, ggml_quants, grids
 from util import UserError, check_json_path, cli, write_atomic
 
 DEFAULTS = dict(
     checkpoint="out/ckpt.pt",  # a checkpoint of train.py, or the run directory that holds one
-    types="q2_k,q3_k,q4_k",  # llama.cpp types, cheapest first (of ste.GGUF_BUDGET_TYPES)
+    types="q2_k,q3_k,q4_k",  # llama.cpp types, cheapest first (of budget.GGUF_BUDGET_TYPES)
     eval_iters=0,  # evaluation batches; 0 -> the run's own eval_iters
     json="",  # also write the measurements to this file
     threads=0,  # torch's CPU threads; 0 -> torch's default
@@ -52,10 +52,11 @@ def measure(ckpt, types, eval_iters):
     layers = lowbit.block_linears(ckpt["model"], model.config.arch)
     for name in layers:
         width = model.get_submodule(name).weight.shape[1]
-        odd = [t for t in types if width % ggml_quants.block_size(ste.GGML_FORMATS[t])]
+        odd = [t for t in types if width % ggml_quants.block_size(formats.GGML_FORMATS[t])]
         if odd:
-            raise UserError(f"{name} reads {width} inputs, which {odd[0]}'s blocks of "
-                            f"{ggml_quants.block_size(ste.GGML_FORMATS[odd[0]])} do not divide: choose other --types")
+            size = ggml_quants.block_size(formats.GGML_FORMATS[odd[0]])
+            raise UserError(f"{name} reads {width} inputs, which {odd[0]}'s blocks of {size} do not divide: choose "
+                            f"other --types")
     batches = llama_tools.eval_batches(ckpt["config"], model.config.block_size, eval_iters)
     columns = dict.fromkeys(layers, 0.0)
 
@@ -74,9 +75,9 @@ def measure(ckpt, types, eval_iters):
         w = weight.detach().clone()
         row = dict(tensor=name, role=role, numel=w.numel(), loss={}, proxy={})
         for t in types:
-            weight.copy_(ste.fake_quantize(w, t))
+            weight.copy_(grids.fake_quantize(w, t))
             row["loss"][t] = _val_loss(model, batches) - base
-            row["proxy"][t] = ste.imatrix_error(w, t, columns[name])
+            row["proxy"][t] = budget.imatrix_error(w, t, columns[name])
         weight.copy_(w)
         tensors.append(row)
     return dict(val_loss=base, batches=len(batches), tensors=tensors)
@@ -85,7 +86,7 @@ def measure(ckpt, types, eval_iters):
 def upgrades(tensors, types):
     """For each step up the types ("q2_k->q3_k"): per tensor, the loss and the proxy dropped per weight
     and per bit, and Spearman's correlation of the two over the tensors."""
-    bits = {t: ggml_quants.bits_per_weight(ste.GGML_FORMATS[t]) for t in types}
+    bits = {t: ggml_quants.bits_per_weight(formats.GGML_FORMATS[t]) for t in types}
     steps = {}
     for lo, hi in zip(types, types[1:]):
         extra = bits[hi] - bits[lo]
@@ -99,7 +100,7 @@ def main(argv):
     c = dict(DEFAULTS)
     configurator.configure(c, argv, usage="usage: python -m studies.sensitivity [--key=value ...]")
     types = [t.strip() for t in c["types"].split(",") if t.strip()]
-    order = list(ste.GGUF_BUDGET_TYPES)
+    order = list(budget.GGUF_BUDGET_TYPES)
     if len(types) < 2 or any(t not in order for t in types) or types != sorted(set(types), key=order.index):
         raise UserError(f"--types={c['types']!r}: expected two or more of {', '.join(order)}, each once, cheapest "
                         f"first (each step up the list is an upgrade: q2_k,q3_k,q4_k)")
@@ -122,7 +123,7 @@ def main(argv):
         buys = " ".join(f"{s} {ranks[s][i]:2d} {ranks[s][n + i]:2d}" for s in ranks)
         print(f"  {r['tensor']:<30} {changes}  {buys}")
     print("Spearman (loss, proxy) per step: " + ", ".join(f"{s} {v['spearman']:+.2f}"
-                                                         for s, v in result["upgrades"].items()))
+                                                          for s, v in result["upgrades"].items()))
     if c["json"]:
         write_atomic(c["json"], json.dumps(result, indent=1) + "\n")
     return 0

@@ -21,6 +21,7 @@ from benchmarks import fig6, options, table1
 from conftest import ROOT
 from quant import ggml_quants as G
 from quant import ste
+from quant import budget
 
 KERNEL_KEYS = {"shape", "impl", "gelem_per_s", "speedup_vs_torch", "share_of_copy", "device"}
 TRAIN_KEYS = {"method", "grad_accum", "tokens_per_s", "overhead_pct", "extra_bytes_per_param", "model", "device"}
@@ -240,7 +241,7 @@ def test_ste_arms_time_steps_on_their_grids_after_a_budgets_switch(tmp_path, mon
     runner.past_switch([(x, x)])
     layers = gaussws.method_layers(runner.model)
     assert runner.step_count == 2 and runner.switch_seconds > 0 and len(layers) == 4
-    assert all(layer.ggml() != ste.UNCHOSEN for layer in layers)
+    assert all(layer.ggml() != budget.UNCHOSEN for layer in layers)
     calls = []
     fake_quantize = G.fake_quantize
     monkeypatch.setattr(G, "fake_quantize", lambda *a, **k: calls.append(a[1]) or fake_quantize(*a, **k))

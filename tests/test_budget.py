@@ -12,7 +12,7 @@ import export as E
 import lowbit
 import util
 from model import GPT, ModelConfig
-from quant import formats
+from quant import budget, formats
 
 ARGS = dict(arch="gpt2", n_layer=1, n_head=2, n_embd=64, vocab_size=256, block_size=32, bias=True)
 
@@ -31,27 +31,27 @@ def test_budget_bits_takes_the_best_upgrades_that_fit():
     for _ in range(20):
         b_t = 2 + 3 * torch.rand(6, generator=gen, dtype=torch.float64)
         priority = b_t[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64)
-        for budget in (2.0, 2.5, 3.0, 3.25, 4.0):
-            bits = formats.budget_bits(priority, weights, budget)
-            assert (bits * weights).sum() <= budget * weights.sum() and bits.min() >= 2 and bits.max() <= 4
-            assert bits.sum() == min(24, 12 + int((budget - 2) * 6))
+        for allowed in (2.0, 2.5, 3.0, 3.25, 4.0):
+            bits = budget.budget_bits(priority, weights, allowed)
+            assert (bits * weights).sum() <= allowed * weights.sum() and bits.min() >= 2 and bits.max() <= 4
+            assert bits.sum() == min(24, 12 + int((allowed - 2) * 6))
             best = max(greedy_total(priority, c) for c in itertools.product((2, 3, 4), repeat=6)
                        if sum(c) == bits.sum())
             assert greedy_total(priority, bits.tolist()) == pytest.approx(best)
     by_hand = torch.tensor([[3.0, 2.0], [0.1, -0.9], [1.6, 0.6], [0.9, -0.1]], dtype=torch.float64)
-    assert formats.budget_bits(by_hand, torch.full((4,), 1024.0), 3.0).tolist() == [4, 2, 3, 3]
-    assert formats.budget_bits(by_hand, torch.full((4,), 1024.0), 2.5).tolist() == [4, 2, 2, 2]
+    assert budget.budget_bits(by_hand, torch.full((4,), 1024.0), 3.0).tolist() == [4, 2, 3, 3]
+    assert budget.budget_bits(by_hand, torch.full((4,), 1024.0), 2.5).tolist() == [4, 2, 2, 2]
     # edge blocks hold fewer weights: an upgrade that does not fit is passed over for smaller ones that do
     b_t = torch.tensor([2.5, 4.5, 3.2, 4.9, 2.1], dtype=torch.float64)
     sizes = torch.tensor([1024.0, 1024, 512, 1024, 256])  # budget (3 - 2) * 3840 = 3840 bits of upgrades:
-    bits = formats.budget_bits(b_t[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64), sizes, 3.0)
+    bits = budget.budget_bits(b_t[:, None] - torch.tensor([2.0, 3.0], dtype=torch.float64), sizes, 3.0)
     assert bits.tolist() == [2, 3, 3, 4, 3]  # 4.9 twice, 4.5, 3.2, 2.1: 2048 + 1024 + 512 + 256 = 3840
 
 
 def test_error_int_minimises_the_total_squared_error_at_the_budget():
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
     w[:32] *= torch.linspace(0.1, 3.0, 96)  # blocks of unlike spread
-    chosen = lowbit.budget_format_ids("error-int", {"w": w}, {}, 3.0)["w"]
+    chosen = budget.budget_format_ids("error-int", {"w": w}, {}, 3.0)["w"]
     blocks = formats.to_blocks(w.double())
 
     def error(bits):  # the total squared error of int<b> per block, by brute force

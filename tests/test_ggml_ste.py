@@ -23,9 +23,13 @@ from conftest import ROOT
 from model import GPT, ROLES, ModelConfig
 from quant import ggml_quants as G
 from quant import ste
+from quant import budget
+from quant import formats
 from test_phase import STEPS, curve, one_line, tiny, train_recording
 
-TYPES = tuple(ste.GGML_FORMATS)
+E_R2 = gaussws.R_SECOND_MOMENT  # E[R^2] of each method's noise (Eq. 10): what budget's levels are matched to
+
+TYPES = tuple(formats.GGML_FORMATS)
 SHAPE = dict(n_layer=1, n_head=2, n_embd=256)  # every input width a multiple of 256: every type fits
 CONFIG = ModelConfig(n_layer=1, n_head=2, n_embd=256, block_size=32, vocab_size=256)
 LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -37,7 +41,7 @@ def data_dir(tiny_corpus):
 
 
 def gguf_type(name):
-    return gguf.GGMLQuantizationType[ste.GGML_FORMATS[name]]
+    return gguf.GGMLQuantizationType[formats.GGML_FORMATS[name]]
 
 
 def gguf_grid(w, t):
@@ -59,7 +63,7 @@ def ggml_types(state):
 def on_grid(state, types):
     """The state dict with every block Linear's weight on its GGML type's grid (gguf's dequantizer), and
     neither b_i nor STE buffers: what a plain model computes the STE's training forward with."""
-    out = {k: v for k, v in state.items() if not k.endswith((".b_i",) + ste.FORMAT_STATE)}
+    out = {k: v for k, v in state.items() if not k.endswith((".b_i",) + budget.FORMAT_STATE)}
     for layer, t in types.items():
         out[layer + ".weight"] = gguf_grid(state[layer + ".weight"], gguf.GGMLQuantizationType(t))
     return out
@@ -112,10 +116,10 @@ def test_the_matched_level_of_each_type_is_a_naive_measurement_on_a_shuffled_til
     their sorted order each row block would hold neighbouring quantiles, almost equal, whose error is
     another (for the integer grids 10-100x smaller, 2x for Q8_0; for E2M1's 7x larger)."""
     r = naive_relative_error(tile, name)
-    assert ste.rounding_error(name) == pytest.approx(r, rel=1e-6)
+    assert budget.rounding_error(name) == pytest.approx(r, rel=1e-6)
     for method, moment in SECOND_MOMENT.items():
         level = 1 + 0.5 * math.log2(moment / r)
-        assert abs(train.matched_b_t(method, name) - level) <= 0.005 + 1e-9
+        assert abs(budget.matched_b_t(E_R2[method], name) - level) <= 0.005 + 1e-9
     in_order = np.sort(tile.flatten()).reshape(256, 256)
     ratio = naive_relative_error(in_order, name) / r
     assert max(ratio, 1 / ratio) > 1.5
@@ -125,23 +129,23 @@ def test_the_gguf_budgets_level_lies_between_its_types_levels_by_their_bits():
     """At each type's bits the level is its own (IQ4_NL's 4.5 bits are Q4_K's, the first of the two in the
     ladder), between two types linear in bits: 4.0 lies between Q3_K (3.4375) and IQ4_XS (4.25)."""
     ladder = ("q2_k", "q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q8_0")  # a row of 256: every type but iq4_nl
-    assert [t for t, _ in ste.budget_ladder(256)] == list(ladder)
+    assert [t for t, _ in budget.budget_ladder(256)] == list(ladder)
     for method in SECOND_MOMENT:
-        levels = {t: train.matched_b_t(method, t) for t in ste.GGUF_BUDGET_TYPES}
+        levels = {t: budget.matched_b_t(E_R2[method], t) for t in budget.GGUF_BUDGET_TYPES}
         for t in ladder:
-            assert train.budget_level(method, bits_per_weight(gguf_type(t)), "error-gguf") == levels[t]
-        assert train.budget_level(method, 4.5, "error-gguf") == levels["q4_k"] != levels["iq4_nl"]
+            assert budget.budget_level(E_R2[method], bits_per_weight(gguf_type(t)), "error-gguf") == levels[t]
+        assert budget.budget_level(E_R2[method], 4.5, "error-gguf") == levels["q4_k"] != levels["iq4_nl"]
         q3, xs = bits_per_weight(gguf_type("q3_k")), bits_per_weight(gguf_type("iq4_xs"))
-        assert train.budget_level(method, 4.0, "auto-gguf") == pytest.approx(
+        assert budget.budget_level(E_R2[method], 4.0, "auto-gguf") == pytest.approx(
             levels["q3_k"] + (4.0 - q3) / (xs - q3) * (levels["iq4_xs"] - levels["q3_k"]), abs=0.005)
     c = dict(pqt_start=50, ste_start=150, max_iters=200, target_format="auto-gguf", bits_per_weight=4.5, b_init=6.0,
              b_target=4.0)
-    level = train.matched_b_t("gaussws", "q4_k")
+    level = budget.matched_b_t(E_R2["gaussws"], "q4_k")
     assert train.phase_settings("gaussws", c) == dict(pqt_start=50.0, ste_start=150.0, b_init=level + 1,
-                                                        b_target=level)
+                                                      b_target=level)
     assert train.phase_settings("gaussws", dict(c, ste_start=0.0, target_format="q3_k", bits_per_weight=0.0)) == \
-        dict(pqt_start=50.0, ste_start=0.0, b_init=train.matched_b_t("gaussws", "q3_k"),
-             b_target=train.matched_b_t("gaussws", "q3_k"))
+        dict(pqt_start=50.0, ste_start=0.0, b_init=budget.matched_b_t(E_R2["gaussws"], "q3_k"),
+             b_target=budget.matched_b_t(E_R2["gaussws"], "q3_k"))
 
 
 # --- one layer: the grid and the straight-through gradient ------------------------------------------
@@ -279,26 +283,27 @@ def rungs(width):
     """The positions in GGUF_BUDGET_TYPES of the types a row of `width` weights can be (gguf's block sizes),
     each of more bits than the one below (of two of equal bits the first): the ladder a budget climbs."""
     out = []
-    for j, t in enumerate(ste.GGUF_BUDGET_TYPES):
+    types = budget.GGUF_BUDGET_TYPES
+    for j, t in enumerate(types):
         if width % GGML_QUANT_SIZES[gguf_type(t)][0] == 0 and (
-                not out or bits_per_weight(gguf_type(t)) > bits_per_weight(gguf_type(ste.GGUF_BUDGET_TYPES[out[-1]]))):
+                not out or bits_per_weight(gguf_type(t)) > bits_per_weight(gguf_type(types[out[-1]]))):
             out.append(j)
     return out
 
 
-def naive_allocation(proxy, numel, budget, per_bit=True, width=512):
-    """The allocation ste.gguf_types' docstring states, written out as a plain loop: every tensor starts at
+def naive_allocation(proxy, numel, allowed, per_bit=True, width=512):
+    """The allocation budget.gguf_types' docstring states, written out as a plain loop: every tensor starts at
     its ladder's first type (rungs of its row width; Q2_K for rows of 256s); then, again and again, of the
     tensors whose next type's extra bits still fit in what the budget has left, the one whose upgrade drops its
     proxy error per weight the most per extra bit (but never more than an upgrade of it before: the running
     minimum) goes up one type, ties to the tensor first in order. proxy: {tensor: its proxy error per weight at
     each type of GGUF_BUDGET_TYPES}; numel: {tensor: weights}; per_bit False: the drop itself ranks (what
-    ste.gguf_types must not do)."""
-    order = [ste.GGUF_BUDGET_TYPES[j] for j in rungs(width)]
+    budget.gguf_types must not do)."""
+    order = [budget.GGUF_BUDGET_TYPES[j] for j in rungs(width)]
     bits = [bits_per_weight(gguf_type(t)) for t in order]
     proxy = {k: [p[j] for j in rungs(width)] for k, p in proxy.items()}
     level, ceiling = dict.fromkeys(proxy, 0), dict.fromkeys(proxy, math.inf)
-    left = budget * sum(numel.values()) - bits[0] * sum(numel.values())
+    left = allowed * sum(numel.values()) - bits[0] * sum(numel.values())
     while True:
         options = [(min(ceiling[k], (p[j] - p[j + 1]) / ((bits[j + 1] - bits[j]) if per_bit else 1)), k)
                    for k, p in proxy.items() for j in [level[k]]
@@ -314,7 +319,7 @@ def naive_allocation(proxy, numel, budget, per_bit=True, width=512):
 @pytest.fixture(scope="module")
 def tile_errors(tile):
     """Each budget type's rounding error, measured naively on the tile (rounding_error's definition)."""
-    return [naive_relative_error(tile, t) for t in ste.GGUF_BUDGET_TYPES]
+    return [naive_relative_error(tile, t) for t in budget.GGUF_BUDGET_TYPES]
 
 
 def test_a_tensors_b_t_is_log4_of_its_weights_mean_4_to_the_b_t():
@@ -325,42 +330,42 @@ def test_a_tensors_b_t_is_log4_of_its_weights_mean_4_to_the_b_t():
         for j in range(3):
             n = min(32, 48 - 32 * i) * min(32, 70 - 32 * j)  # the 48 x 70 weight's block (i, j)
             total, count = total + n * 4.0 ** b_t[i, j].item(), count + n
-    assert ste.tensor_b_t(b_t, (48, 70)) == pytest.approx(math.log(total / count, 4), rel=1e-12)
-    assert ste.tensor_b_t(torch.full((2, 3), 5.25, dtype=torch.float64), (48, 70)) == pytest.approx(5.25)
+    assert budget.tensor_b_t(b_t, (48, 70)) == pytest.approx(math.log(total / count, 4), rel=1e-12)
+    assert budget.tensor_b_t(torch.full((2, 3), 5.25, dtype=torch.float64), (48, 70)) == pytest.approx(5.25)
     # one block that needs precision lifts its tensor above one of a higher plain mean of b_t
     spiky, flat = torch.tensor([[7.0, 4.0, 4.0, 4.0]]), torch.tensor([[5.0, 5.0, 5.0, 5.0]])
-    assert spiky.mean() < flat.mean() and ste.tensor_b_t(spiky, (32, 128)) > ste.tensor_b_t(flat, (32, 128))
+    assert spiky.mean() < flat.mean() and budget.tensor_b_t(spiky, (32, 128)) > budget.tensor_b_t(flat, (32, 128))
     weights = {"spiky": torch.zeros(32, 256), "flat": torch.zeros(32, 256)}
     one_upgrade = 2.625 + (3.4375 - 2.625) / 2
-    b_t = {k: ste.tensor_b_t(v, (32, 128)) for k, v in (("spiky", spiky), ("flat", flat))}
-    assert ste.gguf_types("auto-gguf", weights, one_upgrade, b_t=b_t) == {"spiky": "q3_k", "flat": "q2_k"}
+    b_t = {k: budget.tensor_b_t(v, (32, 128)) for k, v in (("spiky", spiky), ("flat", flat))}
+    assert budget.gguf_types("auto-gguf", weights, one_upgrade, b_t=b_t) == {"spiky": "q3_k", "flat": "q2_k"}
 
 
 def test_auto_gguf_upgrades_tensors_in_the_order_of_their_b_t_within_the_budget(tile_errors):
     weights = {k: torch.zeros(64, 512) for k in "abcd"}
     b_t = {"a": 5.0, "b": 6.5, "c": 4.0, "d": 5.5}
     q2, q3 = bits_per_weight(gguf_type("q2_k")), bits_per_weight(gguf_type("q3_k"))
-    assert ste.gguf_types("auto-gguf", weights, q2, b_t=b_t) == dict.fromkeys("abcd", "q2_k")
-    assert ste.gguf_types("auto-gguf", weights, q2 + (q3 - q2) / 4, b_t=b_t) == dict(a="q2_k", b="q3_k", c="q2_k",
-                                                                                    d="q2_k")
+    assert budget.gguf_types("auto-gguf", weights, q2, b_t=b_t) == dict.fromkeys("abcd", "q2_k")
+    assert budget.gguf_types("auto-gguf", weights, q2 + (q3 - q2) / 4, b_t=b_t) == dict(a="q2_k", b="q3_k", c="q2_k",
+                                                                                        d="q2_k")
     # two upgrades of Q3_K's extra bits: b's second (to IQ4_XS, as many bits again) buys more per bit than d's
     # first, 4^6.5 (r(q3_k) - r(iq4_xs)) > 4^5.5 (r(q2_k) - r(q3_k)), the proxies auto-gguf ranks by
-    r = {t: ste.rounding_error(t) for t in ("q2_k", "q3_k", "iq4_xs")}
+    r = {t: budget.rounding_error(t) for t in ("q2_k", "q3_k", "iq4_xs")}
     assert 4 ** 6.5 * (r["q3_k"] - r["iq4_xs"]) > 4 ** 5.5 * (r["q2_k"] - r["q3_k"])
     assert bits_per_weight(gguf_type("iq4_xs")) - q3 == q3 - q2
-    assert ste.gguf_types("auto-gguf", weights, q2 + (q3 - q2) / 2, b_t=b_t) == dict(a="q2_k", b="iq4_xs", c="q2_k",
-                                                                                    d="q2_k")
+    assert budget.gguf_types("auto-gguf", weights, q2 + (q3 - q2) / 2, b_t=b_t) == dict(a="q2_k", b="iq4_xs", c="q2_k",
+                                                                                        d="q2_k")
     rank = sorted(b_t, key=b_t.get)
     order = ["q2_k", "q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q8_0"]  # a row of 512: iq4_nl has q4_k's bits
     proxy = {k: [4.0 ** b * r for r in tile_errors] for k, b in b_t.items()}
     numel = {k: w.numel() for k, w in weights.items()}
-    for budget in np.linspace(q2, 8.5, 41):
-        types = ste.gguf_types("auto-gguf", weights, budget, b_t=b_t)
-        assert spent(types, weights) <= budget + 1e-12
+    for allowed in np.linspace(q2, 8.5, 41):
+        types = budget.gguf_types("auto-gguf", weights, allowed, b_t=b_t)
+        assert spent(types, weights) <= allowed + 1e-12
         levels = [order.index(types[k]) for k in rank]
         assert levels == sorted(levels)  # the higher b_t, the type at least as fine
-        assert types == naive_allocation(proxy, numel, budget), budget
-    assert ste.gguf_types("auto-gguf", weights, 8.5, b_t=b_t) == dict.fromkeys("abcd", "q8_0")
+        assert types == naive_allocation(proxy, numel, allowed), allowed
+    assert budget.gguf_types("auto-gguf", weights, 8.5, b_t=b_t) == dict.fromkeys("abcd", "q8_0")
 
 
 def test_auto_ggufs_base_4_and_its_priority_per_bit_decide_a_hand_computed_allocation(tile_errors):
@@ -381,10 +386,10 @@ def test_auto_ggufs_base_4_and_its_priority_per_bit_decide_a_hand_computed_alloc
     to a and b: Q3_K, Q4_K, Q4_K."""
     weights = {k: torch.zeros(64, 512) for k in "abc"}
     b_t = {"a": 3.0, "b": 4.0, "c": 6.0}
-    r = dict(zip(ste.GGUF_BUDGET_TYPES, tile_errors))
+    r = dict(zip(budget.GGUF_BUDGET_TYPES, tile_errors))
     assert 256 * (r["q3_k"] - r["iq4_xs"]) / 0.8125 < 4096 * (r["iq4_xs"] - r["q4_k"]) / 0.25 < \
         4096 * (r["q4_k"] - r["q5_k"])  # c's IQ4_XS->Q4_K step comes before b's second upgrade, per bit
-    assert ste.gguf_types("auto-gguf", weights, 4.25, b_t=b_t) == dict(a="q2_k", b="q4_k", c="q5_k")
+    assert budget.gguf_types("auto-gguf", weights, 4.25, b_t=b_t) == dict(a="q2_k", b="q4_k", c="q5_k")
     numel = dict.fromkeys("abc", 64 * 512)
     assert naive_allocation({k: [4.0 ** b * x for x in tile_errors] for k, b in b_t.items()}, numel, 4.25) == \
         dict(a="q2_k", b="q4_k", c="q5_k")
@@ -400,22 +405,22 @@ def test_error_gguf_weights_each_tensors_error_by_its_input_activations():
     weights = {"quiet": w, "loud": w.clone()}
     imatrix = {"quiet": torch.ones(512), "loud": torch.full((512,), 100.0)}
     q2, q3 = bits_per_weight(gguf_type("q2_k")), bits_per_weight(gguf_type("q3_k"))
-    assert ste.gguf_types("error-gguf", weights, q2 + (q3 - q2) / 2, imatrix=imatrix) == dict(quiet="q2_k",
-                                                                                             loud="q3_k")
+    assert budget.gguf_types("error-gguf", weights, q2 + (q3 - q2) / 2, imatrix=imatrix) == dict(quiet="q2_k",
+                                                                                                 loud="q3_k")
     # one column that carries all the input: the tensor whose error there is larger is upgraded
     a, b = w.clone(), w.clone()
     a[:, 0] *= 8.0  # a large weight in column 0 widens its sub-blocks' scales, hence their error
     columns = torch.zeros(512)
     columns[:16] = 1.0
-    got = ste.gguf_types("error-gguf", {"a": a, "b": b}, q2 + (q3 - q2) / 2, imatrix={"a": columns, "b": columns})
+    got = budget.gguf_types("error-gguf", {"a": a, "b": b}, q2 + (q3 - q2) / 2, imatrix={"a": columns, "b": columns})
     error = {k: ((gguf_grid(v, gguf_type("q2_k")) - v) ** 2).sum(0)[:16].sum() for k, v in (("a", a), ("b", b))}
     assert error["a"] > error["b"] and got == dict(a="q3_k", b="q2_k")
     narrow = {"wide": torch.zeros(64, 256), "narrow": torch.zeros(64, 96)}
     columns = {"wide": torch.ones(256), "narrow": torch.ones(96)}
     least = (2.625 * 256 + 4.5 * 96) / (256 + 96)  # Q2_K and IQ4_NL, by their bits
-    assert ste.gguf_types("error-gguf", narrow, least, imatrix=columns) == dict(wide="q2_k", narrow="iq4_nl")
-    assert ste.gguf_types("error-gguf", narrow, 8.5, imatrix=columns) == dict(wide="q8_0", narrow="q8_0")
-    types = ste.gguf_types("error-gguf", narrow, 8.0, imatrix=columns)
+    assert budget.gguf_types("error-gguf", narrow, least, imatrix=columns) == dict(wide="q2_k", narrow="iq4_nl")
+    assert budget.gguf_types("error-gguf", narrow, 8.5, imatrix=columns) == dict(wide="q8_0", narrow="q8_0")
+    types = budget.gguf_types("error-gguf", narrow, 8.0, imatrix=columns)
     assert types["narrow"] in ("iq4_nl", "q8_0") and spent(types, narrow) <= 8.0
 
 
@@ -484,7 +489,7 @@ def budget_runs(data_dir, tmp_path_factory):
     out = {}
     for name in BUDGETS:
         d = tmp_path_factory.mktemp(name)
-        with Inputs(range(max(0, SWITCH[name] - ste.IMATRIX_STEPS), SWITCH[name]), SWITCH[name]) as inputs:
+        with Inputs(range(max(0, SWITCH[name] - budget.IMATRIX_STEPS), SWITCH[name]), SWITCH[name]) as inputs:
             with pytest.MonkeyPatch.context() as mp:
                 printed = []
                 mp.setattr(ste, "_say", printed.append)
@@ -498,10 +503,10 @@ def test_the_switch_chooses_once_within_the_budget_and_the_run_trains_on_its_typ
     out_dir, run, printed, _ = budget_runs[name]
     switch, kw = SWITCH[name], BUDGETS[name]
     before = [ggml_types(run[s][0]) for s in run if s <= switch]
-    assert before and all(set(t.values()) == {ste.UNCHOSEN} and len(t) == 8 for t in before)
+    assert before and all(set(t.values()) == {budget.UNCHOSEN} and len(t) == 8 for t in before)
     chosen = ggml_types(run[STEPS][0])
     assert all(ggml_types(run[s][0]) == chosen for s in run if s > switch)
-    assert ste.UNCHOSEN not in chosen.values()
+    assert budget.UNCHOSEN not in chosen.values()
     shapes = {k: run[STEPS][0][k + ".weight"].shape for k in chosen}
     n = {k: shape.numel() for k, shape in shapes.items()}
     bits = sum(bits_per_weight(t) * n[k] for k, t in chosen.items()) / sum(n.values())
@@ -534,7 +539,7 @@ def test_auto_gguf_ranks_the_tensors_by_their_learned_b_t(budget_runs, tile_erro
                   for i in range(0, w.shape[0], 32) for j in range(0, w.shape[1], 32)]
         tensor_b_t[layer] = math.log(sum(n * 4 ** b for b, n in blocks) / sum(n for _, n in blocks), 4)
     assert len(set(tensor_b_t.values())) == 8
-    order = [gguf_type(t).value for t in ste.GGUF_BUDGET_TYPES]
+    order = [gguf_type(t).value for t in budget.GGUF_BUDGET_TYPES]
     for k in LINEARS:
         low, high = sorted((f"transformer.h.{i}.{k}" for i in (0, 1)), key=tensor_b_t.get)
         assert order.index(chosen[low]) <= order.index(chosen[high])
@@ -555,7 +560,7 @@ def test_error_gguf_sums_the_squared_inputs_of_the_steps_before_the_switch(budge
         torch.testing.assert_close(state[layer + ".imatrix"].double(), inputs.sums[layer], rtol=1e-5, atol=0)
     proxy = {k: [float((((gguf_grid(inputs.weights[k], gguf_type(t)).double() - inputs.weights[k].double()) ** 2)
                        .sum(0) * inputs.sums[k].float().double()).sum()) / inputs.weights[k].numel()
-                 for t in ste.GGUF_BUDGET_TYPES] for k in chosen}
+                 for t in budget.GGUF_BUDGET_TYPES] for k in chosen}
     numel = {k: inputs.weights[k].numel() for k in chosen}
     expected = naive_allocation(proxy, numel, BUDGETS[name]["bits_per_weight"])
     assert {k: gguf_type(t).value for k, t in expected.items()} == chosen
@@ -570,8 +575,8 @@ def test_a_budget_run_exports_to_gguf_in_the_types_it_trained_on(budget_runs, na
     kw = BUDGETS[name]
     assert any(k.endswith(".imatrix") for k in run[STEPS][0]) == kw["target_format"].startswith("error")
     r = subprocess.run([sys.executable, "export.py", f"--out_dir={out_dir}", f"--format={kw['target_format']}",
-                        f"--bits_per_weight={kw['bits_per_weight']}", "--gguf=True", "--evaluate=False", "--plot=False"],
-                       cwd=ROOT, capture_output=True, text=True)
+                        f"--bits_per_weight={kw['bits_per_weight']}", "--gguf=True", "--evaluate=False",
+                        "--plot=False"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     path = out_dir / f"model-{kw['target_format']}.gguf"
     types = {our_key(t.name, "gpt2"): int(t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
@@ -643,7 +648,7 @@ def test_a_compiled_model_trains_on_the_same_grid_and_sums_the_same_imatrix():
         results.append((y.detach(), layer.weight.grad, layer.imatrix.clone(), int(layer.ggml_type)))
     (y, grad, imatrix, t), (y_c, grad_c, imatrix_c, t_c) = results
     assert torch.equal(y, y_c) and torch.equal(grad, grad_c) and torch.equal(imatrix, imatrix_c) and t == t_c
-    assert torch.equal(imatrix, x.square().sum((0, 1))) and t != ste.UNCHOSEN
+    assert torch.equal(imatrix, x.square().sum((0, 1))) and t != budget.UNCHOSEN
 
 
 @pytest.mark.parametrize("name", ["auto", "error"])

@@ -20,11 +20,13 @@ import train
 import util
 from configurator import ConfigError
 from model import GPT, ROLES, ModelConfig
-from quant import ste
+from quant import budget, grids, ste
 from quant.formats import BY_NAME, FORMATS, block_weights
 from test_phase import curve, tiny, train_recording
 from test_ste import random_weight
 from util import UserError
+
+E_R2 = gaussws.R_SECOND_MOMENT  # E[R^2] of each method's noise (Eq. 10): what budget's levels are matched to
 
 PQT_START, STE_START, STEPS = 5, 10, 20
 SHAPE = dict(n_embd=48)  # 48 = 32 + 16: every block Linear has partial edge blocks
@@ -87,7 +89,7 @@ def test_each_block_trains_on_exports_grid_for_its_own_format(shape):
     ids = choice[torch.randint(0, 3, nb, generator=torch.Generator().manual_seed(1))]
     if ids.numel() > 1:
         ids.view(-1)[:2] = choice[[0, 2]]  # at least two formats in a weight of more than one block
-    got = ste.fake_quantize_blocks(w, ids)
+    got = grids.fake_quantize_blocks(w, ids)
     assert torch.equal(as_int32(got), as_int32(exported(w, ids)))
     assert not torch.equal(got, w)
 
@@ -132,7 +134,7 @@ def test_the_mixed_run_is_the_gaussws_phase_run_bit_for_bit_until_ste_start(runs
         (w_pqt, opt_pqt), (w, opt) = pqt[step], mixed[step]
         assert set(w) - set(w_pqt) == set(k + ".format_ids" for k in format_ids(w))
         assert all(torch.equal(w[k], v) for k, v in w_pqt.items())  # weights and b_i, bit for bit
-        assert all((v == ste.UNCHOSEN).all() for v in format_ids(w).values())  # nothing chosen before the switch
+        assert all((v == budget.UNCHOSEN).all() for v in format_ids(w).values())  # nothing chosen before the switch
         (s_pqt, g_pqt), (s, g) = [(o[0]["state"], o[0]["param_groups"]) for o in (opt_pqt, opt)]
         assert g == g_pqt and s.keys() == s_pqt.keys()
         assert all(torch.equal(s[i][k], v) for i, st in s_pqt.items() for k, v in st.items())
@@ -144,7 +146,7 @@ def test_b_t_is_free_per_block_in_the_phase_and_fixed_from_ste_start(runs):
     mixed_dir, mixed = runs["auto"]
     with open(os.path.join(mixed_dir, "config.json")) as f:
         config = json.load(f)
-    level = train.budget_level("gaussws", 2.75)
+    level = budget.budget_level(E_R2["gaussws"], 2.75)
     assert config["b_target"] == level and config["b_init"] == level + 1 and config["ste_start"] == STE_START
     lo, hi = curve(mixed_dir, "b_t/min"), curve(mixed_dir, "b_t/max")
     assert all(lo[i] == hi[i] == pytest.approx(level + 1, abs=1e-6) for i in range(1, PQT_START + 1))  # b_i = 1
@@ -165,19 +167,19 @@ def test_b_t_is_free_per_block_in_the_phase_and_fixed_from_ste_start(runs):
 def export_files(out_dir, name, capsys):
     """export.py of a run at its own target_format and budget: {layer weight: the file's tensors}."""
     from safetensors.torch import load_file
-    fmt, budget = RUNS[name]["target_format"], RUNS[name]["bits_per_weight"]
-    assert util.cli(E.main, [f"--out_dir={out_dir}", f"--format={fmt}", f"--bits_per_weight={budget}",
+    fmt, allowed = RUNS[name]["target_format"], RUNS[name]["bits_per_weight"]
+    assert util.cli(E.main, [f"--out_dir={out_dir}", f"--format={fmt}", f"--bits_per_weight={allowed}",
                              "--other_dtype=float32", "--evaluate=False", "--plot=False", "--overwrite=True"]) == 0
     printed = capsys.readouterr().out
     return load_file(str(out_dir / f"model-{fmt}.safetensors")), printed
 
 
-def meets_the_budget(ids, shapes, budget):
+def meets_the_budget(ids, shapes, allowed):
     """The bits spent are within the budget, and short of it by less than one block's upgrade."""
     weights = torch.cat([block_weights(*shapes[k]).flatten() for k in ids])
     bits = torch.cat([bits_of(v) for v in ids.values()])
     spent, total = (bits * weights).sum().item(), weights.sum().item()
-    return budget * total - weights.max().item() < spent <= budget * total
+    return allowed * total - weights.max().item() < spent <= allowed * total
 
 
 @pytest.mark.parametrize("name", MIXED)
@@ -188,7 +190,7 @@ def test_the_allocation_at_the_switch_is_exports_budget_of_that_steps_checkpoint
     one did; it meets the budget; and the resumed run repeats the uninterrupted losses."""
     train.main(argv(data_dir, tmp_path, name, max_iters=STE_START))
     at_switch = checkpoint.load_model(str(tmp_path / "ckpt.pt"))["model"]
-    assert all((v == ste.UNCHOSEN).all() for v in format_ids(at_switch).values())
+    assert all((v == budget.UNCHOSEN).all() for v in format_ids(at_switch).values())
     files, _ = export_files(tmp_path, name, capsys)
     train.main(argv(data_dir, tmp_path, name, init_from="resume"))
     whole_dir, whole = runs[name]
@@ -199,12 +201,12 @@ def test_the_allocation_at_the_switch_is_exports_budget_of_that_steps_checkpoint
     for layer, ids in trained.items():
         assert torch.equal(ids, files[layer + ".weight.format"]) and torch.equal(ids, uninterrupted[layer])
     shapes = {k: at_switch[k + ".weight"].shape for k in trained}
-    budget = RUNS[name]["bits_per_weight"]
-    assert meets_the_budget(trained, shapes, budget)
-    if budget != int(budget):  # a fractional budget cannot be one format
+    allowed = RUNS[name]["bits_per_weight"]
+    assert meets_the_budget(trained, shapes, allowed)
+    if allowed != int(allowed):  # a fractional budget cannot be one format
         assert len({i for v in trained.values() for i in v.flatten().tolist()}) >= 2
     if RUNS[name]["target_format"] == "auto-int":  # by b_t: of two whole blocks, the higher b_t has no fewer bits
-        level = train.budget_level("gaussws", budget)
+        level = budget.budget_level(E_R2["gaussws"], allowed)
         b_t = torch.cat([level + at_switch[k + ".b_i"].double().flatten() * 1.0 for k in trained])  # Eq. 11
         bits = torch.cat([bits_of(v) for v in trained.values()])
         whole_block = torch.cat([block_weights(*shapes[k]).flatten() == 1024 for k in trained])
@@ -221,12 +223,12 @@ def test_the_exported_model_is_the_trained_one(runs, name, capsys):
     files, printed = export_files(out_dir, name, capsys)
     master = run[STEPS][0]
     kw = dict(RUNS[name])
-    method, fmt, budget = kw.pop("method"), kw.pop("target_format"), kw.pop("bits_per_weight")
+    method, fmt, allowed = kw.pop("method"), kw.pop("target_format"), kw.pop("bits_per_weight")
     with open(out_dir / "config.json") as f:
         config = json.load(f)
     trained = gaussws.convert(GPT(CONFIG), method, ROLES["gpt2"], b_init=config["b_init"], b_target=config["b_target"],
                               start=kw["pqt_start"], ste_start=kw.get("ste_start", 0), fmt=fmt,
-                              bits_per_weight=budget, seed=7)
+                              bits_per_weight=allowed, seed=7)
     trained.load_state_dict(master)  # strict: the run's state is the converted model's
     exported_model, _ = lowbit.load(str(out_dir / f"model-{fmt}.safetensors"))
     for layer, ids in format_ids(master).items():
@@ -271,7 +273,7 @@ def test_a_new_run_from_another_runs_weights_chooses_its_own_formats(runs, data_
     for source in ("auto", "pqt"):
         saved = train_recording(argv(data_dir, tmp_path / source, "auto", init_from=str(runs[source][0] / "ckpt.pt"),
                                      max_iters=PQT_START))
-        assert all((v == ste.UNCHOSEN).all() for v in format_ids(saved[PQT_START][0]).values())
+        assert all((v == budget.UNCHOSEN).all() for v in format_ids(saved[PQT_START][0]).values())
 
 
 @pytest.mark.parametrize("name", ["auto", "ste"])
@@ -316,15 +318,15 @@ def test_a_bad_mixed_run_is_one_line_before_anything_is_written(data_dir, tmp_pa
 def test_the_budgets_level_is_int3s_at_3_bits_and_b_init_is_one_bit_above_in_a_phase():
     c = dict(pqt_start=0.5, ste_start=0.75, max_iters=200, target_format="auto-int", bits_per_weight=3.0,
              b_init=6.0, b_target=4.0)
-    level = train.matched_b_t("gaussws", "int3")
+    level = budget.matched_b_t(E_R2["gaussws"], "int3")
     assert train.phase_settings("gaussws", c) == dict(pqt_start=100.0, ste_start=150.0, b_init=level + 1,
-                                                        b_target=level)
+                                                      b_target=level)
     assert train.phase_settings("gaussws", c, explicit={"b_init"})["b_init"] == 6.0
     assert train.phase_settings("gaussws", dict(c, pqt_start=0.0))["b_init"] == 6.0  # from scratch: the paper's
     assert train.phase_settings("ste", dict(c, ste_start=0.0, target_format="error-int")) == \
         dict(pqt_start=100.0, ste_start=0.0, b_init=6.0, b_target=4.0)
     for method in ("gaussws", "diffq"):
-        int2, int3, int4 = (train.matched_b_t(method, f"int{b}") for b in (2, 3, 4))
-        assert [train.budget_level(method, b) for b in (2.0, 3.0, 4.0)] == [int2, int3, int4]
-        assert train.budget_level(method, 3.5) == pytest.approx((int3 + int4) / 2, abs=0.005)
-        assert train.budget_level(method, 2.25) == pytest.approx(int2 + (int3 - int2) / 4, abs=0.005)
+        int2, int3, int4 = (budget.matched_b_t(E_R2[method], f"int{b}") for b in (2, 3, 4))
+        assert [budget.budget_level(E_R2[method], b) for b in (2.0, 3.0, 4.0)] == [int2, int3, int4]
+        assert budget.budget_level(E_R2[method], 3.5) == pytest.approx((int3 + int4) / 2, abs=0.005)
+        assert budget.budget_level(E_R2[method], 2.25) == pytest.approx(int2 + (int3 - int2) / 4, abs=0.005)

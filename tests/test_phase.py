@@ -20,8 +20,10 @@ import util
 from configurator import ConfigError
 from data import loader
 from model import GPT, ROLES, ModelConfig
-from quant import ste
+from quant import budget, grids, ste
 from util import UserError
+
+E_R2 = gaussws.R_SECOND_MOMENT  # E[R^2] of each method's noise (Eq. 10): what budget's levels are matched to
 
 START, STEPS = 10, 20
 PHASES = {"gaussws": dict(method="gaussws[all]", target_format="int3"),
@@ -108,7 +110,7 @@ def test_phase_run_is_the_bf16_run_bit_for_bit_until_the_switch(runs, phase):
 
 def test_phase_b_t_starts_at_the_level_matched_to_the_target_format_and_stays(runs):
     phase_dir, run = runs["gaussws"]
-    level = train.matched_b_t("gaussws", "int3")
+    level = budget.matched_b_t(E_R2["gaussws"], "int3")
     with open(os.path.join(phase_dir, "config.json")) as f:
         config = json.load(f)
     assert config["pqt_start"] == START and config["b_init"] == config["b_target"] == level == 3.49
@@ -130,7 +132,7 @@ def first_step_loss(model, data_dir, step):
 def test_the_first_noisy_step_is_eq3_of_a_freshly_converted_model_on_the_bf16_weights(runs, data_dir):
     (_, bf16), (phase_dir, _) = runs["bf16"], runs["gaussws"]
     config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
-    level = train.matched_b_t("gaussws", "int3")
+    level = budget.matched_b_t(E_R2["gaussws"], "int3")
     model = gaussws.convert(GPT(config), "gaussws[all]", ROLES["gpt2"], b_init=level, b_target=level, seed=7)
     gaussws.load_weights(model, bf16[START][0])  # b_i as the converter makes them: 1
     assert first_step_loss(model, data_dir, START) == curve(phase_dir)[START + 1]
@@ -246,7 +248,7 @@ def test_matched_b_t_gives_pqn_the_variance_of_the_int_grids_rounding_error():
         for bits in (3, 4, 8):
             levels = 2 ** (bits - 1) - 1
             closed = math.log2(levels) + 0.5 * math.log2(48 * second_moment)
-            assert train.matched_b_t(method, f"int{bits}") == pytest.approx(closed, abs=0.02)
+            assert budget.matched_b_t(E_R2[method], f"int{bits}") == pytest.approx(closed, abs=0.02)
     assert gaussws.R_SECOND_MOMENT["gaussws"] == 2 * (0.75 * 2 ** -9 * 4 + 9 / 64 * (1 - 0.75 * 2 ** -8))
 
 
@@ -263,7 +265,7 @@ def test_an_ste_run_exports_as_it_was_trained(runs, data_dir, capsys):
     trained.load_state_dict(master)
     for name, layer in trained.named_modules():
         if isinstance(layer, ste.STELinear):
-            assert torch.equal(exported.get_submodule(name).weight, ste.fake_quantize(layer.weight, "int3"))
+            assert torch.equal(exported.get_submodule(name).weight, grids.fake_quantize(layer.weight, "int3"))
     x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), gaussws.TrainStep(trained.train(), STEPS):
         logits = trained(x, x)[0]  # with targets: the logits of every position
@@ -288,7 +290,7 @@ def trunk(data_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_a_phase_run_forked_from_the_bf16_run_at_its_switch_is_the_whole_phase_run(runs, trunk, data_dir, tmp_path,
-                                                                                    phase):
+                                                                                   phase):
     """Until its switch a phase run is the bf16 run, so one that continues the bf16 run's checkpoint of
     that step (weights, AdamW state, step, RNG) has every loss and the final weights of the whole run."""
     whole_dir, whole = runs[phase]
@@ -364,7 +366,7 @@ def test_a_diffq_phase_is_the_bf16_run_then_eq3_with_uniform_noise_and_exports(r
     (bf16_dir, bf16) = runs["bf16"]
     run = train_recording(tiny(data_dir, tmp_path, method="diffq[all]", target_format="int3", pqt_start=START))
     same_until(START, bf16_dir, bf16, tmp_path, run)
-    level = train.matched_b_t("diffq", "int3")
+    level = budget.matched_b_t(E_R2["diffq"], "int3")
     assert level == 2.58 and all(v == pytest.approx(level, abs=1e-6) for v in curve(tmp_path, "b_t/mean").values())
     config = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)
     model = gaussws.convert(GPT(config), "diffq[all]", ROLES["gpt2"], b_init=level, b_target=level, seed=7)
@@ -372,7 +374,7 @@ def test_a_diffq_phase_is_the_bf16_run_then_eq3_with_uniform_noise_and_exports(r
     assert first_step_loss(model, data_dir, START) == curve(tmp_path)[START + 1]  # Eq. 3, U(-1/2, 1/2) noise
     exported, master = export_and_load(tmp_path, "int3"), run[STEPS][0]
     for name in gaussws.method_linears(GPT(config), "diffq[all]", ROLES["gpt2"]):
-        assert torch.equal(exported.get_submodule(name).weight, ste.fake_quantize(master[name + ".weight"], "int3"))
+        assert torch.equal(exported.get_submodule(name).weight, grids.fake_quantize(master[name + ".weight"], "int3"))
 
 
 @pytest.fixture(scope="module")
@@ -400,7 +402,7 @@ def trained_logits(run_dir, master, x):
 def test_a_llama2_gaussws_phase_is_the_bf16_run_then_eq3_and_exports(llama_runs, data_dir):
     (bf16_dir, bf16), (phase_dir, run) = llama_runs["bf16"], llama_runs["gaussws"]
     same_until(START, bf16_dir, bf16, phase_dir, run)
-    level = train.matched_b_t("gaussws", "int3")
+    level = budget.matched_b_t(E_R2["gaussws"], "int3")
     model = gaussws.convert(GPT(LLAMA_CONFIG), "gaussws[all]", ROLES["llama2"], b_init=level, b_target=level, seed=7)
     gaussws.load_weights(model, bf16[START][0])
     assert first_step_loss(model, data_dir, START) == curve(phase_dir)[START + 1]
@@ -408,7 +410,7 @@ def test_a_llama2_gaussws_phase_is_the_bf16_run_then_eq3_and_exports(llama_runs,
     linears = gaussws.method_linears(GPT(LLAMA_CONFIG), "gaussws[all]", ROLES["llama2"])
     assert len(linears) == 14  # q, k, v, out, gate, up, down of both blocks
     for name in linears:
-        assert torch.equal(exported.get_submodule(name).weight, ste.fake_quantize(master[name + ".weight"], "int3"))
+        assert torch.equal(exported.get_submodule(name).weight, grids.fake_quantize(master[name + ".weight"], "int3"))
 
 
 def test_a_llama2_ste_phase_is_the_bf16_run_then_its_grid_and_exports_as_trained(llama_runs, data_dir):
@@ -416,7 +418,7 @@ def test_a_llama2_ste_phase_is_the_bf16_run_then_its_grid_and_exports_as_trained
     same_until(START, bf16_dir, bf16, phase_dir, run)
     plain = GPT(LLAMA_CONFIG)
     linears = gaussws.method_linears(plain, "ste[all]", ROLES["llama2"])
-    plain.load_state_dict({k: ste.fake_quantize(v, "int3") if k[:-len(".weight")] in linears else v
+    plain.load_state_dict({k: grids.fake_quantize(v, "int3") if k[:-len(".weight")] in linears else v
                            for k, v in bf16[START][0].items()})
     assert first_step_loss(plain, data_dir, START) == curve(phase_dir)[START + 1]  # the bf16 weights on the grid
     x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -428,7 +430,7 @@ def test_a_llama2_mixed_run_trains_a_budgets_formats_from_its_switch_and_exports
     (bf16_dir, bf16), (mixed_dir, run) = llama_runs["bf16"], llama_runs["mixed"]
     same_until(MIXED["pqt_start"], bf16_dir, bf16, mixed_dir, run)
     ids = {k: v for k, v in run[STEPS][0].items() if k.endswith(".format_ids")}
-    assert len(ids) == 14 and all((v == ste.UNCHOSEN).all() for k, v in run[5][0].items() if k in ids)
+    assert len(ids) == 14 and all((v == budget.UNCHOSEN).all() for k, v in run[5][0].items() if k in ids)
     chosen = {i for v in ids.values() for i in v.flatten().tolist()}
     assert chosen <= {lowbit.BY_NAME[f] for f in ("int2", "int3", "int4")} and len(chosen) >= 2
     assert all(torch.equal(run[15][0][k], v) for k, v in ids.items())  # chosen once, at START

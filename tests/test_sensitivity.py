@@ -16,7 +16,7 @@ import tokenizer
 import util
 from conftest import ROOT
 from model import GPT, ModelConfig
-from quant import ste
+from quant import grids
 from studies import sensitivity
 from test_gguf import write_data
 from test_gguf_grids import ARCHS, make_run
@@ -66,14 +66,14 @@ def test_each_loss_change_is_the_model_with_that_tensor_alone_rounded(measured):
     base = val_loss(model, data)
     assert result["val_loss"] == pytest.approx(base, abs=1e-6) and result["batches"] == 1
     assert [r["tensor"] for r in result["tensors"]] == [k[:-len(".weight")] for k in sd
-                                                         if k.startswith("transformer.h.") and k.endswith("weight")
-                                                         and sd[k].dim() == 2]
+                                                        if k.startswith("transformer.h.") and k.endswith("weight")
+                                                        and sd[k].dim() == 2]
     for r in result["tensors"]:
         weight = model.get_submodule(r["tensor"]).weight
         w = weight.detach().clone()
         for t in TYPES:
             with torch.no_grad():
-                weight.copy_(ste.fake_quantize(w, t))
+                weight.copy_(grids.fake_quantize(w, t))
             assert r["loss"][t] == pytest.approx(val_loss(model, data) - base, abs=1e-6)
         with torch.no_grad():
             weight.copy_(w)
@@ -91,7 +91,7 @@ def test_the_proxy_weighs_each_squared_error_by_its_input_columns_squares(measur
     row = next(r for r in result["tensors"] if r["tensor"] == "transformer.h.0.attn.c_attn")
     w = sd["transformer.h.0.attn.c_attn.weight"].double()
     for t in TYPES:
-        e = ste.fake_quantize(w.float(), t).double() - w
+        e = grids.fake_quantize(w.float(), t).double() - w
         expected = torch.einsum("oi,bti->", e.square(), h.double().square()).item() / w.numel()
         assert row["proxy"][t] == pytest.approx(expected, rel=1e-9)
 

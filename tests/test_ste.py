@@ -1,4 +1,4 @@
-"""The STE baseline's grid and gradient: ste.fake_quantize is export.py's quantization bit for bit,
+"""The STE baseline's grid and gradient: grids.fake_quantize is export.py's quantization bit for bit,
 and the straight-through gradient is the identity (torchao's convention where its own QAT applies)."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch.nn as nn
 import export as E
 import gaussws
 import lowbit
-from quant import formats, ste
+from quant import formats, grids, ste
 from quant.formats import BY_NAME, FORMATS
 
 SHAPES = [(70, 45), (33, 97), (5, 3), (64, 32)]  # partial edge blocks, a single partial block, whole blocks
@@ -42,11 +42,11 @@ def bits(t):
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("name", ste.STE_FORMATS)
+@pytest.mark.parametrize("name", grids.STE_FORMATS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_ste_grid_is_exports_quantization_bit_for_bit(name, shape):
-    w = random_weight(shape, seed=10 * ste.STE_FORMATS.index(name) + SHAPES.index(shape))
-    got = ste.fake_quantize(w, name)
+    w = random_weight(shape, seed=10 * grids.STE_FORMATS.index(name) + SHAPES.index(shape))
+    got = grids.fake_quantize(w, name)
     assert got.dtype == torch.float32 and got.shape == w.shape
     assert torch.equal(bits(got), bits(exported(w, name)))  # signed zeros included
     assert not torch.equal(got, w)
@@ -74,7 +74,7 @@ def test_int_grid_rounds_w_times_the_fp32_reciprocal_as_torchao_and_export_do(na
     pick the same level where the exact quotient w / s (float64) picks the other one."""
     fmt = FORMATS[BY_NAME[name]]
     w = near_tie_blocks(fmt.levels)
-    got = ste.fake_quantize(w, name)
+    got = grids.fake_quantize(w, name)
     assert torch.equal(bits(got), bits(exported(w, name)))
     s = formats.int_scales(w.view(-1, 32, 32).abs().amax(dim=(1, 2)), fmt).double().repeat_interleave(32)[:, None]
     assert torch.equal(s[::32, 0] * fmt.levels, w[::32, 0].double())  # the scale is s, not rounded up
@@ -89,7 +89,7 @@ def test_fp8_grid_saturates_where_torchs_cast_would_give_inf(name):
     w[0, 0] = 1.9375  # the block max: X = 2^-emax, and w / X = 1.9375 * 2^emax lies beyond fmt.max
     if name == "mxfp8_e5m2":  # IEEE-like: torch's cast alone overflows to inf
         assert torch.isinf((w[0, 0] * 2.0 ** fmt.emax).to(torch.float8_e5m2).float())
-    got = ste.fake_quantize(w, name)
+    got = grids.fake_quantize(w, name)
     assert torch.isfinite(got).all() and got[0, 0] == fmt.max / 2.0 ** fmt.emax
     assert torch.equal(bits(got), bits(exported(w, name)))
 
@@ -104,7 +104,7 @@ def test_ste_gradient_is_the_identity(name):
     x, g = torch.randn(6, 45, generator=gen), torch.randn(6, 70, generator=gen)
     with gaussws.TrainStep(layer, 0):
         layer(x).backward(g)
-    w_q = ste.fake_quantize(layer.weight, name).requires_grad_()
+    w_q = grids.fake_quantize(layer.weight, name).requires_grad_()
     nn.functional.linear(x, w_q, layer.bias).backward(g)
     assert torch.equal(layer.weight.grad, w_q.grad) and layer.weight.grad.abs().sum() > 0
 
@@ -137,7 +137,7 @@ def test_mxfp4_gradient_is_torchaos_mx_qat_gradient_also_where_fp4_saturates():
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(64, 64, generator=gen)
     w[::32, ::32] = 7.5  # block max 7.5: X = 2^(2 - 2) = 1, 7.5 saturates at 6
-    assert (ste.fake_quantize(w, "mxfp4")[::32, ::32] == 6.0).all()
+    assert (grids.fake_quantize(w, "mxfp4")[::32, ::32] == 6.0).all()
     # activations on the fp4 grid with block max 6, so that torchao's quantization of them is exact
     x = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[torch.randint(0, 8, (16, 64), generator=gen)]
     x[:, ::32] = 6.0
@@ -162,7 +162,7 @@ def test_ste_layer_is_nn_linear_in_eval_and_before_its_start():
     for step, quantized in ((4, False), (5, True)):
         with gaussws.TrainStep(layer, step):
             y = layer(x)
-        want = nn.functional.linear(x, ste.fake_quantize(plain.weight, "int3") if quantized else plain.weight,
+        want = nn.functional.linear(x, grids.fake_quantize(plain.weight, "int3") if quantized else plain.weight,
                                     plain.bias)
         assert torch.equal(y, want)
     assert torch.equal(layer.eval()(x), plain(x))
