@@ -54,8 +54,8 @@ import numpy as np
 import torch
 
 import lowbit
-import tokenizer
 from configurator import ConfigError
+from data import tokenizer
 from model import GPT, ModelConfig
 from quant.formats import FORMATS
 from util import UserError, commit, first_line, temp_path

@@ -10,8 +10,8 @@ import sys
 
 import checkpoint
 import pretrained
-import tokenizer
 from configurator import configure
+from data import tokenizer
 from data import loader
 from data.common import DataError, load_meta
 from util import cli

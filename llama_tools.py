@@ -35,7 +35,7 @@ from gguf import GGML_QUANT_SIZES
 import checkpoint
 import gguf_file
 import lowbit
-import tokenizer
+from data import tokenizer
 from data import loader
 from data.common import unusable_dir
 from gguf_file import GGUFError

@@ -41,7 +41,7 @@ def load_tokenizer(meta):
     """(encode, decode) with the tokenizer that meta.json names (tokenizer.from_meta): bytes, tiktoken,
     or a SentencePiece / tokenizers file kept beside meta.json in meta["data_dir"]. The prompt may
     hold the end-of-sequence token's text (<|endoftext|>, </s>): it is read as that token."""
-    import tokenizer
+    from data import tokenizer
     try:
         tok = tokenizer.from_meta(meta, meta.get("data_dir"))
     except tokenizer.TokenizerError as e:

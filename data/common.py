@@ -20,7 +20,7 @@ from functools import partial
 import numpy as np
 from tqdm import tqdm
 
-import tokenizer  # the repo root's; the prepare scripts put the root on sys.path
+from data import tokenizer  # the prepare scripts put the repository root on sys.path
 from util import UserError, cli, commit, reason, temp_path, unusable_dir
 
 # datasets' builder for each local file type; a .txt file is one document, as in OpenWebText's

@@ -20,8 +20,8 @@ import export as E
 import gguf_file
 import llama_tools
 import lowbit
-import tokenizer
 import util
+from data import tokenizer
 from data import loader
 
 gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")

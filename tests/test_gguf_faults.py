@@ -17,9 +17,9 @@ import export as E
 import export_gguf
 import gguf_file
 import llama_tools
-import tokenizer
 import util
 from conftest import ROOT
+from data import tokenizer
 from test_gguf import make_checkpoint, write_data
 
 gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")

@@ -21,8 +21,8 @@ import export as E
 import gguf_file
 import llama_tools
 import lowbit
-import tokenizer
 import util
+from data import tokenizer
 from quant import ggml_quants
 from test_export import file_parts, seal
 from test_gguf import (our_key, safetensors_bits_per_weight, seeded_tokens, transformers_from_export,

@@ -148,7 +148,7 @@ def test_the_mix_budgets_are_llama_quantizes_bits_per_weight_on_each_model():
 def llama_quantized(request, tmp_path_factory):
     """A checkpoint of a study model's shape (random weights, a tiny corpus's vocabulary) as an F32 GGUF, then
     llama-quantize's Q3_K_M, Q3_K_S and Q2_K of it (no --pure: llama.cpp's own mixes): (config, {mix: path})."""
-    import tokenizer
+    from data import tokenizer
     from test_gguf import write_data
     from test_gguf_grids import export, make_run
     d = tmp_path_factory.mktemp("llama_mixes")

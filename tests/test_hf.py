@@ -458,7 +458,7 @@ def test_a_byte_level_export_has_a_tokenizer_that_encodes_and_decodes_as_the_dat
     bytes); transformers' AutoTokenizer of the export gives the same ids and the text back, and decodes
     any id sequence as bytes.decode("utf-8", errors="replace"), invalid UTF-8 included."""
     import random
-    import tokenizer
+    from data import tokenizer
     _, out, line = byte_export
     assert "tokenizer.json" in line and "no tokenizer files" not in line
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)

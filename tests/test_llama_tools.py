@@ -25,9 +25,9 @@ import export_gguf
 import gguf_file
 import llama_build
 import llama_tools
-import tokenizer
 import util
 from conftest import ROOT
+from data import tokenizer
 from test_gguf import write_data
 from test_gguf_grids import BITS, VAL_LOSS_TO_OURS
 

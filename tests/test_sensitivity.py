@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tokenizer
 import util
 from conftest import ROOT
+from data import tokenizer
 from model import GPT, ModelConfig
 from quant import grids
 from studies import sensitivity

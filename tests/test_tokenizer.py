@@ -2,8 +2,8 @@
 line for a tokenizer that cannot be read or reached."""
 import pytest
 
-import tokenizer
 from conftest import make_docs, train_sentencepiece
+from data import tokenizer
 
 
 def one_line(e):
