@@ -49,11 +49,11 @@ import torch
 
 import checkpoint
 import gaussws
-import lowbit
 from configurator import check_device, configure
 from data import loader
 from data.common import DataError
-from lowbit import ExportError, block_linears, build_model
+from files import lowbit
+from files.lowbit import ExportError, block_linears, build_model
 from quant import ggml_quants
 from quant.formats import FORMATS, GGML_FORMATS, GGUF_BUDGETS, block_weights
 from util import check_json_path, cli, remove_stale_temporaries, unusable_dir, write_atomic
@@ -305,7 +305,7 @@ def read_meta(ckpt, evaluate):
 
 def write_gguf(gguf_plan, fmt_name, data, val_loss):
     """model-<format>.gguf of the exported bytes (gguf_file.write): a failed write is one line."""
-    import gguf_file
+    from files import gguf_file
     try:
         return gguf_file.write(gguf_plan, fmt_name, data, log=print, evaluate=val_loss)
     except OSError as e:
@@ -322,7 +322,7 @@ def main(argv):
     ggml = {f: lowbit.ggml_types(f, cfg["bits_per_weight"], state_dict, pqt, quantized, notes) for f in formats}
     gguf_plan = None
     if cfg["gguf"]:
-        import gguf_file  # needs the gguf package, and only here
+        from files import gguf_file  # needs the gguf package, and only here
         gguf_plan = gguf_file.plan(model, quantized, meta, config, formats, export_dir, cfg)
     outputs = [*paths.values(), *(gguf_plan.paths.values() if gguf_plan else ()), cfg["json"] or None,
                *(os.path.join(export_dir, f"bitwidths.{ext}") for ext in ("json", "png"))]

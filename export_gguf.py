@@ -30,10 +30,10 @@ import os
 import sys
 import time
 
-import gguf_file
 import llama_build
 import llama_tools
 from configurator import ConfigError, configure
+from files import gguf_file
 from util import check_json_path, cli, write_atomic
 
 # -----------------------------------------------------------------------------------------------

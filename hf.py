@@ -9,11 +9,11 @@ import os
 import sys
 
 import checkpoint
-import pretrained
 from configurator import configure
 from data import tokenizer
 from data import loader
 from data.common import DataError, load_meta
+from files import pretrained
 from util import cli
 
 DEFAULTS = dict(
@@ -28,7 +28,7 @@ USAGE = "usage: python hf.py --out=DIR [--ckpt=out/ckpt.pt] [--data_dir=DIR]"
 
 def read_exported(path):
     """A file of export.py as a checkpoint dict: its model's dequantized weights, architecture and config."""
-    import lowbit
+    from files import lowbit
     try:
         model, info = lowbit.load(path)
     except lowbit.ExportError as e:

@@ -17,7 +17,7 @@ import sys
 import tarfile
 import tempfile
 
-from gguf_file import GGUFError
+from files.gguf_file import GGUFError
 from util import atomic_dir, first_line
 
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity")

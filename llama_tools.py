@@ -33,12 +33,11 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 
 import checkpoint
-import gguf_file
-import lowbit
 from data import tokenizer
 from data import loader
 from data.common import unusable_dir
-from gguf_file import GGUFError
+from files import gguf_file, lowbit
+from files.gguf_file import GGUFError
 from llama_build import cache_bin, executable, run_tool, time_limit
 from model import ROLES
 from util import commit, first_line, read_record, remove_stale_temporaries, temp_path, write_atomic

@@ -68,7 +68,7 @@ def load_checkpoint(out_dir, device):
 
 def load_export(path, device):
     """(model in eval mode, info) from a file of export.py: the model holds the dequantized weights."""
-    import lowbit
+    from files import lowbit
     if not path.endswith(".safetensors"):
         raise UsageError(f"--init_from={path!r}: expected 'resume' or a .safetensors file written by export.py")
     try:

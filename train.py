@@ -39,10 +39,10 @@ import torch
 import checkpoint as ckpt_io
 import configurator
 import gaussws
-import pretrained
 import progress
 from configurator import ConfigError, configure
 from data import loader
+from files import pretrained
 from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
 from quant.budget import budget_level, check_budget, matched_b_t
 from quant.formats import BUDGET_TARGETS, GGML_FORMATS, GGUF_BUDGETS

@@ -19,7 +19,7 @@ import torch
 import checkpoint
 import configurator
 import llama_tools
-import lowbit
+from files import lowbit
 from quant import budget, formats, ggml_quants, grids
 from util import UserError, check_json_path, cli, write_atomic
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import export as E
-import lowbit
 import util
+from files import lowbit
 from model import GPT, ModelConfig
 from quant import budget, formats
 

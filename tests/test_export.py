@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 import export as E
-import lowbit
 import train
 import util
 from conftest import ROOT
 from data import loader
+from files import lowbit
 from model import GPT, ModelConfig
 from quant import formats
 from step import get_lr

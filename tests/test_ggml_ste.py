@@ -654,7 +654,7 @@ def test_a_compiled_model_trains_on_the_same_grid_and_sums_the_same_imatrix():
 @pytest.mark.parametrize("name", ["auto", "error"])
 def test_sample_and_hf_read_a_gguf_budget_runs_checkpoint(budget_runs, name, tmp_path):
     """sample.py rebuilds the run's model (its layers hold ggml_type and imatrix); hf.py writes its weights alone."""
-    import pretrained
+    from files import pretrained
     import sample
     model, ckpt = sample.load_checkpoint(str(budget_runs[name][0]), "cpu")
     assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())

@@ -17,12 +17,11 @@ import pytest
 import torch
 
 import export as E
-import gguf_file
 import llama_tools
-import lowbit
 import util
 from data import tokenizer
 from data import loader
+from files import gguf_file, lowbit
 
 gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")
 
@@ -428,7 +427,7 @@ def transformers_from_gguf(run, fmt, config):
 
 def transformers_from_export(path, out_dir, tanh):
     """transformers' model of export.load's dequantized weights, written by hf.py (the independent route)."""
-    import pretrained
+    from files import pretrained
     from transformers import AutoModelForCausalLM
     model, info = lowbit.load(str(path))
     pretrained.save_pretrained(info["model_args"], model.state_dict(), str(out_dir))

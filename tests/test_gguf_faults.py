@@ -15,11 +15,11 @@ import torch
 
 import export as E
 import export_gguf
-import gguf_file
 import llama_tools
 import util
 from conftest import ROOT
 from data import tokenizer
+from files import gguf_file
 from test_gguf import make_checkpoint, write_data
 
 gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")

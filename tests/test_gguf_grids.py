@@ -18,11 +18,10 @@ import pytest
 import torch
 
 import export as E
-import gguf_file
 import llama_tools
-import lowbit
 import util
 from data import tokenizer
+from files import gguf_file, lowbit
 from quant import ggml_quants
 from test_export import file_parts, seal
 from test_gguf import (our_key, safetensors_bits_per_weight, seeded_tokens, transformers_from_export,

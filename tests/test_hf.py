@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import hf
-import pretrained
 from checkpoint import PQT_KEYS, CheckpointError
-from model import GPT, ModelConfig
 from conftest import ROOT, make_docs, train_sentencepiece
+from files import pretrained
+from model import GPT, ModelConfig
 
 transformers = pytest.importorskip("transformers", reason="the truth here is transformers' own models")
 VOCAB, T = 96, 16

@@ -22,12 +22,12 @@ import torch
 
 import export as E
 import export_gguf
-import gguf_file
 import llama_build
 import llama_tools
 import util
 from conftest import ROOT
 from data import tokenizer
+from files import gguf_file
 from test_gguf import write_data
 from test_gguf_grids import BITS, VAL_LOSS_TO_OURS
 

@@ -14,11 +14,11 @@ import torch
 import checkpoint
 import export as E
 import gaussws
-import lowbit
 import sample
 import train
 import util
 from configurator import ConfigError
+from files import lowbit
 from model import GPT, ROLES, ModelConfig
 from quant import budget, grids, ste
 from quant.formats import BY_NAME, FORMATS, block_weights
@@ -279,7 +279,7 @@ def test_a_new_run_from_another_runs_weights_chooses_its_own_formats(runs, data_
 @pytest.mark.parametrize("name", ["auto", "ste"])
 def test_sample_and_hf_read_a_mixed_runs_checkpoint(runs, name, tmp_path):
     """sample.py rebuilds the run's model (its layers hold format_ids); hf.py writes its weights alone."""
-    import pretrained
+    from files import pretrained
     model, ckpt = sample.load_checkpoint(str(runs[name][0]), "cpu")
     assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())
     assert format_ids(model.state_dict()).keys() == format_ids(ckpt["model"]).keys() != set()

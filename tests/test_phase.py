@@ -14,11 +14,11 @@ import torch
 import checkpoint
 import export as E
 import gaussws
-import lowbit
 import train
 import util
 from configurator import ConfigError
 from data import loader
+from files import lowbit
 from model import GPT, ROLES, ModelConfig
 from quant import budget, grids, ste
 from util import UserError

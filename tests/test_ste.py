@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import export as E
 import gaussws
-import lowbit
+from files import lowbit
 from quant import formats, grids, ste
 from quant.formats import BY_NAME, FORMATS
 

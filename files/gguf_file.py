@@ -38,10 +38,7 @@ grouped-query attention is head_count_kv. A GPT2 without biases gets zero biases
 requires them). llama.cpp's GPT-2 computes the tanh GELU: a model trained with the exact GELU is
 told so, with the measured difference.
 
-Tokenizer, the data's: tiktoken's GPT-2 pattern encodings as a byte-level BPE vocabulary with
-merges, a SentencePiece BPE model as llama.cpp's "llama" vocabulary, the default corpus's bytes as
-256 SentencePiece byte tokens with the space spelled "▁" (_bytes_vocab says why). eos is the data's
-end-of-sequence token (NUL for the bytes, which have none); no BOS is added: the data has none.
+Tokenizer: the data's, as gguf_vocab.py writes it.
 """
 import contextlib
 import hashlib
@@ -53,14 +50,13 @@ import gguf
 import numpy as np
 import torch
 
-import lowbit
 from configurator import ConfigError
-from data import tokenizer
+from data import loader
+from files import gguf_vocab, lowbit
 from model import GPT, ModelConfig
 from quant.formats import FORMATS
 from util import UserError, commit, first_line, temp_path
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 QK = 32  # weights per GGUF block of MXFP4, Q4_0, Q8_0: a row of one of our 32x32 blocks
 Q = gguf.GGMLQuantizationType
 # The GGUF types for a tensor whose widest element format has up to `bits` bits, cheapest first.
@@ -96,7 +92,7 @@ class Tensor:
 class Plan:
     """What every GGUF file of one export shares: where each goes, and the data's vocabulary."""
     paths: dict  # format -> path of model-<format>.gguf
-    vocab: dict  # the GGUF tokenizer fields (vocabulary())
+    vocab: dict  # the GGUF tokenizer fields (gguf_vocab.vocabulary())
     notes: list  # what llama.cpp reads or computes otherwise than the data and our model do
 
 
@@ -105,98 +101,7 @@ class GGUFError(UserError):
     llama.cpp check): the message is one line that says what to do."""
 
 
-# --- the vocabulary --------------------------------------------------------------------------------
-
-def _padded(vocab, n):
-    """The vocabulary grown to the model's n ids, as llama.cpp's converter pads: [PAD<i>], unused."""
-    if len(vocab["tokens"]) > n:
-        raise ConfigError(f"the data's tokenizer has {len(vocab['tokens'])} tokens, more than the model's "
-                          f"vocab_size={n}")
-    extra = range(len(vocab["tokens"]), n)
-    vocab["tokens"] += [f"[PAD{i}]" for i in extra]
-    vocab["types"] += [gguf.TokenType.UNUSED] * len(extra)
-    vocab["scores"] += [-1000.0] * len(extra)
-    return vocab
-
-
-def _bytes_vocab():
-    """The 256 UTF-8 bytes as SentencePiece byte tokens <0xNN>, the space as "▁": llama.cpp and transformers
-    read spaces as "▁" (so the character U+2581 itself reads as a space), and a byte-level BPE vocabulary
-    cannot hold bytes alone (llama.cpp needs a merge, transformers its merged token in the vocabulary).
-    eos is NUL (byte 0), which text never holds, where llama.cpp would otherwise stop at byte 2."""
-    tokens = ["\u2581" if b == 0x20 else f"<0x{b:02X}>" for b in range(256)]
-    types = [gguf.TokenType.NORMAL if b == 0x20 else gguf.TokenType.BYTE for b in range(256)]
-    return dict(model="llama", tokens=tokens, types=types, scores=[0.0] * 256, eos=0, bos=None,
-                add_space_prefix=False, remove_extra_whitespaces=False, real=256)
-
-
-def _tiktoken_vocab(tok):
-    """tiktoken's ranks as a byte-level BPE vocabulary, its merges recovered as transformers does."""
-    import tiktoken
-    from tiktoken_ext.openai_public import r50k_pat_str
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-    enc = tiktoken.get_encoding(tok.name)  # tok.backend loaded it (or said why it cannot)
-    if enc._pat_str != r50k_pat_str:
-        raise ConfigError(f"the data's tiktoken encoding {tok.name!r} splits text with a pattern other than "
-                          f"GPT-2's; GGUF export knows llama.cpp's pre-tokenizer for GPT-2's (gpt2, r50k_base, "
-                          f"p50k_base) only")
-    ranks = {b: enc.encode_single_token(b) for b in enc.token_byte_values()}
-    converter = TikTokenConverter()
-    converter.load_tiktoken_bpe = lambda _: ranks  # it reads a file; the ranks are at hand
-    spelled, merges = converter.extract_vocab_merges_from_model(None)
-    n = enc.n_vocab
-    tokens, types = [f"[PAD{i}]" for i in range(n)], [gguf.TokenType.UNUSED] * n
-    for text, i in spelled.items():
-        tokens[i], types[i] = text, gguf.TokenType.NORMAL
-    for text in enc.special_tokens_set:
-        i = enc.encode_single_token(text)
-        tokens[i], types[i] = text, gguf.TokenType.CONTROL
-    return dict(model="gpt2", pre="gpt-2", tokens=tokens, types=types, scores=[0.0] * n,
-                merges=[f"{a} {b}" for a, b in merges], eos=tok.eot, bos=tok.eot, real=n)
-
-
-def _sentencepiece_vocab(tok):
-    """A SentencePiece BPE model's pieces, scores and types, as gguf's SentencePieceVocab reads them."""
-    import tempfile
-    from pathlib import Path
-    from sentencepiece import sentencepiece_model_pb2
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(tok.files[tok.name])
-    if proto.trainer_spec.model_type != proto.trainer_spec.BPE:
-        raise ConfigError(f"{tok.source}: GGUF export reads SentencePiece BPE models (as Llama 2's); this one is "
-                          f"{proto.trainer_spec.ModelType.Name(proto.trainer_spec.model_type)}")
-    with tempfile.TemporaryDirectory() as d:
-        with open(os.path.join(d, "tokenizer.model"), "wb") as f:
-            f.write(tok.files[tok.name])
-        pieces = list(gguf.vocab.SentencePieceVocab(Path(d)).all_tokens())
-    return dict(model="llama", tokens=[p.decode("utf-8") for p, _, _ in pieces], types=[t for _, _, t in pieces],
-                scores=[s for _, s, _ in pieces], eos=tok.eot, bos=None,
-                add_space_prefix=proto.normalizer_spec.add_dummy_prefix,
-                remove_extra_whitespaces=proto.normalizer_spec.remove_extra_whitespaces, real=len(pieces),
-                normalization=proto.normalizer_spec.name)
-
-
-def vocabulary(meta, data_dir, vocab_size):
-    """The GGUF tokenizer fields of the data's tokenizer (meta.json), padded to the model's vocab_size."""
-    try:
-        tok = tokenizer.from_meta(meta, data_dir)
-        tok.backend  # a tiktoken encoding that cannot be loaded fails here, in one line
-    except tokenizer.TokenizerError as e:
-        raise ConfigError(str(e)) from None
-    if tok.kind == "bytes":
-        vocab = _bytes_vocab()
-    elif tok.kind == "tiktoken":
-        vocab = _tiktoken_vocab(tok)
-    elif tok.kind == "sentencepiece":
-        vocab = _sentencepiece_vocab(tok)
-    else:
-        raise ConfigError(f"the data's tokenizer is {meta.get('tokenizer')!r}; GGUF export writes tiktoken, "
-                          f"SentencePiece and byte vocabularies: prepare the data with a SentencePiece "
-                          f"tokenizer.model (--tokenizer=path/to/tokenizer.model) to export it")
-    if meta.get("eot_token") is not None:
-        vocab["eos"] = meta["eot_token"]
-    return _padded(vocab, vocab_size)
-
+# --- the plan: what every file of an export shares, checked first ----------------------------------
 
 def plan(model, quantized, meta, run_config, formats, export_dir, cfg):
     """Check that every model-<format>.gguf can be written, before anything is: the architecture's
@@ -220,7 +125,7 @@ def plan(model, quantized, meta, run_config, formats, export_dir, cfg):
                           f"{QK} can; --format=bf16 or fp32 can as they are)")
     if meta is None or "dataset" not in run_config:
         raise ConfigError("the checkpoint records no dataset, so the tokenizer a GGUF file carries is unknown")
-    vocab = vocabulary(meta, os.path.join(ROOT, "data", run_config["dataset"]), config.vocab_size)
+    vocab = gguf_vocab.vocabulary(meta, loader.data_dir(run_config["dataset"]), config.vocab_size)
     notes = []
     if vocab.get("normalization", "identity") != "identity":
         notes.append(f"the SentencePiece model normalizes text ({vocab['normalization']}) and llama.cpp does not: "
@@ -392,22 +297,7 @@ def _add_header(writer, config, vocab):
         writer.add_rope_dimension_count(config.n_embd // config.n_head)
         writer.add_rope_freq_base(config.rope_theta)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_tokenizer_model(vocab["model"])
-    if "pre" in vocab:
-        writer.add_tokenizer_pre(vocab["pre"])
-    writer.add_token_list(vocab["tokens"])
-    writer.add_token_scores(vocab["scores"])
-    writer.add_token_types(vocab["types"])
-    if "merges" in vocab:
-        writer.add_token_merges(vocab["merges"])
-    if "add_space_prefix" in vocab:
-        writer.add_add_space_prefix(vocab["add_space_prefix"])
-        writer.add_remove_extra_whitespaces(vocab["remove_extra_whitespaces"])
-    writer.add_eos_token_id(vocab["eos"])
-    if vocab["bos"] is not None:
-        writer.add_bos_token_id(vocab["bos"])
-    writer.add_add_bos_token(False)  # the data has no BOS: documents are separated by eos
-    writer.add_add_eos_token(False)
+    gguf_vocab.add_vocabulary(writer, vocab)
 
 
 class _Data(np.ndarray):
