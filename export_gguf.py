@@ -10,10 +10,10 @@ the .safetensors export beside it (lowbit.load, FP32). The file is verified firs
 that it was written from the .safetensors beside it: gguf_file.open_export); a damaged, foreign or
 mismatched file, a missing one or a directory is one line and exit status 1, and llama.cpp is not run.
 Then llama.cpp's logits are compared with the file's model computed with llama.cpp's roundings
-reproduced (llama_tools.LlamaCppArithmetic): beyond the bound docs/GGUF.md derives, exit status 1.
+reproduced (llamacpp.arithmetic.LlamaCppArithmetic): beyond the bound docs/GGUF.md derives, exit status 1.
 Needs llama-cpp-python (docs/GGUF.md).
 
-llama.cpp's quantizer beside ours (--out_dir=RUN with --llama_quantize=SPEC,...; llama_tools.llama_cpp_table):
+llama.cpp's quantizer beside ours (--out_dir=RUN with --llama_quantize=SPEC,...; llamacpp.tools.llama_cpp_table):
 into --export_dir (RUN/llama.cpp) the run's checkpoint as model-fp32.gguf, an importance matrix over
 the training split (imatrix.gguf) where a SPEC ends in +imatrix, and llama-quantize's file of each SPEC
 (llama-<TYPE>[-imatrix].gguf), each reused only where manifest.json shows it made from the same inputs;
@@ -30,10 +30,9 @@ import os
 import sys
 import time
 
-import llama_build
-import llama_tools
 from configurator import ConfigError, configure
 from files import gguf_file
+from llamacpp import build, runtime, tools
 from util import check_json_path, cli, write_atomic
 
 # -----------------------------------------------------------------------------------------------
@@ -60,7 +59,7 @@ def main(argv):
         raise ConfigError(f"--tool_timeout={cfg['tool_timeout']!r}: expected the seconds each call of a llama.cpp tool "
                           f"may run, or 0 for a limit derived from each call's work")
     if cfg["build_llama_cpp"]:
-        llama_build.build_llama_cpp(tool_timeout=cfg["tool_timeout"])
+        build.build_llama_cpp(tool_timeout=cfg["tool_timeout"])
         if not (cfg["out_dir"] or cfg["llama_quantize"] or "gguf" in explicit):
             return
     if cfg["out_dir"] or cfg["llama_quantize"]:
@@ -71,7 +70,7 @@ def main(argv):
 
 def check(cfg):
     start = time.time()
-    r = llama_tools.check_llama_cpp(cfg["gguf"], cfg["eval_iters"], cfg["plain_cpu"])
+    r = runtime.check_llama_cpp(cfg["gguf"], cfg["eval_iters"], cfg["plain_cpu"])
     pct = lambda loss: f"{100 * (loss / r['val_loss'] - 1):+.4f}%"  # noqa: E731
     print(f"{cfg['gguf']}: {r['batches']} batches of train.py's evaluation, {r['tokens']:,} tokens "
           f"({time.time() - start:.0f} s)")
@@ -96,7 +95,7 @@ def check_table_args(cfg, with_ours):
     """(specs, our files) of the table's command line, every value checked before any work."""
     if not cfg["out_dir"]:
         raise ConfigError("--llama_quantize quantizes a run's checkpoint: pass --out_dir=RUN, its run directory")
-    specs = llama_tools.parse_specs(cfg["llama_quantize"])
+    specs = tools.parse_specs(cfg["llama_quantize"])
     ours = [p.strip() for p in cfg["gguf"].split(",") if p.strip()] if with_ours else []
     if cfg["imatrix_chunks"] < 0 or cfg["threads"] < 0 or cfg["eval_iters"] < 0:
         raise ConfigError("--imatrix_chunks, --threads and --eval_iters take a count >= 1, or 0 for the default")
@@ -106,9 +105,9 @@ def check_table_args(cfg, with_ours):
 
 def table(cfg, with_ours):
     specs, ours = check_table_args(cfg, with_ours)
-    summary = llama_tools.llama_cpp_table(cfg["out_dir"], specs, cfg["export_dir"], ours, cfg["imatrix_chunks"],
-                                          cfg["threads"], cfg["eval_iters"], cfg["plain_cpu"],
-                                          tool_timeout=cfg["tool_timeout"])
+    summary = tools.llama_cpp_table(cfg["out_dir"], specs, cfg["export_dir"], ours, cfg["imatrix_chunks"],
+                                    cfg["threads"], cfg["eval_iters"], cfg["plain_cpu"],
+                                    tool_timeout=cfg["tool_timeout"])
     print_table(summary)
     if cfg["json"]:
         write_atomic(cfg["json"], json.dumps(summary, indent=1) + "\n")

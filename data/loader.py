@@ -104,6 +104,16 @@ def eval_batch(data, split, k, *, seed, batch_size, block_size, device):
     return get_batch(data, (seed, split, "eval", k), batch_size=batch_size, block_size=block_size, device=device)
 
 
+def eval_batches(config, block_size, eval_iters):
+    """train.py's evaluation batches (x, y) of a run of this config (its dataset, seed, batch size):
+    eval_iters of them, 0 -> the run's own eval_iters."""
+    directory = data_dir(config["dataset"])
+    data = open_split(directory, "val", read_meta(directory), block_size)
+    return [eval_batch(data, "val", k, seed=config["seed"], batch_size=config["batch_size"], block_size=block_size,
+                       device="cpu")
+            for k in range(eval_iters or config["eval_iters"])]
+
+
 @torch.no_grad()
 def estimate_loss(model, splits, *, seed, eval_iters, batch_size, block_size, device, autocast=nullcontext(),
                   rank=0, world_size=1):

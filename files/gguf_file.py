@@ -29,7 +29,7 @@ pqt.header_sha256 (every byte before the tensor data, its own digits read as zer
 (what identifies the .safetensors export it was written from). read() checks a file before anything
 uses it, open_export() against the export beside it: a damaged, foreign or mismatched file is one
 line (GGUFError). Running llama.cpp on a file, and its roundings reproduced in our code:
-llama_tools.py.
+llamacpp/.
 
 Architectures: gpt2 and llama of llama.cpp. Our Llama2 already orders each head's query and key
 rows in adjacent pairs, as Meta's checkpoints and llama.cpp's rotary embedding do (llama.cpp's

@@ -81,7 +81,7 @@ GGUF_KEPT = ("type", "imatrix", "bytes", "block_bits_per_weight", "val_loss_llam
 # which llama-quantize quantizes): llama.cpp's val loss of the unquantized model, every share's denominator
 F32_SPEC = "F32"
 # Embeddings and head in BF16 in every file, so that files differ by their block Linears alone: export.py's
-# --other_dtype, as llama_tools.llama_quantize keeps them (its keep="bf16") in export_gguf.py's files
+# --other_dtype, as llamacpp.tools.llama_quantize keeps them (its keep="bf16") in export_gguf.py's files
 OTHER_DTYPE = "bfloat16"
 
 

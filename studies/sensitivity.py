@@ -18,7 +18,7 @@ import torch
 
 import checkpoint
 import configurator
-import llama_tools
+from data import loader
 from files import lowbit
 from quant import budget, formats, ggml_quants, grids
 from util import UserError, check_json_path, cli, write_atomic
@@ -57,7 +57,7 @@ def measure(ckpt, types, eval_iters):
             size = ggml_quants.block_size(formats.GGML_FORMATS[odd[0]])
             raise UserError(f"{name} reads {width} inputs, which {odd[0]}'s blocks of {size} do not divide: choose "
                             f"other --types")
-    batches = llama_tools.eval_batches(ckpt["config"], model.config.block_size, eval_iters)
+    batches = loader.eval_batches(ckpt["config"], model.config.block_size, eval_iters)
     columns = dict.fromkeys(layers, 0.0)
 
     def collect(name):

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import export as E
-import llama_tools
 import util
 from data import tokenizer
 from data import loader
 from files import gguf_file, lowbit
+from llamacpp import arithmetic, runtime
 
 gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")
 
@@ -507,7 +507,7 @@ def test_llama_cpps_activations_against_a_block_weight_are_ggufs_q8_0():
     Q = gguf.GGMLQuantizationType
     theirs = gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), Q.Q8_0), Q.Q8_0)
     for qtype in (Q.Q4_0, Q.Q8_0, Q.MXFP4):
-        assert np.array_equal(llama_tools.ACTIVATIONS[qtype](x).numpy(), theirs)
+        assert np.array_equal(arithmetic.ACTIVATIONS[qtype](x).numpy(), theirs)
 
 
 @needs_llama_cpp
@@ -522,7 +522,7 @@ def test_llama_cpp_runs_the_file_with_our_tokens_and_logits(exported):
     x = torch.tensor([ids])
     for fmt in FORMATS:
         path = run / f"model-{fmt}.gguf"
-        llm = llama_tools.llama_cpp_model(path, 64, plain_cpu=True)  # AMX: see there
+        llm = runtime.llama_cpp_model(path, 64, plain_cpu=True)  # AMX: see there
         for probe in PROBES + [text]:
             assert llm.tokenize(probe.encode("utf-8"), add_bos=False, special=False) == tok.encode(probe), (fmt, probe)
         llm.eval(ids)
@@ -531,7 +531,7 @@ def test_llama_cpp_runs_the_file_with_our_tokens_and_logits(exported):
         file_model = gguf_file.model_from_gguf(str(path), info["model_args"])
         with torch.no_grad():
             ours, exact = model(x, x)[0][0], file_model(x, x)[0][0]
-            with llama_tools.LlamaCppArithmetic(file_model, str(path)):
+            with arithmetic.LlamaCppArithmetic(file_model, str(path)):
                 rounded = file_model(x, x)[0][0]
         effect, worst = (rounded - exact).abs().max().item(), (theirs - exact).abs().max().item()
         print(f"llama.cpp {case} {fmt}: max |logit difference| {worst:.2e} to the file's model, its roundings' "
@@ -615,7 +615,7 @@ def test_the_llama_cpp_check_reports_our_val_loss_and_llama_cpps(exported, fmt):
     model, and its val loss is that of its arithmetic in our code within 1e-5 and ours within 1e-4
     (docs/GGUF.md)."""
     case, run, _, _ = exported
-    r = llama_tools.check_llama_cpp(str(run / f"model-{fmt}.gguf"), eval_iters=1, plain_cpu=True)
+    r = runtime.check_llama_cpp(str(run / f"model-{fmt}.gguf"), eval_iters=1, plain_cpu=True)
     model, info = lowbit.load(str(run / f"model-{fmt}.safetensors"))
     config, directory = info["config"], loader.data_dir(info["config"]["dataset"])
     data = loader.open_split(directory, "val", loader.read_meta(directory), 64)

@@ -15,11 +15,11 @@ import torch
 
 import export as E
 import export_gguf
-import llama_tools
 import util
 from conftest import ROOT
 from data import tokenizer
 from files import gguf_file
+from llamacpp import runtime
 from test_gguf import make_checkpoint, write_data
 
 gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")
@@ -175,7 +175,7 @@ def test_a_bad_gguf_is_one_line_and_llama_cpp_never_runs(case, runs, tmp_path, c
     llama.cpp is never started (whether llama-cpp-python is installed or not)."""
     def never(*args, **kwargs):
         raise AssertionError("llama.cpp ran on a file that should have been refused")
-    monkeypatch.setattr(llama_tools, "llama_cpp_model", never)
+    monkeypatch.setattr(runtime, "llama_cpp_model", never)
     path = bad_file(case, runs, tmp_path)
     rc = util.cli(export_gguf.main, [f"--gguf={path}"])
     err = capsys.readouterr().err

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import export as E
-import llama_tools
 import util
 from data import tokenizer
 from files import gguf_file, lowbit
+from llamacpp import arithmetic, build, runtime, tools
 from quant import ggml_quants
 from test_export import file_parts, seal
 from test_gguf import (our_key, safetensors_bits_per_weight, seeded_tokens, transformers_from_export,
@@ -213,8 +213,8 @@ def test_llama_cpps_activations_against_a_k_quant_weight_are_q8_k():
     x[4, :256] = torch.linspace(-127, 127, 256).round()  # +127 and -127 tie; integers: the steps are exact
     x[5, :256] = torch.arange(256) % 7 - 3.5  # halves of the step
     want = q8_k_reference(x.numpy())
-    for qtype in (*llama_tools.K_QUANTS, gguf.GGMLQuantizationType.IQ4_XS):
-        assert np.array_equal(bits(llama_tools.ACTIVATIONS[qtype](x).numpy()), bits(want)), qtype.name
+    for qtype in (*arithmetic.K_QUANTS, gguf.GGMLQuantizationType.IQ4_XS):
+        assert np.array_equal(bits(arithmetic.ACTIVATIONS[qtype](x).numpy()), bits(want)), qtype.name
 
 
 def q8_0_x86(x):
@@ -236,7 +236,7 @@ def test_llama_cpps_activations_against_a_32_weight_block_are_x86s_q8_0():
     x = torch.randn(4096, 256, generator=gen) * torch.exp2(torch.randint(-20, 20, (4096, 1), generator=gen).float())
     want = q8_0_x86(x.numpy())
     for qtype in (gguf.GGMLQuantizationType[t] for t in ("Q4_0", "Q8_0", "MXFP4", "IQ4_NL")):
-        assert np.array_equal(bits(llama_tools.ACTIVATIONS[qtype](x).numpy()), bits(want)), qtype.name
+        assert np.array_equal(bits(arithmetic.ACTIVATIONS[qtype](x).numpy()), bits(want)), qtype.name
 
 
 @needs_llama_cpp
@@ -247,7 +247,7 @@ def test_llama_cpps_logits_and_val_loss_of_every_type_are_ours_within_the_bound(
     against Q4_0, Q8_0, MXFP4, IQ4_NL; docs/GGUF.md), the arithmetic accounts for most of that difference
     (RMS_LEFT), and its val loss is its arithmetic's within VAL_LOSS_TO_ARITHMETIC and ours (export.py's, FP32)
     within VAL_LOSS_TO_OURS."""
-    r = llama_tools.check_llama_cpp(str(grids.run / f"model-{fmt}.gguf"), eval_iters=1, plain_cpu=True)
+    r = runtime.check_llama_cpp(str(grids.run / f"model-{fmt}.gguf"), eval_iters=1, plain_cpu=True)
     left = r["rms_logit_difference_arithmetic"] / r["rms_logit_difference_file"]
     print(f"llama.cpp {grids.arch} {fmt}: val loss to its arithmetic "
           f"{r['val_loss_llama_cpp'] / r['val_loss_arithmetic'] - 1:+.1e}, to ours "
@@ -261,14 +261,14 @@ def test_llama_cpps_logits_and_val_loss_of_every_type_are_ours_within_the_bound(
     assert left < RMS_LEFT and r["same_next_token"] > 0.9
 
 
-@pytest.mark.skipif(llama_tools.llama_cpp_tool("llama-quantize") is None,
+@pytest.mark.skipif(build.llama_cpp_tool("llama-quantize") is None,
                     reason="llama-quantize not found: set LLAMA_CPP_BIN to the directory of llama.cpp's tools, or "
-                           "put them on PATH, to compare its Q4_0, Q8_0, IQ4_NL and IQ4_XS files with ours")
+                    "put them on PATH, to compare its Q4_0, Q8_0, IQ4_NL and IQ4_XS files with ours")
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "iq4_nl", "iq4_xs"])
 def test_llama_quantize_of_the_f32_file_writes_our_q4_0_q8_0_and_iq4_bytes(grids, fmt, tmp_path):
     """llama-quantize --pure (no importance matrix) of model-fp32.gguf, embeddings and head kept in BF16 as
     ours: every tensor of its file has the type and the bytes of our model-<fmt>.gguf's."""
-    dst = llama_tools.llama_quantize(grids.run / "model-fp32.gguf", tmp_path / "theirs.gguf", TYPES[fmt])
+    dst = tools.llama_quantize(grids.run / "model-fp32.gguf", tmp_path / "theirs.gguf", TYPES[fmt])
     theirs, ours = gguf_tensors(dst), gguf_tensors(grids.run / f"model-{fmt}.gguf")
     assert set(theirs) == set(ours)
     for name, t in theirs.items():
@@ -331,7 +331,7 @@ def test_llama_cpp_runs_a_per_weight_mix(tmp_path):
     make_run(tmp_path / "run", tmp_path / "data", "llama2", pqt=budget_pqt(), types=trained_types("llama2"))
     assert export(tmp_path / "run", "--format=auto-gguf", f"--bits_per_weight={BUDGET}", "--gguf=True",
                   "--evaluate=False")[0] == 0
-    r = llama_tools.check_llama_cpp(str(tmp_path / "run" / "model-auto-gguf.gguf"), eval_iters=1, plain_cpu=True)
+    r = runtime.check_llama_cpp(str(tmp_path / "run" / "model-auto-gguf.gguf"), eval_iters=1, plain_cpu=True)
     assert r["within_bound"] and 0 < r["rounding_effect"]
     assert r["val_loss_llama_cpp"] == pytest.approx(r["val_loss_arithmetic"], rel=VAL_LOSS_TO_ARITHMETIC)
 

@@ -12,10 +12,10 @@ import os
 import pytest
 
 import checkpoint
-import llama_tools
 import studies.__main__ as entry
 import train
 from conftest import ROOT
+from llamacpp import build, tools
 from studies import definitions as defs
 from studies import exports, gguf_report, plots, runner
 from studies.records import StudyError
@@ -159,13 +159,13 @@ def llama_quantized(request, tmp_path_factory):
                                                             else {}))
     rc, _, err = export(d / "run", "--format=fp32", "--gguf=True", "--eval_iters=1")
     assert rc == 0, err
-    return request.param, {mix: llama_tools.llama_quantize(d / "run" / "model-fp32.gguf", d / f"{mix}.gguf", mix,
-                                                           pure=False) for mix in defs.LLAMA_MIXES}
+    return request.param, {mix: tools.llama_quantize(d / "run" / "model-fp32.gguf", d / f"{mix}.gguf", mix,
+                                                     pure=False) for mix in defs.LLAMA_MIXES}
 
 
-@pytest.mark.skipif(llama_tools.llama_cpp_tool("llama-quantize") is None,
+@pytest.mark.skipif(build.llama_cpp_tool("llama-quantize") is None,
                     reason="llama-quantize not found: set LLAMA_CPP_BIN to the directory of llama.cpp's tools, or "
-                           "put them on PATH, to check the mixes' table against the files it writes")
+                    "put them on PATH, to check the mixes' table against the files it writes")
 @pytest.mark.parametrize("mix", list(defs.LLAMA_MIXES))
 def test_llama_quantize_gives_each_block_linear_the_tables_type(llama_quantized, mix):
     """Every block Linear of llama-quantize's file of the GPT2 (attn_qkv, attn_output, ffn_up, ffn_down) and of the
@@ -295,9 +295,9 @@ def test_a_failed_export_is_a_line_and_nothing_is_kept(tmp_path, stand_ins, monk
 
 
 def test_our_files_keep_embeddings_and_head_as_llama_quantize_keeps_them():
-    """export.py's --other_dtype of the glue is the type llama_tools.llama_quantize keeps them in."""
+    """export.py's --other_dtype of the glue is the type tools.llama_quantize keeps them in."""
     import inspect
-    keep = inspect.signature(llama_tools.llama_quantize).parameters["keep"].default
+    keep = inspect.signature(tools.llama_quantize).parameters["keep"].default
     assert {"bfloat16": "bf16", "float32": "f32"}[exports.OTHER_DTYPE] == keep
 
 

@@ -22,12 +22,11 @@ import torch
 
 import export as E
 import export_gguf
-import llama_build
-import llama_tools
 import util
 from conftest import ROOT
 from data import tokenizer
 from files import gguf_file
+from llamacpp import build, tools
 from test_gguf import write_data
 from test_gguf_grids import BITS, VAL_LOSS_TO_OURS
 
@@ -45,7 +44,7 @@ BITS = {**BITS, "F32": 32.0, "Q4_1": 20 * 8 / 32, "IQ2_XS": 74 * 8 / 256, "IQ2_S
         "IQ3_XXS": 98 * 8 / 256, "IQ3_S": 110 * 8 / 256}
 KEYS = ("spec", "path", "type", "imatrix", "bytes", "block_bits_per_weight", "val_loss_llama_cpp", "val_loss_source")
 needs_tools = pytest.mark.skipif(
-    any(llama_tools.llama_cpp_tool(name) is None for name in ("llama-quantize", "llama-imatrix"))
+    any(build.llama_cpp_tool(name) is None for name in ("llama-quantize", "llama-imatrix"))
     or importlib.util.find_spec("llama_cpp") is None,
     reason="llama-quantize and llama-imatrix not found (set LLAMA_CPP_BIN to the directory of llama.cpp's tools, put "
            "them on PATH, or python export_gguf.py --build_llama_cpp), or llama-cpp-python not installed")
@@ -218,8 +217,8 @@ def test_the_importance_matrix_is_llama_imatrix_over_the_training_split_and_chan
             if t.name.endswith(".in_sum2")}
     counts = {t.name[:-len(".counts")]: float(t.data[0]) for t in reader.tensors if t.name.endswith(".counts")}
     assert set(sums) == set(blocks(N_LAYER)) and set(counts.values()) == {CHUNKS * 64}
-    run = llama_tools.open_run(str(table["run"]), "", 0, CHUNKS)
-    text = llama_tools.imatrix_text(run).encode("utf-8")
+    run = tools.open_run(str(table["run"]), "", 0, CHUNKS)
+    text = tools.imatrix_text(run).encode("utf-8")
     vocab = llama_cpp.Llama(str(table["dir"] / "model-fp32.gguf"), vocab_only=True, verbose=False)
     ids = vocab.tokenize(text, add_bos=False, special=True)
     assert len(ids) == (CHUNKS + 1) * 64
@@ -255,7 +254,7 @@ def test_llama_cpps_val_loss_of_the_f32_file_is_ours_within_the_tolerance(table)
     from data import loader
     f32 = table["rows"]["model-fp32.gguf"]
     assert f32["val_loss_llama_cpp"] == pytest.approx(f32["val_loss_file"], rel=VAL_LOSS_TO_OURS)
-    run = llama_tools.open_run(str(table["run"]), "", 0, CHUNKS)
+    run = tools.open_run(str(table["run"]), "", 0, CHUNKS)
     config = run.ckpt["config"]
     data = loader.open_split(loader.data_dir(config["dataset"]), "val", run.meta, 64)
     source = loader.estimate_loss(run.model, {"val": data}, seed=config["seed"], eval_iters=config["eval_iters"],
@@ -308,8 +307,8 @@ def test_build_commands_fetch_the_pinned_source_and_build_the_three_tools(tmp_pa
     import sys
     with open(os.path.join(ROOT, "constraints.txt")) as f:
         (pinned,) = [line.split("==")[1].strip() for line in f if line.lower().startswith("llama_cpp_python==")]
-    assert llama_build.pinned_version() == pinned
-    (_, download, _), (_, configure, _), (_, build, _) = llama_build.build_commands(pinned, str(tmp_path), 2)
+    assert build.pinned_version() == pinned
+    (_, download, _), (_, configure, _), (_, compile_, _) = build.build_commands(pinned, str(tmp_path), 2)
     assert download == [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
                         f"llama-cpp-python=={pinned}", "-d", str(tmp_path)]
     source = os.path.join(str(tmp_path), f"llama_cpp_python-{pinned}", "vendor", "llama.cpp")
@@ -317,8 +316,8 @@ def test_build_commands_fetch_the_pinned_source_and_build_the_three_tools(tmp_pa
     assert set(configure[5:]) == {"-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
                                   "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
                                   "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=OFF"}
-    assert build == ["cmake", "--build", os.path.join(str(tmp_path), "build"), "--target", "llama-quantize",
-                     "llama-imatrix", "llama-perplexity", "-j", "2"]
+    assert compile_ == ["cmake", "--build", os.path.join(str(tmp_path), "build"), "--target", "llama-quantize",
+                        "llama-imatrix", "llama-perplexity", "-j", "2"]
 
 
 def fake_tools(folder, names):
@@ -334,19 +333,19 @@ def fake_tools(folder, names):
 def test_the_tools_are_found_in_llama_cpp_bin_then_path_then_the_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    bin_dir = cache / "pqt" / f"llama.cpp-{llama_build.pinned_version()}" / "bin"
-    assert llama_build.cache_bin() == str(bin_dir)
+    bin_dir = cache / "pqt" / f"llama.cpp-{build.pinned_version()}" / "bin"
+    assert build.cache_bin() == str(bin_dir)
     fake_tools(bin_dir, ["llama-quantize"])
     fake_tools(tmp_path / "path", ["llama-quantize"])
     fake_tools(tmp_path / "env", ["llama-quantize"])
     monkeypatch.delenv("LLAMA_CPP_BIN", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert llama_tools.llama_cpp_tool("llama-quantize") == str(bin_dir / "llama-quantize")
+    assert build.llama_cpp_tool("llama-quantize") == str(bin_dir / "llama-quantize")
     monkeypatch.setenv("PATH", str(tmp_path / "path"))
-    assert llama_tools.llama_cpp_tool("llama-quantize") == str(tmp_path / "path" / "llama-quantize")
+    assert build.llama_cpp_tool("llama-quantize") == str(tmp_path / "path" / "llama-quantize")
     monkeypatch.setenv("LLAMA_CPP_BIN", str(tmp_path / "env"))
-    assert llama_tools.llama_cpp_tool("llama-quantize") == str(tmp_path / "env" / "llama-quantize")
-    assert llama_tools.llama_cpp_tool("llama-imatrix") is None  # $LLAMA_CPP_BIN, where set, is the only place
+    assert build.llama_cpp_tool("llama-quantize") == str(tmp_path / "env" / "llama-quantize")
+    assert build.llama_cpp_tool("llama-imatrix") is None  # $LLAMA_CPP_BIN, where set, is the only place
 
 
 def test_a_build_without_cmake_or_with_a_failing_download_is_one_line_and_fills_no_cache(tmp_path, monkeypatch):
@@ -365,16 +364,16 @@ def test_a_build_without_cmake_or_with_a_failing_download_is_one_line_and_fills_
     assert rc == 1 and err.count("\n") == 1, err
     assert "pip download of llama-cpp-python's source failed (exit status 1): ERROR: " in err
     assert f"(the whole output: {tmp_path / 'cache' / 'pqt'}" in err
-    assert not os.path.exists(llama_build.cache_bin())
+    assert not os.path.exists(build.cache_bin())
 
 
-@pytest.mark.skipif(llama_tools.llama_cpp_tool("llama-quantize") is None,
+@pytest.mark.skipif(build.llama_cpp_tool("llama-quantize") is None,
                     reason="llama-quantize not found: set LLAMA_CPP_BIN to the directory of llama.cpp's tools")
 def test_every_type_the_command_takes_is_one_llama_quantize_lists():
-    shown = subprocess.run([llama_tools.llama_cpp_tool("llama-quantize"), "--help"], capture_output=True, text=True)
+    shown = subprocess.run([build.llama_cpp_tool("llama-quantize"), "--help"], capture_output=True, text=True)
     listed = {line.split()[2] for line in (shown.stdout + shown.stderr).splitlines() if " or " in line
               and line.split()[1:2] == ["or"]}
-    assert set(llama_tools.QUANTIZE_TYPES) <= listed, set(llama_tools.QUANTIZE_TYPES) - listed
+    assert set(tools.QUANTIZE_TYPES) <= listed, set(tools.QUANTIZE_TYPES) - listed
 
 
 # --- what the command refuses ------------------------------------------------------------------------------
@@ -415,7 +414,7 @@ def test_what_the_command_refuses_is_one_line_and_nothing_written(untrained, cas
     argv, message, needs = REFUSED[case]
     if "llama_cpp" in needs and importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python not installed: the command requires it before it reaches this check")
-    if "llama-quantize" in needs and llama_tools.llama_cpp_tool("llama-quantize") is None:
+    if "llama-quantize" in needs and build.llama_cpp_tool("llama-quantize") is None:
         pytest.skip("llama-quantize not found (LLAMA_CPP_BIN): the command requires it before it reaches this check")
     run, export_dir, foreign = untrained / "run", tmp_path / "out", []
     if "LLAMA_CPP_BIN" in argv:
@@ -530,7 +529,7 @@ def test_each_call_of_a_tool_has_a_time_limit_from_its_work(untrained, tmp_path,
     def spy(argv, what, limit, log=None):
         limits.append((os.path.basename(argv[0]), limit))
         return 1, "error: stopped by the test"
-    monkeypatch.setattr(llama_tools, "run_tool", spy)
+    monkeypatch.setattr(tools, "run_tool", spy)
     folder = tmp_path / "bin"
     fake_tools(folder, ["llama-quantize", "llama-imatrix"])
     monkeypatch.setenv("LLAMA_CPP_BIN", str(folder))
@@ -540,16 +539,16 @@ def test_each_call_of_a_tool_has_a_time_limit_from_its_work(untrained, tmp_path,
                              f"--export_dir={tmp_path / 'out'}", f"--tool_timeout={tool_timeout}")
         assert rc == 1 and "failed (exit status 1): error: stopped by the test" in err, err
     weights = sum(int(t.n_elements) for t in gguf.GGUFReader(str(tmp_path / "out" / "model-fp32.gguf")).tensors)
-    floor = llama_build.TOOL_FLOOR_S
-    rates = llama_tools.QUANTIZE_WEIGHTS_PER_S
+    floor = build.TOOL_FLOOR_S
+    rates = tools.QUANTIZE_WEIGHTS_PER_S
     assert limits == [("llama-quantize", floor + weights / rates[""]),
                       ("llama-quantize", floor + weights / rates["IQ2"]),
-                      ("llama-imatrix", floor + 2 * weights * 4 * 64 / llama_tools.IMATRIX_FLOPS_PER_S),
+                      ("llama-imatrix", floor + 2 * weights * 4 * 64 / tools.IMATRIX_FLOPS_PER_S),
                       ("llama-quantize", 7.5)]
-    steps = llama_build.build_commands("0.3.36", str(tmp_path), 64)
+    steps = build.build_commands("0.3.36", str(tmp_path), 64)
     cores = min(64, os.cpu_count())
-    assert [s[2] for s in steps] == [llama_build.BUILD_SECONDS[k] for k in ("download", "configure")] + \
-        [llama_build.BUILD_SECONDS["build"] / cores]
+    assert [s[2] for s in steps] == [build.BUILD_SECONDS[k] for k in ("download", "configure")] + \
+        [build.BUILD_SECONDS["build"] / cores]
 
 
 def test_a_build_without_a_network_says_so_in_one_line(tmp_path, monkeypatch):
@@ -566,4 +565,4 @@ def test_a_build_without_a_network_says_so_in_one_line(tmp_path, monkeypatch):
     assert rc == 1 and err.count("\n") == 1, err
     assert "pip download of llama-cpp-python's source failed: no package index answered (" in err
     assert "Connection refused" in err and "set LLAMA_CPP_BIN to the directory of llama.cpp's tools" in err
-    assert not os.path.exists(llama_build.cache_bin())
+    assert not os.path.exists(build.cache_bin())

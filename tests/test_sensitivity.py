@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import util
 from conftest import ROOT
 from data import tokenizer
+from data import loader
 from model import GPT, ModelConfig
 from quant import grids
 from studies import sensitivity
@@ -48,9 +49,8 @@ def measured(tmp_path_factory):
 
 def batches(d):
     """The run's one evaluation batch, drawn as train.py draws it."""
-    import llama_tools
     config = dict(dataset=str(d / "data"), seed=1337, batch_size=4, eval_iters=1)
-    return llama_tools.eval_batches(config, 64, 0)
+    return loader.eval_batches(config, 64, 0)
 
 
 def val_loss(model, data):

@@ -1,27 +1,19 @@
-"""llama.cpp running the GGUF files of export.py: llama-cpp-python's model of a file, llama.cpp's CPU
-roundings reproduced in our code, the check of llama.cpp's logits and val loss against ours, and
-llama.cpp's own quantizer (llama-quantize, llama-imatrix) beside ours.
+"""llama.cpp's own quantizer beside ours: llama-quantize and llama-imatrix called and what they wrote read
+back, and the table of a run's files (the run as an F32 GGUF, an importance matrix over its training split,
+llama-quantize's file of each type asked for, and our files), each made once (the export directory's
+manifest) and measured by llama.cpp on train.py's evaluation batches.
 
-    llm = llama_tools.llama_cpp_model("out/model-mxfp4.gguf", n_ctx=64)   # llama-cpp-python's Llama
-    llama_tools.llama_quantize("out/model-fp32.gguf", "out/q4_k_m.gguf", "Q4_K_M", pure=False)   # llama.cpp's own
-    with llama_tools.LlamaCppArithmetic(file_model, path):   # our model, computed as llama.cpp rounds
-        logits = file_model(x, y)[0]
-    r = llama_tools.check_llama_cpp("out/model-mxfp4.gguf")   # export_gguf.py's check
-    t = llama_tools.llama_cpp_table("out", llama_tools.parse_specs("Q4_K_M+imatrix,Q4_0"))   # export_gguf.py's table
+    tools.llama_quantize("out/model-fp32.gguf", "out/q4_k_m.gguf", "Q4_K_M", pure=False)   # llama.cpp's own
+    t = tools.llama_cpp_table("out", tools.parse_specs("Q4_K_M+imatrix,Q4_0"))   # export_gguf.py's table
 
-The file itself (its tensors, checksums, reader, the file's model) is gguf_file.py's. docs/GGUF.md
-derives the bound check_llama_cpp holds llama.cpp's logits to, and describes the table. llama.cpp's
-command-line tools are found in the directory $LLAMA_CPP_BIN names, else on PATH, else in the cache
-llama_build.build_llama_cpp fills; every call of one runs within a time limit (llama_build.run_tool), and what
-it wrote is read back (tool_output) before it gets its name or a manifest entry.
+The tools are found and run by build.py (require_tool, run_tool: within a time limit), and what a tool
+wrote is read back (tool_output) before it gets its name or a manifest entry. docs/GGUF.md describes the
+table.
 """
 import hashlib
-import importlib.util
 import json
-import math
 import os
 import re
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,232 +21,27 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 
 import checkpoint
-from data import tokenizer
-from data import loader
+from data import loader, tokenizer
 from data.common import unusable_dir
 from files import gguf_file, lowbit
 from files.gguf_file import GGUFError
-from llama_build import cache_bin, executable, run_tool, time_limit
+from llamacpp.build import cache_bin, require_tool, run_tool, time_limit
+from llamacpp.runtime import file_val_losses, model_val_loss, require_llama_cpp_python
 from model import ROLES
 from util import commit, first_line, read_record, remove_stale_temporaries, temp_path, write_atomic
 
-Q = gguf_file.Q
-QK = gguf_file.QK
-QK_K = 256  # values per Q8_K block: the activations against a K-quant weight
 
+# --- llama.cpp's command-line tools: what they wrote ------------------------------------------------------
 
-# --- llama.cpp's arithmetic, in our code -----------------------------------------------------------
-
-def _divide(a, t):
-    """The number a divided by each value of t, correctly rounded in FP32 as C's a / t (torch computes a / t
-    as a times t's reciprocal, two roundings)."""
-    return torch.full_like(t, a) / t
-
-
-def _q8_0(x):
-    """x as llama.cpp's CPU matmul reads it against a Q4_0, Q8_0 or MXFP4 weight: Q8_0 per 32 values of
-    a row, d = amax / 127 stored in FP16 and q = x * (127 / amax) rounded half to even (quantize_row_q8_0)."""
-    v = x.float().unflatten(-1, (-1, QK))
-    amax = v.abs().amax(-1, keepdim=True)
-    q = torch.round(v * torch.where(amax > 0, _divide(127, torch.where(amax > 0, amax, 1.0)), 0.0))
-    return (q * (amax / 127).half().float()).flatten(-2).type_as(x)
-
-
-def _q8_k(x):
-    """x as llama.cpp's CPU matmul reads it against a K-quant weight (Q2_K ... Q6_K): Q8_K per 256 values
-    of a row (quantize_row_q8_K_ref, which x86 uses too): iscale = -127 / the value of largest magnitude,
-    q = x * iscale rounded half to even (nearest_int; the product rounded to FP32 first: ggml-base has no
-    FMA), at most 127, and the FP32 scale d = 1 / iscale; an all-zero block stays 0. Which of +a and -a is
-    the largest does not matter: both give the same values."""
-    v = x.float().unflatten(-1, (-1, QK_K))
-    top = v.gather(-1, v.abs().argmax(-1, keepdim=True))
-    iscale = _divide(-127, torch.where(top != 0, top, 1.0))
-    q = torch.round(v * iscale).clamp_(max=127).add_(0.0)  # -0 + 0 = +0: the integer code 0, as ggml's int8
-    return torch.where(top != 0, q * _divide(1, iscale), 0.0).flatten(-2).type_as(x)
-
-
-# How llama.cpp's CPU matmul rounds the activations against a weight of each type (its vec_dot_type,
-# ggml-cpu.c's type_traits_cpu).
-K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-ACTIVATIONS = {Q.Q4_0: _q8_0, Q.Q8_0: _q8_0, Q.MXFP4: _q8_0, **dict.fromkeys(K_QUANTS, _q8_k),
-               Q.IQ4_NL: _q8_0, Q.IQ4_XS: _q8_k,
-               Q.BF16: lambda x: x.bfloat16().type_as(x), Q.F16: lambda x: x.half().type_as(x), Q.F32: lambda x: x}
-
-
-def _fp16_gelu(x):
-    """ggml's GELU: the tanh GELU of x rounded to FP16, read from a table of FP16 values; x past +-10 as is, 0."""
-    h = x.half().float()
-    y = (0.5 * h * (1 + torch.tanh(0.7978845608028654 * h * (1 + 0.044715 * h * h)))).half().type_as(x)
-    return torch.where(x >= 10, x, torch.where(x <= -10, torch.zeros_like(x), y))
-
-
-def _fp16_attention(q, k, v, is_causal=True, enable_gqa=False, **_):
-    """Attention as llama.cpp's (without flash attention): K and V in its FP16 cache, Q rounded to FP16 for
-    the K dot products, the softmax in FP32, its probabilities rounded to FP16 for the V dot products."""
-    q, k, v = (t.half().float() for t in (q, k, v))
-    if enable_gqa:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if is_causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    return s.softmax(-1).half().float() @ v
-
-
-class LlamaCppArithmetic(torch.overrides.TorchFunctionMode):
-    """Our model computed with llama.cpp's CPU roundings (with model_from_gguf's model: its weights and
-    GELU): each Linear's input rounded as llama.cpp rounds it against the weight's GGUF type (ACTIVATIONS),
-    the FP16 GELU table, FP16 attention. What remains between llama.cpp's logits and these is FP32
-    summation order, which can put a rounded value on the other side of a rounding boundary."""
-
-    def __init__(self, model, path):
-        super().__init__()
-        types = {t.name: t.tensor_type for t in gguf_file.read(path).tensors}
-        names = gguf_file.gguf_names(model.config)  # GPT2's head is its embedding: one parameter, token_embd's type
-        unknown = sorted({t.name for t in types.values()} - {t.name for t in ACTIVATIONS})
-        if unknown:
-            raise GGUFError(f"{path} holds {', '.join(unknown)} tensors, whose activations llama.cpp rounds in a way "
-                            f"this check does not reproduce (llama_tools.ACTIVATIONS)")
-        self.rounding = {id(p): ACTIVATIONS[types[names[k]]] for k, p in model.named_parameters()
-                         if p.dim() == 2 and names.get(k) in types}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            return func(self.rounding[id(w)](x), w, *args[2:], **kwargs)
-        if func is F.gelu:
-            return _fp16_gelu(args[0])
-        if func is F.scaled_dot_product_attention:
-            return _fp16_attention(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-# --- llama.cpp itself (optional: llama-cpp-python) ----------------------------------------------------
-
-def llama_cpp_model(path, n_ctx, plain_cpu=False, threads=0):
-    """llama-cpp-python's Llama of a GGUF file, logits at every position; plain_cpu: without llama.cpp's
-    extra buffer types (the AMX tile kernels for Q4_0/Q8_0 die at ldtilecfg in some virtual machines),
-    which llama-cpp-python's Llama does not pass on, so its default model parameters are wrapped.
-    threads: llama.cpp's threads (0: llama-cpp-python's default, as many as cores for a batch); on a
-    machine busy with other work, fewer threads than cores avoid ggml's threads waiting for each other
-    (one thread was ten times as fast as two on 2 busy cores)."""
-    import llama_cpp
-    import llama_cpp.llama_cpp as api
-    defaults = api.llama_model_default_params
-
-    def plain():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-    api.llama_model_default_params = plain if plain_cpu else defaults
-    try:
-        counts = dict(n_threads=threads, n_threads_batch=threads) if threads else {}
-        return llama_cpp.Llama(str(path), n_ctx=n_ctx, logits_all=True, verbose=False, **counts)
-    finally:
-        api.llama_model_default_params = defaults
-
-
-def eval_batches(config, block_size, eval_iters):
-    """train.py's evaluation batches (x, y) of a run of this config (its dataset, seed, batch size):
-    eval_iters of them, 0 -> the run's own eval_iters."""
-    directory = loader.data_dir(config["dataset"])
-    data = loader.open_split(directory, "val", loader.read_meta(directory), block_size)
-    return [loader.eval_batch(data, "val", k, seed=config["seed"], batch_size=config["batch_size"],
-                              block_size=block_size, device="cpu")
-            for k in range(eval_iters or config["eval_iters"])]
-
-
-def _require_llama_cpp_python():
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise GGUFError("llama-cpp-python is not installed: pip install llama-cpp-python (it builds llama.cpp "
-                        "from source, minutes)")
-
-
-def _llama_cpp_logits(llm, tokens, n):
-    """llama.cpp's logits (FP32, n rows) at the first n positions of one sequence of tokens."""
-    llm.reset()
-    llm.eval(tokens.tolist())
-    return torch.tensor(np.array(llm.scores[:n]), dtype=torch.float32)
-
-
-@torch.no_grad()
-def check_llama_cpp(path, eval_iters=0, plain_cpu=False):
-    """llama.cpp's logits for train.py's evaluation batches against three models of ours: lowbit.load's of
-    the file's .safetensors (FP32, "ours"), model_from_gguf's (the file's weights and llama.cpp's GELU,
-    "file") and the latter with llama.cpp's roundings (LlamaCppArithmetic, "arithmetic"). Returns their
-    val losses, the largest logit differences, the effect of llama.cpp's roundings (max |arithmetic -
-    file|), within_bound: llama.cpp's logits within twice that effect of the file's model's (docs/GGUF.md
-    derives it), and the RMS of llama.cpp's logits less the file's model's and less its arithmetic's (how
-    much of the difference the reproduced roundings account for). The file is verified, and shown to be
-    of that export, first."""
-    model, info = gguf_file.open_export(path)
-    _require_llama_cpp_python()
-    batches = eval_batches(info["config"], model.config.block_size, eval_iters)
-    file_model = gguf_file.model_from_gguf(path, info["model_args"])
-    arithmetic = LlamaCppArithmetic(file_model, path)
-    llm = llama_cpp_model(path, model.config.block_size, plain_cpu)
-    nll = dict(ours=0.0, file=0.0, arithmetic=0.0, llama_cpp=0.0)
-    worst = dict(ours=0.0, file=0.0, arithmetic=0.0, rounding=0.0)
-    squares = dict(file=0.0, arithmetic=0.0)
-    top = same = n = 0
-    for x, y in batches:
-        with arithmetic:
-            rounded = file_model(x, y)[0]
-        for b, (ours, exact, target) in enumerate(zip(model(x, y)[0], file_model(x, y)[0], y)):
-            theirs = _llama_cpp_logits(llm, x[b], len(target))
-            for name, logits in (("ours", ours), ("file", exact), ("arithmetic", rounded[b]), ("llama_cpp", theirs)):
-                nll[name] += F.cross_entropy(logits, target, reduction="sum").item()
-                if name in worst:
-                    worst[name] = max(worst[name], (theirs - logits).abs().max().item())
-                if name in squares:
-                    squares[name] += (theirs - logits).square().sum().item()
-            worst["rounding"] = max(worst["rounding"], (rounded[b] - exact).abs().max().item())
-            top, n = max(top, ours.abs().max().item()), n + len(target)
-            same += (theirs.argmax(-1) == ours.argmax(-1)).sum().item()
-    rms = {name: math.sqrt(total / (n * model.config.vocab_size)) for name, total in squares.items()}
-    return dict(batches=len(batches), tokens=n, val_loss=nll["ours"] / n, val_loss_llama_cpp=nll["llama_cpp"] / n,
-                val_loss_file=nll["file"] / n, val_loss_arithmetic=nll["arithmetic"] / n,
-                max_logit_difference=worst["ours"], max_logit_difference_file=worst["file"],
-                max_logit_difference_arithmetic=worst["arithmetic"], rounding_effect=worst["rounding"],
-                within_bound=worst["file"] <= 2 * worst["rounding"], max_logit=top, same_next_token=same / n,
-                rms_logit_difference_file=rms["file"], rms_logit_difference_arithmetic=rms["arithmetic"])
-
-
-# --- llama.cpp's command-line tools: where they are, what they wrote ----------------------------------
-
-# The rates a call's work is counted at for its time limit (llama_build.time_limit), 5 to 40 times below those
+# The rates a call's work is counted at for its time limit (build.time_limit), 5 to 40 times below those
 # measured on one busy thread (docs/GGUF.md): llama-quantize's weights a second by the type's first letters
 # (IQ1_* and IQ2_* search a grid per block: IQ1_S measured 4.3e4), llama-imatrix's multiply-adds a second (2 per
 # weight and token; attention aside).
 QUANTIZE_WEIGHTS_PER_S = {"IQ1": 4e3, "IQ2": 1e4, "": 1e5}
 IMATRIX_FLOPS_PER_S = 2e8
-
-
-def llama_cpp_tool(name):
-    """The path of llama.cpp's command-line tool `name` (llama_build.TOOLS): in the directory $LLAMA_CPP_BIN names
-    (where set, there only), else on PATH, else in the cache build_llama_cpp fills; None where absent."""
-    folder = os.environ.get("LLAMA_CPP_BIN")
-    if folder:
-        path = os.path.join(folder, name)
-        return path if executable(path) else None
-    path = os.path.join(cache_bin(), name)
-    return shutil.which(name) or (path if executable(path) else None)
-
-
-def require_tool(name):
-    """llama_cpp_tool(name), or GGUFError: one line saying the three ways to get it."""
-    tool = llama_cpp_tool(name)
-    if tool is None:
-        where = (f"not in $LLAMA_CPP_BIN ({os.environ['LLAMA_CPP_BIN']})" if os.environ.get("LLAMA_CPP_BIN")
-                 else "not on PATH nor in the cache")
-        raise GGUFError(f"{name} not found ({where}): set LLAMA_CPP_BIN to the directory of llama.cpp's tools, put "
-                        f"them on PATH, or build them into {cache_bin()} with python export_gguf.py --build_llama_cpp "
-                        f"(cmake and ninja; about 25 minutes on 2 cores)")
-    return tool
 
 
 def _tool_failure(tool, what, status, output):
@@ -401,35 +188,6 @@ def describe_file(path, reader, config):
                 block_bits_per_weight=bits / weights, tensors=tensors)
 
 
-@torch.no_grad()
-def model_val_loss(model, batches):
-    """Our model's val loss on batches: the mean cross-entropy over every token, as check_llama_cpp's."""
-    total = n = 0
-    for x, y in batches:
-        total += F.cross_entropy(model(x, y)[0].flatten(0, 1), y.flatten(), reduction="sum").item()
-        n += y.numel()
-    return total / n
-
-
-@torch.no_grad()
-def file_val_losses(path, reader, model_args, batches, plain_cpu=False, threads=0):
-    """(llama.cpp's val loss of the GGUF file at path on batches, that of our model of the file:
-    model_from_gguf, gguf's dequantizer (which has every type of QUANTIZE_TYPES' files) and llama.cpp's GELU)."""
-    llm = llama_cpp_model(path, batches[0][0].shape[1], plain_cpu, threads)
-    ours = gguf_file.model_from_gguf(path, model_args, reader)
-    total = dict(llama_cpp=0.0, file=0.0)
-    n = 0
-    for x, y in batches:
-        logits = ours(x, y)[0]
-        for b, target in enumerate(y):
-            theirs = _llama_cpp_logits(llm, x[b], len(target))
-            total["llama_cpp"] += F.cross_entropy(theirs, target, reduction="sum").item()
-            total["file"] += F.cross_entropy(logits[b], target, reduction="sum").item()
-            n += len(target)
-    del llm
-    return total["llama_cpp"] / n, total["file"] / n
-
-
 # --- the files of a run, each made once -----------------------------------------------------------------
 
 def sha256_file(path):
@@ -524,7 +282,7 @@ def open_run(run_dir, export_dir, eval_iters, imatrix_chunks, with_imatrix=True)
     if with_imatrix and chunks > fit:
         raise GGUFError(f"--imatrix_chunks={chunks}: the training split holds {fit} chunks of {block_size} tokens "
                         f"(and one more); choose at most {fit}")
-    return Run(ckpt, model, meta, export_dir, plan, eval_batches(config, block_size, eval_iters), chunks)
+    return Run(ckpt, model, meta, export_dir, plan, loader.eval_batches(config, block_size, eval_iters), chunks)
 
 
 def write_f32(run, manifest):
@@ -683,7 +441,7 @@ def llama_cpp_table(run_dir, specs, export_dir="", ours=(), imatrix_chunks=0, th
         tools["llama-quantize"] = require_tool("llama-quantize")
     if any(imatrix for _, _, imatrix in specs):
         tools["llama-imatrix"] = require_tool("llama-imatrix")
-    _require_llama_cpp_python()
+    require_llama_cpp_python()
     opened = [(path, *open_ours(path, run)) for path in ours]
     manifest = Manifest(run.export_dir)
     remove_stale_temporaries(run.export_dir)  # what a command killed mid-write left (a live one's are kept)

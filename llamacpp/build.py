@@ -1,12 +1,12 @@
-"""llama.cpp's command-line tools (llama-quantize, llama-imatrix, llama-perplexity): the cache they are built
-into, their build from the source of the llama-cpp-python that constraints.txt pins, and every call of one run
-within a time limit derived from its work.
+"""llama.cpp's command-line tools (llama-quantize, llama-imatrix, llama-perplexity): where they are found
+($LLAMA_CPP_BIN, PATH, the cache), their build into the cache from the source of the llama-cpp-python that
+constraints.txt pins, and every call of one run within a time limit derived from its work.
 
     python export_gguf.py --build_llama_cpp          # build_llama_cpp(): into cache_bin(), once
-    status, output = llama_build.run_tool(argv, "Q4_0 of model-fp32.gguf", llama_build.time_limit(work_s))
+    tool = build.require_tool("llama-quantize")      # or one line saying the three ways to get it
+    status, output = build.run_tool(argv, "Q4_0 of model-fp32.gguf", build.time_limit(work_s))
 
-Where a tool is looked for ($LLAMA_CPP_BIN, PATH, this cache), what each call does and the check of what it
-wrote: llama_tools.py.
+What each call does and the check of what it wrote: tools.py.
 """
 import os
 import re
@@ -21,7 +21,7 @@ from files.gguf_file import GGUFError
 from util import atomic_dir, first_line
 
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity")
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: its constraints.txt
 # How build_llama_cpp configures llama.cpp: its command-line tools alone, Release (no tests, examples,
 # server or unified binary), no OpenSSL (nothing downloaded), for any CPU with AVX2 rather than only this
 # one (GGML_NATIVE=OFF turns AVX, AVX2, FMA, F16C on: a cache copied to another machine still runs), and
@@ -63,6 +63,29 @@ def cache_bin(version=None):
 def executable(path):
     """Whether path is a file this process may run."""
     return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def llama_cpp_tool(name):
+    """The path of llama.cpp's command-line tool `name` (TOOLS): in the directory $LLAMA_CPP_BIN names
+    (where set, there only), else on PATH, else in the cache build_llama_cpp fills; None where absent."""
+    folder = os.environ.get("LLAMA_CPP_BIN")
+    if folder:
+        path = os.path.join(folder, name)
+        return path if executable(path) else None
+    path = os.path.join(cache_bin(), name)
+    return shutil.which(name) or (path if executable(path) else None)
+
+
+def require_tool(name):
+    """llama_cpp_tool(name), or GGUFError: one line saying the three ways to get it."""
+    tool = llama_cpp_tool(name)
+    if tool is None:
+        where = (f"not in $LLAMA_CPP_BIN ({os.environ['LLAMA_CPP_BIN']})" if os.environ.get("LLAMA_CPP_BIN")
+                 else "not on PATH nor in the cache")
+        raise GGUFError(f"{name} not found ({where}): set LLAMA_CPP_BIN to the directory of llama.cpp's tools, put "
+                        f"them on PATH, or build them into {cache_bin()} with python export_gguf.py --build_llama_cpp "
+                        f"(cmake and ninja; about 25 minutes on 2 cores)")
+    return tool
 
 
 def build_commands(version, work, jobs):
