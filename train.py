@@ -12,8 +12,9 @@ Several nodes, e.g. 2 x 8 GPUs (run on each node, --node_rank=0 on the master):
 _main reads top to bottom as nanoGPT's train.py does: config, distributed set-up, data, the model
 and its optimizers (build: the model built plain, converted, sharded, the optimizers, the state it
 continues), logging, and the loop with its decisions (evaluate, check, save, stop). The functions
-above _main are its named steps, in the order it takes them; the optimizer step and the checks of
-the model are step.py's, the run directory's rules (resume, fork, records) checkpoint.py's.
+above _main are its named steps, in the order it takes them; the method's phases and the format it
+trains toward are phases.py's, the optimizer step and the checks of the model step.py's, the run
+directory's rules (resume, fork, records) checkpoint.py's.
 
 Every run is reproducible from its seed: the initial weights do not depend on the method (the model
 is built plain, then gaussws.convert swaps Linears without drawing random numbers), the batches of
@@ -26,7 +27,6 @@ is the loss.
 and what it records in metrics.jsonl, is progress.py's.
 """
 import json
-import math
 import os
 import sys
 import time
@@ -39,14 +39,12 @@ import torch
 import checkpoint as ckpt_io
 import configurator
 import gaussws
+import phases
 import progress
 from configurator import ConfigError, configure
 from data import loader
 from files import pretrained
 from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
-from quant.budget import budget_level, check_budget, matched_b_t
-from quant.formats import BUDGET_TARGETS, GGML_FORMATS, GGUF_BUDGETS
-from quant.grids import STE_FORMATS, check_format
 from step import Diverging, NonFinite, check_sane, get_lr, schedule_notes, share_out, train_step
 from util import cli, git_commit, keep_freed_cpu_memory, machine
 
@@ -172,124 +170,6 @@ def validate(c, explicit):
         ckpt_io.check_out_dir(c["out_dir"])
 
 
-# --- config: the method's phases and the format it trains toward --------------------------------
-
-
-def _start_step(key, value, max_iters, zero):
-    """A start given as 0 (`zero`), a fraction in (0, 1) of max_iters (rounded) or a whole step: the step."""
-    if not (value == 0 or 0 < value < 1 or math.isfinite(value) and value >= 1 and value == int(value)):
-        raise ValueError(f"{key}={value:g}: expected 0 ({zero}), a fraction in (0, 1) of max_iters, or a whole "
-                         f"step >= 1")
-    return round(value * max_iters) if value < 1 else int(value)
-
-
-def _check_targets(kind, config):
-    """The refusals of phase_settings that concern the format (target_format, bits_per_weight) and the
-    kinds of method that take each setting; ValueError (one line)."""
-    value, fmt = config["pqt_start"], config["target_format"]
-    ste_value, budget = config.get("ste_start", 0.0), config.get("bits_per_weight", 0.0)
-    if kind == "bf16" and (value or fmt or ste_value or budget):
-        key = next(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v:g}" for k, v in
-                   (("pqt_start", value), ("target_format", fmt), ("ste_start", ste_value),
-                    ("bits_per_weight", budget)) if v)
-        raise ValueError(f"{key} is for a method that trains toward a format, but method is bf16: choose "
-                         f"gaussws[...], diffq[...] or ste[...]")
-    if kind == "ste" and not fmt:
-        raise ValueError(f"method ste[...] needs --target_format, the grid it trains on: one of "
-                         f"{', '.join(STE_FORMATS + tuple(GGML_FORMATS))}")
-    if kind == "ste" and ste_value:
-        raise ValueError(f"ste_start={ste_value:g} switches a gaussws[...] or diffq[...] run from PQT to STE; an "
-                         f"ste[...] run is STE from pqt_start on: drop ste_start")
-    if budget and fmt not in BUDGET_TARGETS:
-        raise ValueError(f"bits_per_weight={budget:g} is for target_format auto-int or error-int (int2/int3/int4 "
-                         f"per block at that mean) or auto-gguf or error-gguf (a GGML type per tensor), not "
-                         f"target_format={fmt!r}")
-    if fmt in BUDGET_TARGETS:
-        check_budget(fmt, budget, kind)
-    elif fmt:
-        check_format(fmt)
-    if fmt in GGUF_BUDGETS and kind != "ste" and not ste_value:
-        raise ValueError(f"target_format={fmt!r} chooses one GGML type per tensor when the STE starts, and this {kind} "
-                         f"run has no ste_start: it would train PQT to its end and choose none, so export.py "
-                         f"--format={fmt} would have no type to write; set ste_start (a fraction of max_iters or a "
-                         f"step after pqt_start), or train toward one type (--target_format=q4_k, ...)")
-    if ste_value and fmt not in BUDGET_TARGETS:
-        raise ValueError(f"ste_start={ste_value:g} trains on per-block formats a bit budget chooses at that step, "
-                         f"or per-tensor GGML types: set target_format=auto-int, error-int, auto-gguf or error-gguf "
-                         f"and bits_per_weight (e.g. 3.0), not target_format={fmt!r}")
-
-
-def phase_settings(kind, config, explicit=()):
-    """The keys of the method, resolved and checked: {"pqt_start", "ste_start", "b_init", "b_target"}.
-
-    kind: the method without its layers (gaussws.parse_method). config holds pqt_start, max_iters,
-    target_format, b_init, b_target, and ste_start and bits_per_weight (0 where missing); explicit,
-    the keys the user set. Raises ValueError (one line).
-    pqt_start: 0 trains with the method from the first step; a fraction in (0, 1) of max_iters
-    (rounded) or a whole step >= 1 is the step at which the Linears switch from plain, the bf16 run
-    until then, to the method (convert's `start`). Returned as that step.
-    target_format: the format the run trains toward. ste needs one: its grid. For gaussws and diffq
-    it sets b_target to matched_b_t(kind, format), the level whose noise is the format's rounding
-    error, and in a phase b_init too (unless b_init is set), so that b_t is at that level from the
-    first noisy step to the last: a phase is too short for decay or Eq. 12 to bring b_t down from
-    b_init. Decay shrinks b_i by a factor 1 - lr * bitwidth_weight_decay per step (2e-4 of it at the
-    defaults); Eq. 12 through AdamW moves b_i by about lr per step, 0.06 over 30 steps at lr 2e-3.
-    A bit budget, target_format auto-int or error-int with bits_per_weight in [2, 4], mixes
-    int2/int3/int4 per block (ste: error-int only, chosen at pqt_start). For gaussws and diffq b_t is
-    then free per block: b_target is the budget's level (budget_level; int3's for 3.0), the pull of
-    b_i's decay toward the average, and in a phase b_init is one bit above it (unless set), since
-    b_init = b_target would fix b_t (Eq. 11 then ignores b_i). AdamW moves b_i by about lr a step, so
-    a phase spreads b_t by at most the sum of its lr times (b_init - b_target), and auto-int, which
-    ranks an upgrade by b_t - bits, mixes formats at a whole budget (3.0) only where b_t spread > 1 bit.
-    A GGUF budget, auto-gguf or error-gguf with bits_per_weight from Q2_K's 2.625 to Q8_0's 8.5, gives
-    each Linear one GGML type (quant.budget.gguf_types; ste: error-gguf only, chosen at pqt_start >= 1, after
-    some steps' input activations); its level is budget_level's between the types' matched levels.
-    ste_start (gaussws, diffq with a budget; same forms as pqt_start, 0: none): from that step, after
-    pqt_start, STE on the formats the budget chooses then (convert's `ste_start`).
-    """
-    value, fmt, max_iters = config["pqt_start"], config["target_format"], config["max_iters"]
-    ste_value, budget = config.get("ste_start", 0.0), config.get("bits_per_weight", 0.0)
-    start = _start_step("pqt_start", value, max_iters, "the method from the first step")
-    ste_start = _start_step("ste_start", ste_value, max_iters, "no STE phase")
-    _check_targets(kind, config)
-    if fmt == "error-gguf" and (kind == "ste" or ste_start):
-        check_budget(fmt, budget, kind, switch=start if kind == "ste" else ste_start)
-    if ste_value and ste_start <= start:
-        raise ValueError(f"ste_start={ste_value:g} (step {ste_start}) must come after pqt_start={value:g} (step "
-                         f"{start}): PQT from pqt_start, STE from ste_start")
-    b_init, b_target = float(config["b_init"]), float(config["b_target"])
-    if kind in gaussws.R_SECOND_MOMENT and fmt:
-        if "b_target" in explicit:
-            raise ValueError(f"b_target={b_target:g} and target_format={fmt!r} both set the level b_t is pulled "
-                             f"to; drop one")
-        second_moment = gaussws.R_SECOND_MOMENT[kind]
-        b_target = budget_level(second_moment, budget, fmt) if budget else matched_b_t(second_moment, fmt)
-        if start > 0 and "b_init" not in explicit:
-            b_init = b_target + 1.0 if budget else b_target
-    return {"pqt_start": float(start), "ste_start": float(ste_start), "b_init": b_init, "b_target": b_target}
-
-
-def check_switches(c, given):
-    """Refuse a switch (pqt_start, ste_start: resolved steps in c; `given`, as the user wrote them) at
-    or past the end of the run, which would then never train what it switches to and still record it
-    as its method. The end is max_iters, or lr_decay_iters where the schedule is set to end later:
-    such a run stops early as the first part of a longer one, and resumed (init_from=resume) with a
-    larger max_iters it reaches its switch. Returns the notes that say so (one per switch not reached)."""
-    end, notes = max(c["max_iters"], c["lr_decay_iters"]), []
-    for key, before in (("pqt_start", "bf16"), ("ste_start", "PQT")):
-        step = int(c[key])
-        said = f"{key}={given[key]:g}" + (f" (step {step})" if given[key] != step else "")
-        if step and step >= end:
-            fail(f"{said} is at or past max_iters={c['max_iters']}: the run would end before its switch and train "
-                 f"{before} throughout; set {key} below max_iters, or raise max_iters (a run stopped before its "
-                 f"switch, to be resumed past it, sets lr_decay_iters, the end of its schedule, beyond the switch)")
-        if step and step >= c["max_iters"]:
-            notes.append(f"note: {said} is at or past max_iters={c['max_iters']}: this run stops before its switch, "
-                         f"{before} throughout; resume it (--init_from=resume) with max_iters up to "
-                         f"lr_decay_iters={c['lr_decay_iters']} to train past it")
-    return notes
-
-
 def read_config(argv):
     """(config, the keys set, model_args, notes to say at the start) of the command line, checked
     before anything is built or written (validate, share_out), lr_decay_iters resolved. Under
@@ -301,30 +181,12 @@ def read_config(argv):
         validate(c, explicit)
         share_out(c["gradient_accumulation_steps"], c["batch_size"], int(os.environ.get("WORLD_SIZE", 1)), 0)
         model_args = shape_args(c, explicit)
-        roles = ROLES.get(model_args.get("arch", "gpt2"), {})
-        given = {k: c[k] for k in ("pqt_start", "ste_start")}
-        try:  # a bad method or shape fails now, before data or checkpoints are touched
-            kind, _ = gaussws.parse_method(c["method"], roles.values())
-            c.update(phase_settings(kind, c, explicit))  # pqt_start as a step; b_t's level for target_format
-            mconf = ModelConfig(**{**model_args, "vocab_size": model_args.get("vocab_size") or 1})
-            if c["init_from"] in ("scratch", "resume"):  # the model is this shape: a width the format cannot hold
-                with torch.device("meta"):
-                    gaussws.convert(GPT(mconf), c["method"], roles, **method_args(c))
-        except (ValueError, TypeError) as e:
-            fail(str(e))
-        c["lr_decay_iters"] = c["lr_decay_iters"] or c["max_iters"]
-        notes = check_switches(c, given)
+        notes = phases.resolve(c, explicit, model_args)  # the switches as steps, b_t's level, lr_decay_iters
     except ConfigError:
         if int(os.environ.get("RANK", 0)):
             raise SystemExit(0) from None
         raise
     return c, explicit, model_args, schedule_notes(c) + notes
-
-
-def method_args(c):
-    """gaussws.convert's settings of the method from the config (resolved by phase_settings)."""
-    return dict(b_init=c["b_init"], b_target=c["b_target"], seed=c["seed"], start=int(c["pqt_start"]),
-                fmt=c["target_format"], ste_start=int(c["ste_start"]), bits_per_weight=c["bits_per_weight"])
 
 
 # --- set-up ----------------------------------------------------------------------------------------
@@ -365,7 +227,7 @@ def show_dry_run(c, model_args, notes):
                                     50304 if model_args.get("arch", "gpt2") == "gpt2" else 32000)
     with torch.device("meta"):
         m = gaussws.convert(GPT(ModelConfig(**model_args)), c["method"], ROLES[model_args.get("arch", "gpt2")],
-                            **method_args(c))
+                            **phases.method_args(c))
     built = asdict(m.config)
     print(json.dumps({**c, **{k: v for k, v in built.items() if k in c}, "model_args": built}, indent=1))
     print(f"parameters: {m.get_num_params(non_embedding=False):,} ({m.get_num_params(non_embedding=False) / 1e6:.1f}M)"
@@ -447,7 +309,7 @@ def build(c, explicit, proc, model_args, data_dir, meta):
     mconf = ModelConfig(**model_args)
     roles = ROLES[mconf.arch]
     try:
-        raw_model = gaussws.convert(GPT(mconf), c["method"], roles, recompute=c["recompute_w_hat"], **method_args(c))
+        raw_model = gaussws.convert(GPT(mconf), c["method"], roles, recompute=c["recompute_w_hat"], **phases.method_args(c))
     except ValueError as e:  # another run's (or a pretrained model's) shape: a width the format cannot hold
         fail(str(e))
     if init_state is not None:

@@ -18,6 +18,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 import checkpoint
 import gaussws
+import phases
 import train
 from conftest import ROOT
 from model import GPT, ROLES, ModelConfig
@@ -141,9 +142,9 @@ def test_the_gguf_budgets_level_lies_between_its_types_levels_by_their_bits():
     c = dict(pqt_start=50, ste_start=150, max_iters=200, target_format="auto-gguf", bits_per_weight=4.5, b_init=6.0,
              b_target=4.0)
     level = budget.matched_b_t(E_R2["gaussws"], "q4_k")
-    assert train.phase_settings("gaussws", c) == dict(pqt_start=50.0, ste_start=150.0, b_init=level + 1,
+    assert phases.phase_settings("gaussws", c) == dict(pqt_start=50.0, ste_start=150.0, b_init=level + 1,
                                                       b_target=level)
-    assert train.phase_settings("gaussws", dict(c, ste_start=0.0, target_format="q3_k", bits_per_weight=0.0)) == \
+    assert phases.phase_settings("gaussws", dict(c, ste_start=0.0, target_format="q3_k", bits_per_weight=0.0)) == \
         dict(pqt_start=50.0, ste_start=0.0, b_init=budget.matched_b_t(E_R2["gaussws"], "q3_k"),
              b_target=budget.matched_b_t(E_R2["gaussws"], "q3_k"))
 
@@ -530,7 +531,7 @@ def test_auto_gguf_ranks_the_tensors_by_their_learned_b_t(budget_runs, tile_erro
     the types' errors measured on the tile."""
     _, run, _, _ = budget_runs["auto"]
     state, chosen = run[SWITCH["auto"]][0], ggml_types(run[STEPS][0])
-    config = train.phase_settings("gaussws", {**BUDGETS["auto"], "max_iters": STEPS, "b_init": 6.0, "b_target": 4.0})
+    config = phases.phase_settings("gaussws", {**BUDGETS["auto"], "max_iters": STEPS, "b_init": 6.0, "b_target": 4.0})
     tensor_b_t = {}
     for layer in chosen:
         b_t = config["b_target"] + state[layer + ".b_i"].double() * (config["b_init"] - config["b_target"])

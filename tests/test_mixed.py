@@ -15,6 +15,7 @@ import checkpoint
 import export as E
 import gaussws
 import sample
+import phases
 import train
 import util
 from configurator import ConfigError
@@ -319,11 +320,11 @@ def test_the_budgets_level_is_int3s_at_3_bits_and_b_init_is_one_bit_above_in_a_p
     c = dict(pqt_start=0.5, ste_start=0.75, max_iters=200, target_format="auto-int", bits_per_weight=3.0,
              b_init=6.0, b_target=4.0)
     level = budget.matched_b_t(E_R2["gaussws"], "int3")
-    assert train.phase_settings("gaussws", c) == dict(pqt_start=100.0, ste_start=150.0, b_init=level + 1,
+    assert phases.phase_settings("gaussws", c) == dict(pqt_start=100.0, ste_start=150.0, b_init=level + 1,
                                                       b_target=level)
-    assert train.phase_settings("gaussws", c, explicit={"b_init"})["b_init"] == 6.0
-    assert train.phase_settings("gaussws", dict(c, pqt_start=0.0))["b_init"] == 6.0  # from scratch: the paper's
-    assert train.phase_settings("ste", dict(c, ste_start=0.0, target_format="error-int")) == \
+    assert phases.phase_settings("gaussws", c, explicit={"b_init"})["b_init"] == 6.0
+    assert phases.phase_settings("gaussws", dict(c, pqt_start=0.0))["b_init"] == 6.0  # from scratch: the paper's
+    assert phases.phase_settings("ste", dict(c, ste_start=0.0, target_format="error-int")) == \
         dict(pqt_start=100.0, ste_start=0.0, b_init=6.0, b_target=4.0)
     for method in ("gaussws", "diffq"):
         int2, int3, int4 = (budget.matched_b_t(E_R2[method], f"int{b}") for b in (2, 3, 4))

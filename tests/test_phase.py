@@ -14,6 +14,7 @@ import torch
 import checkpoint
 import export as E
 import gaussws
+import phases
 import train
 import util
 from configurator import ConfigError
@@ -227,14 +228,14 @@ def test_a_run_stopped_before_its_switch_says_so_and_resumed_it_trains_the_metho
 
 def test_phase_settings_resolve_the_start_and_b_t():
     c = dict(pqt_start=0.85, max_iters=200, target_format="int3", b_init=6.0, b_target=4.0)
-    assert train.phase_settings("gaussws", c) == dict(pqt_start=170.0, ste_start=0.0, b_init=3.49, b_target=3.49)
-    assert train.phase_settings("gaussws", c, explicit={"b_init"}) == \
+    assert phases.phase_settings("gaussws", c) == dict(pqt_start=170.0, ste_start=0.0, b_init=3.49, b_target=3.49)
+    assert phases.phase_settings("gaussws", c, explicit={"b_init"}) == \
         dict(pqt_start=170.0, ste_start=0.0, b_init=6.0, b_target=3.49)
     scratch = dict(c, pqt_start=0.0)  # the paper's way: b_t from b_init pulled to the level
-    assert train.phase_settings("diffq", scratch) == dict(pqt_start=0.0, ste_start=0.0, b_init=6.0, b_target=2.58)
-    assert train.phase_settings("gaussws", dict(c, pqt_start=170, target_format="")) == \
+    assert phases.phase_settings("diffq", scratch) == dict(pqt_start=0.0, ste_start=0.0, b_init=6.0, b_target=2.58)
+    assert phases.phase_settings("gaussws", dict(c, pqt_start=170, target_format="")) == \
         dict(pqt_start=170.0, ste_start=0.0, b_init=6.0, b_target=4.0)
-    assert train.phase_settings("ste", dict(c, pqt_start=0.5)) == \
+    assert phases.phase_settings("ste", dict(c, pqt_start=0.5)) == \
         dict(pqt_start=100.0, ste_start=0.0, b_init=6.0, b_target=4.0)
 
 
@@ -393,7 +394,7 @@ def trained_logits(run_dir, master, x):
     """The logits the trained model computes in a training step after its last (STE: on its grid)."""
     with open(run_dir / "config.json") as f:
         c = json.load(f)
-    model = gaussws.convert(GPT(LLAMA_CONFIG), c["method"], ROLES["llama2"], **train.method_args(c))
+    model = gaussws.convert(GPT(LLAMA_CONFIG), c["method"], ROLES["llama2"], **phases.method_args(c))
     model.load_state_dict(master)  # strict: the run's state is the converted model's
     with torch.no_grad(), gaussws.TrainStep(model.train(), STEPS):
         return model(x, x)[0]
