@@ -42,12 +42,16 @@ def repo_files():
 
 @functools.lru_cache(maxsize=None)
 def top_level_names(path):
-    """The names a module defines at its top level: functions, classes, assignments (not what it imports)."""
+    """The names a module defines at its top level: functions, classes, assignments, and the names it takes
+    from another module of its API (`from kernels.ops import pseudo_quantize` in gaussws.py); not the modules
+    it imports."""
     tree = ast.parse(text(path))
     names = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {t.id for t in targets if isinstance(t, ast.Name)}
