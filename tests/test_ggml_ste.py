@@ -596,7 +596,7 @@ def test_a_budget_run_stopped_before_or_after_its_switch_resumes_as_the_uninterr
         printed = []
         mp.setattr(ste, "_say", printed.append)
         if stop > SWITCH[name]:
-            mp.setattr(ste, "gguf_types", lambda *a, **k: pytest.fail("the types were chosen again"))
+            mp.setattr(budget, "gguf_types", lambda *a, **k: pytest.fail("the types were chosen again"))
         train.main(budget_argv(data_dir, tmp_path, name, init_from="resume"))
     assert len(printed) == (stop <= SWITCH[name])
     evaluations = {i: v for i, v in curve(tmp_path, "val/loss").items() if i != 19}  # 19: the stopped run's end

@@ -14,8 +14,8 @@ import torch
 import checkpoint
 import export as E
 import gaussws
-import sample
 import phases
+import sample
 import train
 import util
 from configurator import ConfigError
@@ -251,7 +251,7 @@ def test_a_run_stopped_at_or_after_a_switch_resumes_on_the_formats_chosen_at_it(
     train.main(argv(data_dir, tmp_path, name, max_iters=stop))
     with pytest.MonkeyPatch.context() as mp:
         if stop > STE_START:
-            mp.setattr(ste, "budget_format_ids", lambda *a: pytest.fail("the formats were chosen again"))
+            mp.setattr(budget, "budget_format_ids", lambda *a: pytest.fail("the formats were chosen again"))
         train.main(argv(data_dir, tmp_path, name, init_from="resume"))
     whole_dir, whole = runs[name]
     assert curve(tmp_path) == curve(whole_dir) and curve(tmp_path, "val/loss") == curve(whole_dir, "val/loss")
