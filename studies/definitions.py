@@ -271,12 +271,19 @@ GGUF_MIX_BITS = {config: {mix: math.floor(llama_mix_bits(mix, config) * 1e4) / 1
                  for config in (GGUF_CONFIG, GGUF_LLAMA_CONFIG)}
 
 
+# Which block Linears a bit helps most, measured on each trunk's checkpoint at the mixes' fork (python -m
+# studies.sensitivity): each rounded alone to these types, cheapest first, the upgrades a mix of them ranks
+SENSITIVITY_TYPES = ("q2_k", "q3_k", "q4_k")
+
+
 def gguf_trunk(config, steps, seeds, step_s):
     """A llama.cpp study's bf16 trunk of `steps` steps, kept at the phases' fork steps (70 %: the mixes'
-    gaussws phase, 85 %: the STE phases) and exported by llama-quantize (LLAMA_CPP_SPECS)."""
+    gaussws phase, 85 %: the STE phases), exported by llama-quantize (LLAMA_CPP_SPECS) and measured tensor by
+    tensor at the mixes' fork (sensitivity: the checkpoint's step and SENSITIVITY_TYPES)."""
     trunk = arm(config, method="bf16", max_iters=steps, lr_decay_iters=steps, eval_interval=steps // 4)
     trunk.update(kind="bf16", seeds=seeds, keep=sorted({round(MIX_PHASE * steps), round(PHASE * steps)}),
-                 llama_cpp=list(LLAMA_CPP_SPECS), step_s=step_s)
+                 llama_cpp=list(LLAMA_CPP_SPECS), step_s=step_s,
+                 sensitivity=dict(step=round(MIX_PHASE * steps), types=SENSITIVITY_TYPES))
     return trunk
 
 

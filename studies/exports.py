@@ -1,7 +1,9 @@
 """The exported models of a study's runs: export.py run on a run's checkpoint, its val loss per format
-kept in the run directory (export.json), so each format is exported once; and the GGUF files of the
+kept in the run directory (export.json), so each format is exported once; the GGUF files of the
 llama.cpp study (export_gguf.py's llama-quantize files of a bf16 run, export.py's GGUF of a trained one),
-each measured by llama.cpp and kept in the run directory (gguf.json)."""
+each measured by llama.cpp and kept in the run directory (gguf.json) with its per-tensor types; and a
+trunk's tensors rounded one at a time (studies.sensitivity), kept in the run directory (sensitivity.json).
+Each record is made once, and a report over committed records (without checkpoints) reads them alone."""
 import json
 import os
 import subprocess
@@ -147,13 +149,14 @@ def _where(path):
 def _command(cmd, report):
     """Run a script of the repository; its --json file's object, or a line saying why there is none."""
     r = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True)
+    script = " ".join(cmd[:2]) if cmd[0] == "-m" else cmd[0]
     if r.returncode != 0:
-        return f"{cmd[0]} failed: {(r.stderr.strip() or r.stdout.strip() or 'no output').splitlines()[-1]}"
+        return f"{script} failed: {(r.stderr.strip() or r.stdout.strip() or 'no output').splitlines()[-1]}"
     try:
         with open(report) as fh:
             return json.load(fh)
     except (OSError, ValueError) as e:
-        return f"{cmd[0]}'s --json file is not the JSON expected ({type(e).__name__})"
+        return f"{script}'s --json file is not the JSON expected ({type(e).__name__})"
 
 
 def _llama_cpp_records(run_dir, specs):
@@ -200,3 +203,34 @@ def _trained_records(run_dir, specs):
     except (KeyError, TypeError):
         return "export_gguf.py's --json file holds no \"files\" with a \"path\" each"
     return {spec: by_path.get(path) for spec, path in paths.items()}
+
+
+SENSITIVITY = "sensitivity.json"  # a trunk's tensors rounded one at a time, beside its other records
+
+
+def sensitivity(run_dir, step, types):
+    """python -m studies.sensitivity's record of the run's checkpoint at `step` (each block Linear rounded
+    alone to each of types: the val loss it costs and error-gguf's proxy of it), or a line saying why there
+    is none. Kept in the run directory (SENSITIVITY) under the run's lock, made once: `python -m
+    studies.sensitivity --checkpoint=RUN/ckpt_STEP.pt --types=T1,T2 --threads=1 --json=PATH`; without the
+    checkpoint (committed records keep none) only the kept record is read."""
+    try:
+        with ckpt_io.lock(run_dir, wait=True, name=STUDY_LOCK):
+            path = os.path.join(run_dir, SENSITIVITY)
+            kept = read_json(path)
+            if kept is not None and kept.get("iter_num") == step and kept.get("types") == list(types):
+                return kept
+            checkpoint = os.path.join(run_dir, f"ckpt_{step}.pt")
+            if not os.path.isfile(checkpoint):
+                return f"no {SENSITIVITY} of step {step} and no ckpt_{step}.pt to measure"
+            with tempfile.TemporaryDirectory() as tmp:
+                report = os.path.join(tmp, SENSITIVITY)
+                out = _command(["-m", "studies.sensitivity", f"--checkpoint={checkpoint}", f"--types={','.join(types)}",
+                                "--threads=1", f"--json={report}"], report)
+            if isinstance(out, str):
+                return out
+            out["checkpoint"] = os.path.relpath(_where(out["checkpoint"]), _where(run_dir))
+            write_json(path, out)
+            return out
+    except ckpt_io.CheckpointError as e:
+        raise StudyError(str(e)) from None

@@ -19,7 +19,8 @@ import os
 import statistics
 
 from studies.definitions import arm_label, run_name
-from studies.exports import F32_SPEC, llama_cpp_files, trained_files
+from studies.exports import F32_SPEC, llama_cpp_files, sensitivity, trained_files
+from studies.gguf_tensors import chosen_markdown, chosen_types, sensitivity_markdown, sensitivity_ranks
 from studies.plots import plot_gguf
 from studies.records import check_gguf_files
 from studies.report import done_run, results_head, run_figures, write_results
@@ -55,12 +56,15 @@ def gguf_runs(study, root):
                                 **(trained_files(run_dir, a["gguf"]) if a.get("gguf") else {})}
                 check_gguf_files(run_dir, fig["files"], run["config"].get("model_args", {}).get("vocab_size"))
                 fig["f32"] = fig["files"].pop(F32_SPEC, None)  # a trunk's F32 file: its record, or why none
+                if a.get("sensitivity"):
+                    fig["sensitivity"] = sensitivity(run_dir, a["sensitivity"]["step"], a["sensitivity"]["types"])
             first = a["overrides"]["pqt_start"] if a.get("trunk") else 0
             fig["trained_steps"] = a["overrides"]["max_iters"] - first
             # its own steps' time: the median logged step time (robust to a runner paused on a shared
             # machine) times its steps, as the deployment study's
             ms = [r["ms_per_iter"] for r in run["logs"] if r["iter"] > first]
-            fig["train_min"] = statistics.median(ms) * fig["trained_steps"] / 60e3 if ms else None
+            fig["step_s"] = statistics.median(ms) / 1e3 if ms else None
+            fig["train_min"] = fig["step_s"] * fig["trained_steps"] / 60 if ms else None
             runs[i, seed] = fig
     return runs
 
@@ -266,6 +270,34 @@ def types_markdown(rows):
     return lines or ["No trained file yet."]
 
 
+def cost(study, runs):
+    """What the finished runs took, from their records: each trunk's median logged seconds a step (train.py's
+    ms_per_iter), its steps at that rate, and its wall time (done.json: its segments, evaluations and
+    checkpoints too); the phase runs' own steps each at its median step, summed (the files table's own train
+    min), and the range of their median steps."""
+    arms = study["arms"]
+    done = {key: f for key, f in runs.items() if f["status"] == "finished" and f.get("step_s")}
+    trunks = {str(s): {"step_s": f["step_s"], "train_h": f["train_min"] / 60, "wall_h": f["wall_s"] / 3600}
+              for (i, s), f in sorted(done.items()) if not arms[i].get("trunk")}
+    phases = [f for (i, _), f in done.items() if arms[i].get("trunk")]
+    return {"trunks": trunks, "trunks_wall_h": sum(t["wall_h"] for t in trunks.values()), "phase_runs": len(phases),
+            "phases_h": sum(f["train_min"] for f in phases) / 60,
+            "phase_step_s": [min(f["step_s"] for f in phases), max(f["step_s"] for f in phases)] if phases else None}
+
+
+def cost_markdown(c):
+    if not c["trunks"]:
+        return ["No finished trunk yet."]
+    lines = [f"- bf16 trunk, seed {s}: {t['step_s']:.3f} s a step (the median of its logged steps), "
+             f"{t['train_h']:.2f} h of steps, {t['wall_h']:.2f} h of wall time" for s, t in c["trunks"].items()]
+    lines.append(f"- the trunks' wall time: {c['trunks_wall_h']:.1f} h")
+    if c["phase_runs"]:
+        lo, hi = c["phase_step_s"]
+        lines.append(f"- the {c['phase_runs']} finished phase runs' own steps: {c['phases_h']:.1f} h ({lo:.2f}-{hi:.2f} "
+                     f"s a step, each run's median)")
+    return lines
+
+
 def missing_text(missing, width=200):
     """Why a file is missing, as the table gives it: the first reason, cut at `width` characters, and how many
     others (each seed's names its own run; results.json has them whole)."""
@@ -317,6 +349,10 @@ def gguf_markdown(results):
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += [row_markdown(r) for r in results["rows"]]
     lines += ["", "## The types of each trained file's block Linears", "", *types_markdown(results["rows"])]
+    lines += ["", "## What the mixes chose, tensor by tensor", "", *chosen_markdown(results["chosen"])]
+    lines += ["", "## Which tensors a bit helps most", "",
+              *sensitivity_markdown(results["sensitivity"], results["sensitivity_step"])]
+    lines += ["", "## What the runs took (one core each, from their records)", "", *cost_markdown(results["cost"])]
     lines += ["", "Arms (their config and train.py overrides):", ""]
     lines += list(dict.fromkeys(f"- {r['arm'] if not r['llama_cpp'] else 'bf16 trunk'}: `{r['settings']}`"
                                 for r in results["rows"]))
@@ -333,7 +369,12 @@ def write_gguf(name, study, root):
     rows = gguf_rows(study, runs)
     bf16 = stats([f["val_loss"] for (i, _), f in runs.items() if not study["arms"][i].get("trunk")
                   and f["status"] == "finished"])
-    results = {**results_head(name, study, root, runs), "bf16": bf16, "rows": rows, "findings": gguf_findings(rows)}
+    trunk = next(a for a in study["arms"] if a.get("llama_cpp"))
+    measured = {str(s): f["sensitivity"] for (i, s), f in sorted(runs.items()) if "sensitivity" in f}
+    results = {**results_head(name, study, root, runs), "bf16": bf16, "rows": rows, "findings": gguf_findings(rows),
+               "chosen": chosen_types(rows), "sensitivity": measured,
+               "sensitivity_step": trunk.get("sensitivity", {}).get("step"),
+               "sensitivity_ranks": sensitivity_ranks(measured), "cost": cost(study, runs)}
     out = os.path.join(root, name)
     written = write_results(out, results, gguf_markdown(results))
     if any(r["seeds"] for r in rows):

@@ -655,3 +655,56 @@ def test_the_dry_run_lists_every_run_and_each_arms_cost(tmp_path, capsys, monkey
         assert f"{steps:,} steps x {a['step_s']:.2f} s = {minutes:.0f} min a run, x 3 seeds" in out, a["kind"]
     assert f"in all {total / 3600:.1f} h on one core" in out
     assert "then, in the report, llama-quantize of its last checkpoint: Q8_0+imatrix, Q4_0+imatrix" in out
+
+
+def test_the_report_counts_the_types_each_kind_of_mix_gave_each_tensor(reported):
+    """Over every size and seed (write_run: the learned mix at Q2_K's size chose MIX_TYPES, every other mix
+    ffn_up Q4_K; seeds 1 and 2 of each of the three sizes), counted here by hand."""
+    _, results, text, _ = reported
+    assert results["chosen"] == {
+        "learned mix": {"runs": 6, "tensors": {"blk.0.ffn_up.weight": {"Q4_K": 4, "Q2_K": 2},
+                                               "blk.0.attn_output.weight": {"Q4_K": 1, "Q3_K": 1}}},
+        "error mix": {"runs": 6, "tensors": {"blk.0.ffn_up.weight": {"Q4_K": 6}}}}
+    assert "| blk.0.ffn_up.weight | Q2_K 2, Q4_K 4 |" in text and "| blk.0.ffn_up.weight | Q4_K 6 |" in text
+
+
+# A trunk's sensitivity.json as python -m studies.sensitivity writes it: three tensors, two upgrades
+SENSITIVITY = {"checkpoint": "ckpt_4480.pt", "iter_num": 4480, "types": ["q2_k", "q3_k", "q4_k"], "val_loss": 1.0,
+               "batches": 20, "tensors": [{"tensor": f"transformer.h.0.{m}", "role": m, "numel": 65536,
+                                           "loss": {}, "proxy": {}} for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc")],
+               "upgrades": {"q2_k->q3_k": {"loss_per_bit": [2.0, 3.0, 1.0], "proxy_per_bit": [5.0, 1.0, 9.0],
+                                           "spearman": -0.5},
+                            "q3_k->q4_k": {"loss_per_bit": [1.0, 2.0, 3.0], "proxy_per_bit": [1.0, 2.0, 3.0],
+                                           "spearman": 1.0}}}
+
+
+def test_the_report_ranks_each_trunks_tensors_by_loss_and_by_proxy_from_its_kept_measure(tmp_path):
+    """Seed 1's trunk keeps a sensitivity.json (SENSITIVITY), seed 2's none and no checkpoint to make one: the
+    ranks (1: the largest drop per bit) by hand, Spearman as recorded; seed 2 says why it has none."""
+    root = str(tmp_path / "root")
+    for i, a in enumerate(STUDY["arms"]):
+        for seed in (1, 2):
+            write_run(root, i, seed)
+    with open(os.path.join(root, "runs", defs.run_name(STUDY["arms"][0], 1), "sensitivity.json"), "w") as f:
+        json.dump(SENSITIVITY, f)
+    results, text, _ = report(root)
+    assert results["sensitivity_step"] == 4480 and results["sensitivity"]["1"] == SENSITIVITY
+    assert results["sensitivity_ranks"] == {"1": {
+        "q2_k->q3_k": {"tensors": [t["tensor"] for t in SENSITIVITY["tensors"]], "loss_rank": [2, 1, 3],
+                       "proxy_rank": [2, 3, 1], "spearman": -0.5},
+        "q3_k->q4_k": {"tensors": [t["tensor"] for t in SENSITIVITY["tensors"]], "loss_rank": [3, 2, 1],
+                       "proxy_rank": [3, 2, 1], "spearman": 1.0}}}
+    assert "- seed 2: no sensitivity.json of step 4480 and no ckpt_4480.pt to measure" in text
+    assert "**q2_k->q3_k**: rank by loss / by proxy per seed (Spearman seed 1 -0.50)" in text
+    assert "| blk.0.attn_output.weight | 1 / 3 |" in text and "| blk.0.attn_qkv.weight | 2 / 2 |" in text
+
+
+def test_the_report_gives_what_the_runs_took_from_their_records(reported):
+    """write_run logs MS a step and 60 s of wall time each: the trunks' 6,400 steps, the phases' own steps
+    (960 of an STE phase, 1,920 of a mix) at 1.5 s, summed over the 25 phase runs."""
+    _, results, text, _ = reported
+    cost = results["cost"]
+    assert cost["trunks"] == {str(s): {"step_s": 1.5, "train_h": pytest.approx(6400 * 1.5 / 3600),
+                                       "wall_h": pytest.approx(60 / 3600)} for s in (1, 2, 3)}
+    assert cost["phase_runs"] == 25 and cost["phases_h"] == pytest.approx((13 * 960 + 12 * 1920) * 1.5 / 3600)
+    assert "- the 25 finished phase runs' own steps: 14.8 h (1.50-1.50 s a step, each run's median)" in text

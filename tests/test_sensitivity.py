@@ -153,3 +153,25 @@ def test_help_lists_the_keys_and_an_unknown_key_is_one_line(tmp_path):
     assert "  types = 'q2_k,q3_k,q4_k'    # llama.cpp types, cheapest first" in r.stdout
     rc, _, err = command("--typos=q2_k")
     assert rc == 1 and err.strip() == "error: unknown config key 'typos'; did you mean --types?"
+
+
+def test_the_study_keeps_a_checkpoints_measure_beside_its_records_and_reads_it_alone_later(measured, tmp_path):
+    """studies.exports.sensitivity on a run directory holding ckpt_<step>.pt: python -m studies.sensitivity's
+    record, the checkpoint named relative to the run, kept in sensitivity.json; with the checkpoint gone (a
+    committed record), the kept record alone; for other types, and no checkpoint, a line saying why none."""
+    import shutil
+
+    import checkpoint
+    from studies import exports
+    d, _, _, result = measured
+    step = checkpoint.read(str(d / "run"))["iter_num"]
+    run = tmp_path / "runs" / "trunk"
+    run.mkdir(parents=True)
+    shutil.copy(d / "run" / "ckpt.pt", run / f"ckpt_{step}.pt")
+    got = exports.sensitivity(str(run), step, TYPES)
+    assert got == {**result, "checkpoint": f"ckpt_{step}.pt"}
+    assert json.loads((run / "sensitivity.json").read_text()) == got
+    (run / f"ckpt_{step}.pt").unlink()
+    assert exports.sensitivity(str(run), step, TYPES) == got
+    assert exports.sensitivity(str(run), step, TYPES[:2]) == \
+        f"no sensitivity.json of step {step} and no ckpt_{step}.pt to measure"
