@@ -147,9 +147,10 @@ def check_switches(c, given):
         step = int(c[key])
         said = f"{key}={given[key]:g}" + (f" (step {step})" if given[key] != step else "")
         if step and step >= end:
-            raise ConfigError(f"{said} is at or past max_iters={c['max_iters']}: the run would end before its switch and train "
-                 f"{before} throughout; set {key} below max_iters, or raise max_iters (a run stopped before its "
-                 f"switch, to be resumed past it, sets lr_decay_iters, the end of its schedule, beyond the switch)")
+            raise ConfigError(f"{said} is at or past max_iters={c['max_iters']}: the run would end before its switch "
+                              f"and train {before} throughout; set {key} below max_iters, or raise max_iters (a run "
+                              f"stopped before its switch, to be resumed past it, sets lr_decay_iters, the end of its "
+                              f"schedule, beyond the switch)")
         if step and step >= c["max_iters"]:
             notes.append(f"note: {said} is at or past max_iters={c['max_iters']}: this run stops before its switch, "
                          f"{before} throughout; resume it (--init_from=resume) with max_iters up to "

@@ -309,7 +309,8 @@ def build(c, explicit, proc, model_args, data_dir, meta):
     mconf = ModelConfig(**model_args)
     roles = ROLES[mconf.arch]
     try:
-        raw_model = gaussws.convert(GPT(mconf), c["method"], roles, recompute=c["recompute_w_hat"], **phases.method_args(c))
+        raw_model = gaussws.convert(GPT(mconf), c["method"], roles, recompute=c["recompute_w_hat"],
+                                    **phases.method_args(c))
     except ValueError as e:  # another run's (or a pretrained model's) shape: a width the format cannot hold
         fail(str(e))
     if init_state is not None:

@@ -293,8 +293,8 @@ def cost_markdown(c):
     lines.append(f"- the trunks' wall time: {c['trunks_wall_h']:.1f} h")
     if c["phase_runs"]:
         lo, hi = c["phase_step_s"]
-        lines.append(f"- the {c['phase_runs']} finished phase runs' own steps: {c['phases_h']:.1f} h ({lo:.2f}-{hi:.2f} "
-                     f"s a step, each run's median)")
+        lines.append(f"- the {c['phase_runs']} finished phase runs' own steps: {c['phases_h']:.1f} h "
+                     f"({lo:.2f}-{hi:.2f} s a step, each run's median)")
     return lines
 
 

@@ -670,8 +670,8 @@ def test_the_report_counts_the_types_each_kind_of_mix_gave_each_tensor(reported)
 
 # A trunk's sensitivity.json as python -m studies.sensitivity writes it: three tensors, two upgrades
 SENSITIVITY = {"checkpoint": "ckpt_4480.pt", "iter_num": 4480, "types": ["q2_k", "q3_k", "q4_k"], "val_loss": 1.0,
-               "batches": 20, "tensors": [{"tensor": f"transformer.h.0.{m}", "role": m, "numel": 65536,
-                                           "loss": {}, "proxy": {}} for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc")],
+               "batches": 20, "tensors": [{"tensor": f"transformer.h.0.{m}", "role": m, "numel": 65536, "loss": {},
+                                           "proxy": {}} for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc")],
                "upgrades": {"q2_k->q3_k": {"loss_per_bit": [2.0, 3.0, 1.0], "proxy_per_bit": [5.0, 1.0, 9.0],
                                            "spearman": -0.5},
                             "q3_k->q4_k": {"loss_per_bit": [1.0, 2.0, 3.0], "proxy_per_bit": [1.0, 2.0, 3.0],
