@@ -19,14 +19,14 @@ Reads the checkpoint in <out_dir> (ckpt.pt, or ckpt.dcp of an FSDP run; checkpoi
    weight of a run that trained at that budget trained on); writes model-<format>.safetensors: packed
    element codes, scales, per-block format ids or GGML blocks, what it takes to rebuild the model (no
    pickle) and the SHA-256 of every tensor and of the metadata, which load checks before it rebuilds
-   anything (the file: lowbit.py);
+   anything (the file: files/lowbit.py);
 3. evaluates the val loss of each exported model on train.py's fixed evaluation batches, beside
    the loss of the checkpoint's own (unquantized) weights;
-4. with --gguf=True, writes model-<format>.gguf beside each file, for llama.cpp (gguf_file.py,
+4. with --gguf=True, writes model-<format>.gguf beside each file, for llama.cpp (files/gguf_file.py,
    docs/GGUF.md).
 Every file is written atomically; what an export killed mid-write left beside them is removed first.
 
-    model, info = lowbit.load("out/model-auto.safetensors")  # the dequantized model, in eval mode
+    model, info = files.lowbit.load("out/model-auto.safetensors")  # the dequantized model, in eval mode
 
 Layers without PQT, embeddings, head, norms and biases are kept in BF16 (--other_dtype=float32
 keeps them exact). A run without PQT layers (a bf16 run) has its block Linears quantized instead,
@@ -35,7 +35,7 @@ the layers it trained on a format's grid quantized, which give back its trained 
 format is its target_format. A run that trained by STE on a bit budget's per-block formats (target
 auto-int or error-int) keeps them: exported at its own target_format and --bits_per_weight, each
 block takes the format it trained on, and the file holds the trained weights. The same holds for
-llama.cpp's types (ggml_quants.py): an STE run on one exports to it as trained, and a run that trained
+llama.cpp's types (quant/ggml_quants.py): an STE run on one exports to it as trained, and a run that trained
 one type per weight at a budget (its <layer>.ggml_type) exports with --format=auto-gguf or error-gguf
 at its --bits_per_weight; a width a type's blocks do not divide is one line, before anything is written.
 """
@@ -72,7 +72,7 @@ DEFAULTS = dict(
     evaluate=True,  # val loss of each exported model beside the unquantized one
     eval_iters=0,  # batches of the val loss; 0 -> the run's own eval_iters (the batches of train.py's evaluation)
     json="",  # also write the summary (checkpoint, notes, bitwidths, a record per format) to this path as JSON
-    gguf=False,  # also write model-<format>.gguf beside each file, for llama.cpp (gguf_file.py, docs/GGUF.md)
+    gguf=False,  # also write model-<format>.gguf beside each file, for llama.cpp (files/gguf_file.py, docs/GGUF.md)
     device="cuda" if torch.cuda.is_available() else "cpu",  # where the evaluation runs
 )
 # -----------------------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """Check a GGUF file of export.py in llama.cpp itself, and put llama.cpp's own quantizer beside ours.
 
-    python export.py --out_dir=out --format=mxfp4 --gguf=True    # writes out/model-mxfp4.gguf (gguf_file.py)
+    python export.py --out_dir=out --format=mxfp4 --gguf=True    # writes out/model-mxfp4.gguf (files/gguf_file.py)
     python export_gguf.py --gguf=out/model-mxfp4.gguf   # (--plain_cpu=True where llama.cpp's AMX kernels fault)
     python export_gguf.py --out_dir=out --llama_quantize=Q4_K_M+imatrix,Q4_0 --gguf=out/model-q4_k.gguf --json=t.json
     python export_gguf.py --build_llama_cpp   # llama-quantize, llama-imatrix, llama-perplexity into a cache
 
 The check (--gguf=FILE): its logits and val loss on train.py's evaluation batches against our model of
-the .safetensors export beside it (lowbit.load, FP32). The file is verified first (its checksums, and
+the .safetensors export beside it (files.lowbit.load, FP32). The file is verified first (its checksums, and
 that it was written from the .safetensors beside it: gguf_file.open_export); a damaged, foreign or
 mismatched file, a missing one or a directory is one line and exit status 1, and llama.cpp is not run.
 Then llama.cpp's logits are compared with the file's model computed with llama.cpp's roundings

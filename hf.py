@@ -1,6 +1,6 @@
 """Export a train.py checkpoint as a Hugging Face transformers directory: config.json, model.safetensors
 and the data's tokenizer for AutoTokenizer (byte tokens, SentencePiece or a tokenizer.json; not
-tiktoken's, whose hub files are GPT-2's). The library is pretrained.py (save_pretrained).
+tiktoken's, whose hub files are GPT-2's). The library is files/pretrained.py (save_pretrained).
 
     python hf.py --ckpt=out/ckpt.pt --out=hf_out     # a training checkpoint -> a transformers directory
     python hf.py --ckpt=out/model-mxfp4.safetensors --out=hf_out   # export.py's file: its dequantized weights
