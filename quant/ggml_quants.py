@@ -85,6 +85,7 @@ class BlockType:
         """A signed scale code's range is -cneg..cneg - 1 (the symmetric K-quants, IQ4_XS)."""
         return 2 ** (self.scale_bits - 1)
 
+
 class QuantError(util.UserError, ValueError):
     """A weight a GGML type cannot hold: its width, its shape, non-finite values, a scale beyond FP16."""
 
