@@ -219,7 +219,7 @@ _block_sums_c = Compiled(_block_sums)
 def gen(numel, seed, method, device):
     """Stored R for `numel` elements: int32 words of 8 nibbles (gaussws) or BF16 (diffq)."""
     per_call = 8 if method == "gaussws" else 4
-    seed_t = torch.tensor(seed, dtype=torch.int64, device=device)
+    seed_t = torch.tensor(int(seed), dtype=torch.int64, device=device)  # int(): also a one-element tensor
     r_store = _gen[method](seed_t, -(-numel // per_call))
     return r_store if method == "gaussws" else r_store[:numel]
 
