@@ -195,25 +195,24 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         self.__dict__.update(values)
 
     def _begin(self, step):
-        """The layer's state of optimizer step `step`. Returns whether w_hat is made once for the step
-        (step mode), which TrainStep then does: in a _Batch, or by _begin_alone."""
+        """The layer's state of optimizer step `step`. Returns "step" where w_hat is made once for the step
+        (TrainStep makes it: in a _Batch, or by _begin_alone), "micro" where every forward makes it (TrainStep
+        sets the step's seed, which its forwards and backwards read), else None (nn.Linear's forward)."""
         if self.formats_from is not None:  # a budget's STE phase (ste.BlockFormats)
             with torch.no_grad():
                 self._begin_formats(step, step >= self.formats_from)
         self._state(in_step=True, active=step >= self.start and not self.quantized)
-        if self.step_mode():
-            return True
-        self.noise_seed.fill_(_step_seed(self.layer_seed, step))  # read by every forward and backward
-        return False
+        return ("step" if self.step_mode() else "micro") if self.active else None
 
     @torch.no_grad()
     def _begin_alone(self, step):
         """Step mode, one layer: this step's w_hat and stored R; the scale with its graph to b_i for Eq. 4."""
-        self.noise_seed.fill_(_step_seed(self.layer_seed, step))
+        seed = _step_seed(self.layer_seed, step)
+        self.noise_seed.fill_(seed)
         k = noise_kernels(self.backend, self.weight.device)
         with torch.enable_grad():  # the scale keeps its graph to b_i: Eq. 4 backpropagates through it at the end
             scale = scale_bl(block_absmax(self.weight), self.b_t)
-        r_store = k.gen(self.weight.numel(), int(self.noise_seed), self.method, self.weight.device)
+        r_store = k.gen(self.weight.numel(), seed, self.method, self.weight.device)
         w_hat = k.apply(self.weight.detach(), r_store, scale.detach(), self.method)
         self._eq4 = (scale, r_store, self.weight._version)
         with torch.enable_grad():
@@ -316,8 +315,11 @@ class TrainStep:
         if any(layer.in_step for layer in self.layers):
             raise RuntimeError("gaussws.TrainStep: a step is already open on this model; end it first")
         ste.before_step(self.budget, self.step)
-        step_mode = [layer for layer in self.layers if layer._begin(self.step)]
+        ways = [(layer, layer._begin(self.step)) for layer in self.layers]
+        step_mode = [layer for layer, way in ways if way == "step"]
         self.batches, alone = _batches(step_mode) if self.batched else ([], step_mode)
+        for seeds in _seeds([layer for layer, way in ways if way == "micro"]):
+            seeds.set(self.step)
         for layer in alone:
             layer._begin_alone(self.step)
         for batch in self.batches:
@@ -343,14 +345,64 @@ class TrainStep:
         self.end(apply_eq4=exc_type is None)
 
 
+def _wait(event):
+    if event is not None:
+        event.synchronize()
+
+
+def _copied(device):
+    """On a GPU, an event after the copies queued so far: a pinned host buffer they read is free once it is."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class _Seeds:
+    """The step seeds (_step_seed) of layers on one device, each layer's noise_seed a view of them there: all
+    computed at once in NumPy and copied to the device in one copy a step, from a pinned buffer. A kernel reads
+    its layer's seed on the device: no launch and no host read per layer, and under torch.compile no CPU
+    tensor among a graph's inputs (one would keep inductor from CUDA graphs)."""
+
+    def __init__(self, layers, device):
+        self.layers = layers
+        self.host = torch.zeros(len(layers), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.device = torch.zeros(len(layers), dtype=torch.int64, device=device)
+        self.copied = None
+        for i, layer in enumerate(layers):
+            layer.noise_seed = self.device[i]
+
+    def set(self, step):
+        _wait(self.copied)
+        self.host.numpy()[:] = _step_seeds([layer.layer_seed for layer in self.layers], step)
+        self.device.copy_(self.host, non_blocking=True)
+        self.copied = _copied(self.device.device)
+
+
+def _seeds(layers):
+    """A _Seeds per device of `layers` (TrainStep's per-micro-step layers), kept on the first from step to step
+    and made again when the layers or their devices change."""
+    if not layers:
+        return []
+    key = (tuple(layers), tuple(layer.weight.device for layer in layers))
+    plan = layers[0].__dict__.get("_seeds")
+    if plan is None or plan[0] != key:
+        devices = {}
+        for layer in layers:
+            devices.setdefault(layer.weight.device, []).append(layer)
+        plan = (key, [_Seeds(group, device) for device, group in devices.items()])
+        layers[0].__dict__["_seeds"] = plan
+    return plan[1]
+
+
 class _Batch:
     """Step-mode PQT layers of one kind (the Triton kernels' many_key, b_init, b_target) that TrainStep
     serves together: at begin one launch of Eq. 3 for all (kernels.triton_noise.Many), after the few
     PyTorch ops that make every block's 2^(1 - b_t) from the concatenated b_i (Eq. 11); at end one launch
     of Eq. 4 into their b_i.grad. The per-layer Python left launches nothing: views, the StraightThrough
     node of each w_hat (one per layer, so that each weight's gradient is ready, for DDP's all-reduce, as
-    soon as its backward is done), the checks. The seeds are _step_seed's, computed for all layers in
-    NumPy and copied to the device at once; each layer's noise_seed is a view of them."""
+    soon as its backward is done), the checks. The seeds are a _Seeds: one copy to the device a step."""
 
     def __init__(self, layers):
         from kernels import triton_noise
@@ -360,39 +412,22 @@ class _Batch:
         self.many = triton_noise.Many(self.weights, first.method)
         self.modes = (triton_noise.SKIP.value, triton_noise.STORE.value, triton_noise.ADD.value)
         self.b_init, self.b_target, device = first.b_init, first.b_target, self.many.device
-        pin = device.type == "cuda"  # pinned, the copies to the device need not wait for the host
-        self.host_seeds = torch.zeros(len(layers), dtype=torch.int64, pin_memory=pin)
-        self.host_step = torch.zeros((len(layers), 3), dtype=torch.int64, pin_memory=pin)
-        self.seeds = torch.empty(len(layers), dtype=torch.int64, device=device)
+        self.seeds = _Seeds(layers, device)
+        self.host_step = torch.zeros((len(layers), 3), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.step_table = torch.empty((len(layers), 3), dtype=torch.int64, device=device)
-        self.copied = None  # on a GPU, the event after the last copies from the host buffers
-        for i, layer in enumerate(layers):
-            layer.noise_seed = self.host_seeds[i]
+        self.copied = None  # on a GPU, the event after the last copy from host_step
 
     @staticmethod
     def key(layer):
         from kernels.triton_noise import many_key
         return many_key(layer.weight, layer.method), layer.b_init, layer.b_target
 
-    def _host_buffers(self):
-        if self.copied is not None:  # the copies that read them last step have finished
-            self.copied.synchronize()
-        return self.host_seeds.numpy(), self.host_step.numpy()
-
-    def _copied(self):
-        if self.many.device.type == "cuda":
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-
     @torch.no_grad()
     def begin(self, step):
-        seeds, _ = self._host_buffers()
-        seeds[:] = _step_seeds([layer.layer_seed for layer in self.layers], step)
-        self.seeds.copy_(self.host_seeds, non_blocking=True)
-        self._copied()
+        self.seeds.set(step)
         b_t = self.b_target + torch.cat([b_i.view(-1) for b_i in self.b_i]) * (self.b_init - self.b_target)  # Eq. 11
         e = torch.exp2(1.0 - b_t.float())  # as scale_bl; on a GPU each element's bits are those of its own layer's
-        w_hat, r_store = self.many.eq3(self.weights, self.seeds, e)
+        w_hat, r_store = self.many.eq3(self.weights, self.seeds.device, e)
         with torch.enable_grad():
             for layer, w, w_h, r in zip(self.layers, self.weights, w_hat, r_store):
                 layer._state(w_hat=ste.StraightThrough.apply(w, w_h), _eq4=(None, r, w._version))
@@ -420,9 +455,10 @@ class _Batch:
             if mode == store:
                 b_i.grad = grad[self.many.blk0[i]:self.many.blk0[i + 1]].view(b_i.shape)
             rows.append((g.data_ptr(), b_i.grad.data_ptr(), mode))
-        self._host_buffers()[1][:] = rows
+        _wait(self.copied)  # the copy that read host_step last step has finished
+        self.host_step.numpy()[:] = rows
         self.step_table.copy_(self.host_step, non_blocking=True)
-        self._copied()
+        self.copied = _copied(self.many.device)
         self.many.eq4(self.step_table, self.b_init - self.b_target)
 
 

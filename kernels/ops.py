@@ -56,13 +56,16 @@ def sample_r(shape, seed, method="gaussws", *, device="cpu", backend="auto"):
     return k.apply(torch.zeros(m, n, device=device), r_store, ones, method).float()  # 0 + R * 1, exact
 
 
-# Eq. 3 as an opaque op, so torch.compile neither traces the kernels nor specialises on the seed
-# (a CPU int64 tensor): its value changes every step and must not trigger a recompile.
+# Eq. 3 as an opaque op, so torch.compile neither traces the kernels nor specialises on the seed (an int64
+# tensor, on the weight's device for a layer's step seed): its value changes every step and must not trigger a
+# recompile. On the Triton backend the kernels read the seed, the host never does (no GPU waits for it). Not a
+# torch.library.triton_op, which would let inductor compile the kernels with its own options (FMA contraction
+# on) and so move the bits of w + R * scale away from the eager ones.
 @torch.library.custom_op("pqt::w_hat", mutates_args=())
 def _w_hat_op(w: torch.Tensor, e: torch.Tensor, seed: torch.Tensor, method: str,
               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(BF16 w_hat, max_bl(|w|)) of Eq. 3 with e = 2^(1 - b_t): one pass over w on the Triton backend."""
-    w_hat, _, max_bl = noise_kernels(backend, w.device).eq3(w.contiguous(), e.contiguous(), int(seed), method)
+    w_hat, _, max_bl = noise_kernels(backend, w.device).eq3(w.contiguous(), e.contiguous(), seed, method)
     return w_hat, max_bl
 
 
@@ -75,7 +78,7 @@ def _(w, e, seed, method, backend):
 def _block_sums_op(g: torch.Tensor, seed: torch.Tensor, method: str, backend: str) -> torch.Tensor:
     """sum_bl(g * R) with R regenerated from the seed: never stored between forward and backward."""
     k = noise_kernels(backend, g.device)
-    r_store = k.gen(g.numel(), int(seed), method, g.device)
+    r_store = k.gen(g.numel(), seed, method, g.device)
     return k.block_sums(g.contiguous(), r_store, method)
 
 
@@ -108,9 +111,10 @@ def pseudo_quantize(w, b_t, seed, method="gaussws", *, backend="auto"):
     """Eq. 3: BF16 w_hat = w + R * broadcast(max_bl(|w|) * 2^(1 - b_t)); backward is Eq. 4.
 
     Differentiable in w (dL/dw = dL/dw_hat) and b_t; max_bl(|w|) is a constant in the backward.
-    `seed` is an int in [0, 2^63) or a 0-dim int64 CPU tensor holding one. On the Triton backend one
-    kernel reads w once (kernels.triton_noise.eq3); where nothing needs a gradient or compiles, it is
-    called directly (Figure 6's `ours`: the launch without the op's dispatch).
+    `seed` is an int in [0, 2^63) or an int64 tensor of one element holding one (a layer's step seed, on
+    its device: the kernels read it, the host does not). On the Triton backend one kernel reads w once
+    (kernels.triton_noise.eq3); where nothing needs a gradient or compiles, it is called directly (Figure
+    6's `ours`: the launch without the op's dispatch).
     """
     if method not in ("gaussws", "diffq"):
         raise ValueError(f"unknown noise method {method!r}; expected 'gaussws' or 'diffq'")
@@ -120,11 +124,12 @@ def pseudo_quantize(w, b_t, seed, method="gaussws", *, backend="auto"):
     if tuple(b_t.shape) != expected:
         raise ValueError(f"b_t must have shape {expected} for w of shape {tuple(w.shape)}, got {tuple(b_t.shape)}")
     e = noise_e(b_t)
-    if not (torch.is_grad_enabled() and (w.requires_grad or e.requires_grad)) and not torch.compiler.is_compiling():
-        return noise_kernels(backend, w.device).eq3(w.detach().contiguous(), e.detach().contiguous(), check_seed(seed),
-                                                 method)[0]
     if not isinstance(seed, torch.Tensor):
-        seed = torch.tensor(check_seed(seed), dtype=torch.int64)
+        seed = check_seed(seed)  # an int: the Triton backend keeps its device tensor (triton_noise.seed_arg)
+    if not (torch.is_grad_enabled() and (w.requires_grad or e.requires_grad)) and not torch.compiler.is_compiling():
+        return noise_kernels(backend, w.device).eq3(w.detach().contiguous(), e.detach().contiguous(), seed, method)[0]
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(seed, dtype=torch.int64)
     return _w_hat_op(w, e, seed, method, backend)[0]
 
 

@@ -219,7 +219,7 @@ _block_sums_c = Compiled(_block_sums)
 def gen(numel, seed, method, device):
     """Stored R for `numel` elements: int32 words of 8 nibbles (gaussws) or BF16 (diffq)."""
     per_call = 8 if method == "gaussws" else 4
-    seed_t = torch.tensor(seed, dtype=torch.int64, device=device)
+    seed_t = torch.tensor(int(seed), dtype=torch.int64, device=device)  # int(): also a one-element tensor
     r_store = _gen[method](seed_t, -(-numel // per_call))
     return r_store if method == "gaussws" else r_store[:numel]
 
@@ -254,7 +254,7 @@ _block_absmax_c = Compiled(_block_absmax)  # one fused pass over w for large wei
 
 def block_absmax(w):
     """max_bl(|w|): FP32 max of |w| over each 32x32 block, shape (ceil(m/32), ceil(n/32)), partial
-    blocks at the edges. The scale of Eq. 3's noise (gaussws.py) and of the STE's grids (ste.py), for
+    blocks at the edges. The scale of Eq. 3's noise (gaussws.py) and of the STE's grids (quant/ste.py), for
     either backend: here because both of those import it, and it draws no noise. Eager on a GPU, where
     its three kernels cost the host less than a compiled call's guards (about 50 against 110-150 us on
     an H200); compiled on the CPU, where one fused pass is faster. Either gives the same bits (a max)."""

@@ -51,10 +51,11 @@ def _gaussws_word(seed, k):
     return word
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _gen_gaussws_kernel(out_ptr, n_words, seed: tl.int64, BLOCK: tl.constexpr):
+@triton.jit
+def _gen_gaussws_kernel(out_ptr, n_words, seed_ptr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, _gaussws_word(seed, offs).to(tl.int32, bitcast=True), mask=offs < n_words)
+    word = _gaussws_word(tl.load(seed_ptr), offs)
+    tl.store(out_ptr + offs, word.to(tl.int32, bitcast=True), mask=offs < n_words)
 
 
 @triton.jit
@@ -89,12 +90,12 @@ def _diffq_codes(seed, k):
     return _bf16_bits(_uniform(r0)), _bf16_bits(_uniform(r1)), _bf16_bits(_uniform(r2)), _bf16_bits(_uniform(r3))
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _gen_diffq_kernel(out_ptr, numel, seed: tl.int64, BLOCK: tl.constexpr):
+@triton.jit
+def _gen_diffq_kernel(out_ptr, numel, seed_ptr, BLOCK: tl.constexpr):
     # Philox call k makes elements 4k .. 4k+3; the four are interleaved so that the store is one
     # contiguous run of 4 * BLOCK BF16 values (vector stores) instead of four strided ones.
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    b0, b1, b2, b3 = _diffq_codes(seed, offs)
+    b0, b1, b2, b3 = _diffq_codes(tl.load(seed_ptr), offs)
     bits = _interleave4(b0[None, :], b1[None, :], b2[None, :], b3[None, :])
     e = tl.program_id(0) * 4 * BLOCK + tl.arange(0, 4 * BLOCK)[None, :]
     tl.store(out_ptr + e, bits, mask=e < numel)
@@ -300,10 +301,10 @@ def _eq3_tile(w_ptr, e_ptr, out_ptr, r_ptr, max_ptr, seed, m, n, n_words_row, nb
     tl.store(out_ptr + rows * n + cols, _bf16_bits(w + r * scale), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _eq3_kernel(w_ptr, e_ptr, out_ptr, r_ptr, max_ptr, m, n, n_words_row, nbn, seed: tl.int64,
+@triton.jit
+def _eq3_kernel(w_ptr, e_ptr, out_ptr, r_ptr, max_ptr, m, n, n_words_row, nbn, seed_ptr,
                 GAUSSWS: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLK: tl.constexpr):
-    _eq3_tile(w_ptr, e_ptr, out_ptr, r_ptr, max_ptr, seed, m, n, n_words_row, nbn, tl.program_id(0),
+    _eq3_tile(w_ptr, e_ptr, out_ptr, r_ptr, max_ptr, tl.load(seed_ptr), m, n, n_words_row, nbn, tl.program_id(0),
               tl.program_id(1), GAUSSWS, ALIGNED, BM, BN, BLK)
 
 
@@ -409,9 +410,9 @@ def kernel_specs(backend):
     tiles = {"BM": TILE_M, "BN": TILE_N, "BLK": BL}
     fp32 = {"enable_fp_fusion": False, "num_warps": NUM_WARPS}  # no FMA: w + R * scale rounds as in PyTorch
     specs = {
-        "gen_gaussws": KernelSpec(_gen_gaussws_kernel, {"out_ptr": "*i32", "n_words": "i32", "seed": "i64"},
+        "gen_gaussws": KernelSpec(_gen_gaussws_kernel, {"out_ptr": "*i32", "n_words": "i32", "seed_ptr": "*i64"},
                                   {"BLOCK": GEN_BLOCK}, 8 * GEN_BLOCK, fp32),
-        "gen_diffq": KernelSpec(_gen_diffq_kernel, {"out_ptr": "*i16", "numel": "i32", "seed": "i64"},
+        "gen_diffq": KernelSpec(_gen_diffq_kernel, {"out_ptr": "*i16", "numel": "i32", "seed_ptr": "*i64"},
                                 {"BLOCK": GEN_BLOCK}, 4 * GEN_BLOCK, fp32),
         "bm": KernelSpec(_bm_kernel, {"w_ptr": W_TYPES, "scale_ptr": "*fp32", "out_ptr": "*i16", "m": "i32",
                                       "n": "i32", "nbn": "i32", "seed": "i64"},
@@ -440,7 +441,7 @@ def kernel_specs(backend):
             options = fp32 if aligned else {**fp32, "num_warps": 4 * NUM_WARPS}
             specs["eq3_" + suffix] = KernelSpec(
                 _eq3_kernel, {"w_ptr": W_TYPES, "e_ptr": "*fp32", "out_ptr": "*i16", "r_ptr": r_out, "max_ptr": "*fp32",
-                              "m": "i32", "n": "i32", "n_words_row": "i32", "nbn": "i32", "seed": "i64"},
+                              "m": "i32", "n": "i32", "n_words_row": "i32", "nbn": "i32", "seed_ptr": "*i64"},
                 const, tile, options)
             specs["eq3_many_" + suffix] = KernelSpec(
                 _eq3_many_kernel, {"table_ptr": "*i64", "tile_layer_ptr": "*i32", "seeds_ptr": "*i64",
@@ -491,16 +492,34 @@ def _check(t, name, dtypes):
         raise ValueError(f"{name} has {t.numel()} elements; the kernels index with int32 (< 2^31)")
 
 
+@functools.lru_cache(maxsize=256)
+def _seed_tensor(seed, device):
+    """An int seed as the one-element int64 tensor on `device` the kernels read it from (one copy a value)."""
+    return torch.tensor([seed], dtype=torch.int64).to(device)
+
+
+def seed_arg(seed, device):
+    """The kernels' seed: an int in [0, 2^63), or an int64 tensor of one element (the layers' step seeds, on
+    their device already: read by the kernel, never by the host, so no GPU waits for it)."""
+    device = torch.device(device)
+    if not isinstance(seed, torch.Tensor):
+        return _seed_tensor(int(seed), device)
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(f"a seed tensor must hold one int64, got {seed.dtype} of shape {tuple(seed.shape)}")
+    return seed.reshape(1).to(device)
+
+
 def gen(numel, seed, method, device):
     """Stored R for `numel` elements: int32 words of 8 nibbles (gaussws) or BF16 (diffq)."""
+    seed = seed_arg(seed, device)
     if method == "gaussws":
         n_words = -(-numel // 8)
         out = torch.empty(n_words, dtype=torch.int32, device=device)
-        _launch("gen_gaussws", (triton.cdiv(n_words, GEN_BLOCK),), out_ptr=out, n_words=n_words, seed=seed)
+        _launch("gen_gaussws", (triton.cdiv(n_words, GEN_BLOCK),), out_ptr=out, n_words=n_words, seed_ptr=seed)
     else:
         out = torch.empty(numel, dtype=torch.bfloat16, device=device)
         _launch("gen_diffq", (triton.cdiv(numel, 4 * GEN_BLOCK),), out_ptr=out.view(torch.int16), numel=numel,
-                seed=seed)
+                seed_ptr=seed)
     return out
 
 
@@ -574,7 +593,7 @@ def eq3(w, e, seed, method):
     max_bl = torch.empty((nbm, nbn), dtype=torch.float32, device=w.device)
     _launch(f"eq3_{method}" + ("" if _aligned(method, n) else "_unaligned"), (nbm, triton.cdiv(n, TILE_N)),
             w_ptr=w, e_ptr=e, out_ptr=out.view(torch.int16), r_ptr=_r_arg(r_store), max_ptr=max_bl, m=m, n=n,
-            n_words_row=n // 8, nbn=nbn, seed=seed)
+            n_words_row=n // 8, nbn=nbn, seed_ptr=seed_arg(seed, w.device))
     return out, r_store, max_bl
 
 

@@ -39,10 +39,10 @@ def test_begin_and_end_make_the_same_launches_for_2_and_24_linears():
 
 def test_one_layer_at_a_time_launches_grow_with_the_layers():
     """The counter sees every launch of the per-layer path, which the batches replace: the same for every
-    copy of a layer (37 for the two kinds here, 18.5 a Linear)."""
+    copy of a layer (35 for the two kinds here, 17.5 a Linear)."""
     small, large = count_step(_net(1), 5, batched=False), count_step(_net(12), 5, batched=False)
     assert large.torch == Counter({op: 12 * k for op, k in small.torch.items()})
-    assert large.triton == Counter({v: 12 * k for v, k in small.triton.items()}) and small.total() == 37
+    assert large.triton == Counter({v: 12 * k for v, k in small.triton.items()}) and small.total() == 35
 
 
 def test_the_forward_and_backward_launch_less_than_bf16s():
@@ -63,3 +63,22 @@ def test_the_forward_and_backward_launch_less_than_bf16s():
         plain = nn.Sequential(*(nn.Linear(a, b) for a, b in zip(dims, dims[1:])))
         pqt = nn.Sequential(*(gaussws.PQTLinear(a, b, backend="triton") for a, b in zip(dims, dims[1:])))
         assert count(pqt, True) == count(plain, False) - 2 * copies
+
+
+def test_the_seeds_of_per_micro_step_layers_take_one_copy_a_step():
+    """Layers that make w_hat in every forward (recompute_w_hat, FSDP) read their step seed from their weight's
+    device: TrainStep's begin sets every one with one copy from the host, whatever their number, and each
+    layer's noise_seed is then its _step_seed, a view on that device (the kernels read it; the host does not)."""
+    for copies in (1, 12):
+        torch.manual_seed(0)
+        net = gaussws.set_noise_seed(nn.Sequential(*(gaussws.PQTLinear(48, 48, backend="triton", recompute=True)
+                                                     for _ in range(2 * copies))), 1)
+        gaussws.TrainStep(net, 4).begin().end()  # the seeds' buffers made, untimed
+        step = gaussws.TrainStep(net, 5)
+        with LaunchCounter() as counter:
+            step.begin()
+            step.end()
+        assert counter.torch == Counter({"copy_": 1}) and not counter.triton
+        for layer in gaussws.pqt_layers(net):
+            assert layer.noise_seed.device == layer.weight.device and layer.noise_seed.dim() == 0
+            assert int(layer.noise_seed) == gaussws._step_seed(layer.layer_seed, 5)

@@ -212,7 +212,8 @@ def expected_accesses(r):
     stream needs bytes / 16 vector accesses. The block scale is one FP32 per 32 x 32 block and a
     thread's elements lie in one block: one 4-byte load. block_sums stores one FP32 per block: one
     4-byte store per thread that holds a block's total (Triton writes each from one thread).
-    gen writes R only: 1/2 byte per element (gaussws) or 2 (diffq).
+    gen writes R only: 1/2 byte per element (gaussws) or 2 (diffq), and reads its seed (8 bytes, from
+    the device's memory: the host never reads a step's seed).
     """
     e = r["elements"] // r["threads"]
     kind, method = r["variant"].split("_")[0], ("diffq" if "diffq" in r["variant"] else "gaussws")
@@ -220,8 +221,9 @@ def expected_accesses(r):
     w_bytes = W_BYTES[r["w_type"]] * e
     if kind in ("eq3", "eq4"):
         return _one_pass_accesses(r, kind, method, e, w_bytes, r_bytes)
+    seed = Counter({8: 1}) if "ptx" in r else Counter()  # the seed, read from memory (AMD: a scalar load)
     if kind == "gen":
-        return {}, dict(_stream(r_bytes))
+        return dict(seed), dict(_stream(r_bytes))
     if kind == "apply":
         return dict(_stream(w_bytes) + _stream(r_bytes) + Counter({4: 1})), dict(_stream(2 * e))
     if kind == "block":
@@ -231,8 +233,8 @@ def expected_accesses(r):
 
 
 def _one_pass_accesses(r, kind, method, e, w_bytes, r_bytes):
-    """The one pass: eq3 loads w and each block's 2^(1 - b_t) (4 bytes), stores w_hat, R and each block's
-    max_bl (4 bytes); eq4 loads g, R, and per block max_bl, 2^(1 - b_t) and the gradient it adds to, and
+    """The one pass: eq3 loads w, each block's 2^(1 - b_t) (4 bytes) and the seed (8), stores w_hat, R and
+    each block's max_bl (4 bytes); eq4 loads g, R, and per block max_bl, 2^(1 - b_t) and the gradient it adds to, and
     stores Eq. 4 (4 bytes). The many kernels also read their program's layer (4 bytes) and its table row,
     one 8-byte scalar load per int64 field used (LAYER_FIELDS, the seed or the step's STEP_FIELDS; diffq
     uses no n_words_row); AMD reads what all threads of a program share with scalar loads, not counted
@@ -240,6 +242,7 @@ def _one_pass_accesses(r, kind, method, e, w_bytes, r_bytes):
     many, nvidia = "many" in r["variant"], "ptx" in r
     if kind == "eq3":
         loads, stores = _stream(w_bytes) + Counter({4: 1}), _stream(2 * e) + _stream(r_bytes) + Counter({4: 1})
+        loads += Counter({8: 1}) if nvidia and not many else Counter()  # the seed (the many kernels': a field)
         fields = 9 + 1  # LAYER_FIELDS and the seed
     else:
         loads, stores = _stream(w_bytes) + _stream(r_bytes) + Counter({4: 3}), Counter({4: 1})
