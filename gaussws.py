@@ -234,7 +234,8 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
             return None
         self._check_version(version)
         with torch.no_grad():
-            return scale, noise_kernels(self.backend, self.weight.device).block_sums(self.weight.grad, r_store, self.method)
+            noise = noise_kernels(self.backend, self.weight.device)
+            return scale, noise.block_sums(self.weight.grad, r_store, self.method)
 
     def _check_version(self, version):
         if self.weight._version != version:

@@ -265,7 +265,8 @@ def gpu_check(argv):
               + f", {100 * c:.1f} % of copy") for k, b, g, p, c in bandwidth]
     rows += [("Fig. 6", f"{r['shape'][0]}x{r['shape'][1]} {r['impl']}",
               f"{r['gelem_per_s']:.2f} 1e9 elements/s ({r['speedup_vs_torch']:.2f}x torch)") for r in fig6]
-    rows += [("Table 1", f"{r['model']}, {r['batch_size']} x {r['block_size']}{', compiled' * r['compile']} {r['method']}",
+    rows += [("Table 1", f"{r['model']}, {r['batch_size']} x {r['block_size']}"
+                         f"{', compiled' * r['compile']} {r['method']}",
               f"{r['tokens_per_s']:.0f} tokens/s ({r['overhead_pct']:+.2f} %), "
               f"{r['extra_bytes_per_param']:+.2f} bytes/param") for r in table1]
     say("")

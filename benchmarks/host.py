@@ -141,7 +141,8 @@ def run_host(args):
             records.append({"linears": n, "batched": batched, "host_us": us, "torch_launches": torch_launches,
                             "triton_launches": triton_launches, "torch_ops": dict(counts.torch),
                             "triton_kernels": dict(counts.triton),
-                            "h200_host_us": torch_launches * US_PER_TORCH_LAUNCH + triton_launches * US_PER_TRITON_LAUNCH,
+                            "h200_host_us": (torch_launches * US_PER_TORCH_LAUNCH
+                                             + triton_launches * US_PER_TRITON_LAUNCH),
                             "threads": torch.get_num_threads()})
             say(f"  {n} Linears, {'batched' if batched else 'one layer at a time'}: {us:.0f} us, "
                 f"{torch_launches} PyTorch + {triton_launches} Triton launches")

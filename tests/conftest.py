@@ -3,10 +3,13 @@ byte corpus to train on (the tiny_corpus fixture), the train.py settings of a ti
 (TINY_RUN), and a SentencePiece
 model set up as Llama 2's (train_sentencepiece, on make_docs' documents). Test files import the
 constants and helpers with `from conftest import ...`."""
+import hashlib
 import io
 import json
 import os
 import random
+import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -90,3 +93,56 @@ def hub_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+# --- what the tests of train.py share (tests/test_train.py, tests/test_train_record.py) -------------
+
+def tiny(data_dir, out_dir, **kw):
+    """train.py's flags of a tiny run (conftest.TINY_RUN) on data_dir, kw overriding them."""
+    args = dict(dataset=data_dir, out_dir=str(out_dir), **TINY_RUN)
+    args.update(kw)
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+def run_cli(args, **kw):
+    """train.py run from the shell: subprocess.run's result."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, **kw)
+
+
+def digest(path):
+    """The SHA-256 of a file's bytes: whether a test's run left it as it was."""
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_corpus, tmp_path_factory):
+    """A tiny run trained to step 10, once for the session; tests that change a run change a copy_run."""
+    import train
+    out = tmp_path_factory.mktemp("trained")
+    train.main(tiny(tiny_corpus, out, max_iters=10))
+    return out
+
+
+def copy_run(trained, tmp_path):
+    """A copy of the trained run in tmp_path/run, for a test to change."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    return out
+
+
+def run_here(args, capsys):
+    """train.py's command line run through its own cli() in this process, as subprocess.run's result
+    (returncode, stdout, stderr)."""
+    import train
+    import util
+    status = util.cli(train.main, args)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, out.out, out.err)
+
+
+def divergence(out_dir):
+    """diverged.json read by hand: its step, what went wrong and the step of the checkpoint kept."""
+    with open(os.path.join(out_dir, "diverged.json")) as f:
+        record = json.load(f)
+    return {k: record[k] for k in ("step", "what", "checkpoint_step")}

@@ -156,7 +156,8 @@ def test_the_table_of_a_cuda_run_has_no_cpu_time_column(capsys):
                                  recompute_w_hat=False, rounds=5)
     records = [dict(method=m, grad_accum=1, tokens_per_s=t, overhead_pct=o, overhead_cpu_time_pct=None,
                     pqt_share_pct=s, extra_bytes_per_param=b, switch_s=None, memory_measure="cuda_max_memory_allocated")
-               for m, t, o, s, b in (("bf16", 303248.5, 0.0, 54.74, 0.0), ("gaussws[all]", 246003.2, 19.17, 77.44, 0.489))]
+               for m, t, o, s, b in (("bf16", 303248.5, 0.0, 54.74, 0.0),
+                                     ("gaussws[all]", 246003.2, 19.17, 77.44, 0.489))]
     table1.print_train_table(records, args)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     assert [c.strip() for c in lines[0].strip("|").split("|")] == [

@@ -110,7 +110,8 @@ def _compile_one(job):
     resources = None  # what ptxas allocated: registers, stack and local memory (where spills go)
     cuobjdump = triton.knobs.nvidia.cuobjdump.path
     if cuobjdump and os.path.exists(cuobjdump):
-        cubin = os.path.join(os.environ["PQT_COMPILE_DIR"], f"{variant}-{target}-{w_type[1:]}-{shape[0]}x{shape[1]}.cubin")
+        name = f"{variant}-{target}-{w_type[1:]}-{shape[0]}x{shape[1]}.cubin"
+        cubin = os.path.join(os.environ["PQT_COMPILE_DIR"], name)
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
         resources = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True,
