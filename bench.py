@@ -61,18 +61,31 @@ Everything a first GPU should show, in one table: the Triton kernels against the
 CUDA tensors (gpu_parity), each kernel's bandwidth as a share of the device's peak and of a copy,
 Figure 6 (bench.py kernel) and Table 1 (bench.py train, Llama2-134M, 24 x 2048 tokens, bf16 /
 diffq[all] / gaussws[all]). Without CUDA it says so in one line and exits 1.
+
+    python bench.py host [--layers=2,24,84,154] [--width=64] [--repeats=50] [--threads=N] [--json=PATH]
+
+What a PQT step's TrainStep.begin() + end() costs the host against the number of PQT Linears, batched
+and one layer at a time: the launches a GPU would get (PyTorch ops that run a kernel, Triton launches),
+counted, and the host's microseconds with tiny weights and every Triton launch recorded but not run.
+It runs the Triton backend's path on CPU tensors, in Triton's interpreter (set here: no GPU needed).
 """
+import os
 import sys
 
-import torch
+# bench.py host takes the Triton backend's path on CPU tensors: Triton's interpreter, which must be chosen
+# before triton is first imported (kernels/ is, through the benchmarks below)
+if sys.argv[1:2] == ["host"]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.common import say, write_json
-from benchmarks.fig6 import run_kernel
-from benchmarks.gpu_check import gpu_check
-from benchmarks.host import run_host
-from benchmarks.options import parse_args
-from benchmarks.table1 import run_train
-from util import cli, keep_freed_cpu_memory
+import torch  # noqa: E402
+
+from benchmarks.common import say, write_json  # noqa: E402
+from benchmarks.fig6 import run_kernel  # noqa: E402
+from benchmarks.gpu_check import gpu_check  # noqa: E402
+from benchmarks.host import run_host  # noqa: E402
+from benchmarks.options import parse_args  # noqa: E402
+from benchmarks.table1 import run_train  # noqa: E402
+from util import cli, keep_freed_cpu_memory  # noqa: E402
 
 
 def main(argv=None):
