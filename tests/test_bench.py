@@ -292,6 +292,16 @@ def test_host_counts_the_launches_of_both_paths_and_fits_their_slopes(tmp_path):
         assert r["host_us"] > 0 and r["h200_host_us"] == 13 * r["torch_launches"] + 34 * r["triton_launches"]
 
 
+def test_host_runs_from_the_shell_without_triton_interpret_set():
+    """bench.py host takes the Triton path on CPU tensors: it must choose Triton's interpreter itself (without
+    it Triton finds no driver on a machine with no GPU and the command died in a traceback)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "bench.py", "host", "--layers=2", "--repeats=1", "--threads=1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "2 Linears, batched" in proc.stdout
+
+
 @pytest.mark.parametrize("argv, words", [
     (["kernel", "--shapes=12by4"], "bad shape"),
     (["kernel", "--repeats=0"], "positive"),
@@ -344,9 +354,9 @@ def test_help_prints_the_usage_of_every_command_and_exits_0(flag):
     proc = subprocess.run([sys.executable, "bench.py", flag], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == ""
     usage = [line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("python bench.py")]
-    assert list(dict.fromkeys(u.split()[2] for u in usage)) == ["kernel", "train", "gpu-check"]
+    assert list(dict.fromkeys(u.split()[2] for u in usage)) == ["kernel", "train", "gpu-check", "host"]
     for option in ("--shapes=", "--repeats=", "--device=", "--threads=", "--json=PATH", "--model=", "--methods=",
-                   "--grad_accum=", "--rounds=", "--train="):
+                   "--grad_accum=", "--rounds=", "--train=", "--layers=", "--width="):
         assert option in proc.stdout, option
 
 
