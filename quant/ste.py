@@ -38,7 +38,7 @@ from kernels import BL
 from quant import budget
 from quant.budget import IMATRIX_STEPS, UNCHOSEN
 from quant.formats import BUDGET_TARGETS, GGML_FORMATS, GGUF_BUDGETS
-from quant.grids import check_format, fake_quantize, fake_quantize_blocks, ggml, ggml_type
+from quant.grids import LATTICE_FORMATS, check_format, fake_quantize, fake_quantize_blocks, ggml, ggml_type
 
 class StraightThrough(torch.autograd.Function):
     """A weight made outside autograd from w (the STE's w_q, or gaussws's w_hat of a whole step), with
@@ -161,6 +161,8 @@ class BlockFormats:
             return self._rows(G.fake_quantize(self._rows(self.weight), G.T(self.ggml()), check=False))
         if self.formats_from is not None:
             return self._fake_quantize_blocks(self.weight, self.format_ids, self.formats_used())
+        if self.fmt in LATTICE_FORMATS:  # blocks along each row, as a GGML type's
+            return self._rows(self._fake_quantize(self._rows(self.weight), self.fmt))
         return self._fake_quantize(self.weight, self.fmt)
 
     def _begin_formats(self, step, quantized):
