@@ -5,13 +5,16 @@ matrix), judged by llama.cpp on train.py's evaluation batches, and its blocks se
 
 First export_gguf.py's table of the run (model-fp32.gguf, imatrix.gguf and llama-quantize's own IQ3_XXS mix,
 llama-IQ3_XXS-imatrix.gguf, which moves some tensors to IQ3_S); then llama-pure-IQ3_XXS-imatrix.gguf, evaluated
-the same way; then, per block Linear, the share of its 256-weight blocks whose bytes quant.lattice writes too: by
-llama.cpp's rule with the same importance matrix (31 trial scales), and by the STE's grid (lattice.STE_TRIALS,
-no importance matrix), and the share of weights whose values the STE's grid gives exactly. docs/GGUF.md ("IQ3_XXS")
-reports what it measured of an STE run on IQ3_XXS and of a bf16 one.
+the same way; then ours-STE-IQ3_XXS.gguf, that file with each block Linear's bytes replaced by quant.lattice's of
+the STE's grid (what an STE run on iq3_xxs trained on, written bit for bit), evaluated too; then, per block
+Linear, the share of the --pure file's 256-weight blocks whose bytes quant.lattice writes too: by llama.cpp's
+rule with the same importance matrix (31 trial scales), and by the STE's grid (lattice.STE_TRIALS, no
+importance matrix), and the share of weights whose values the STE's grid gives exactly. docs/GGUF.md
+("IQ3_XXS") reports what it measured of an STE run on IQ3_XXS and of a bf16 one.
 """
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -30,6 +33,7 @@ DEFAULTS = dict(
     threads=1,  # threads of llama.cpp's tools and evaluation
 )
 PURE = "llama-pure-IQ3_XXS-imatrix.gguf"
+OURS = "ours-STE-IQ3_XXS.gguf"
 
 
 def imatrix_weights(path):
@@ -39,6 +43,34 @@ def imatrix_weights(path):
     found = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1) for t in GGUFReader(path).tensors}
     return {name[:-len(".in_sum2")]: s / found[name[:-len(".in_sum2")] + ".counts"][0]
             for name, s in found.items() if name.endswith(".in_sum2")}
+
+
+def write_ste_file(pure_path, dst, names):
+    """A copy of the --pure file whose block Linears hold pack(quantize(w, trials=STE_TRIALS)) of the F32 weights
+    (read back from the --pure file's own F32 source, model-fp32.gguf beside it): the same types, shapes and
+    offsets, so only the tensors' bytes change."""
+    from gguf import GGUFReader
+    f32 = {t.name: np.array(t.data, dtype=np.float32) for t in
+           GGUFReader(os.path.join(os.path.dirname(pure_path), tools.F32_FILES[0])).tensors if t.name in names}
+    tmp = dst + ".tmp"
+    shutil.copyfile(pure_path, tmp)
+    reader = GGUFReader(tmp, "r+")
+    for t in reader.tensors:
+        if t.name in names:
+            t.data[...] = lattice.pack(lattice.quantize(torch.from_numpy(f32[t.name]), trials=lattice.STE_TRIALS))
+    reader.data.flush()
+    del reader
+    os.replace(tmp, dst)
+    return dst
+
+
+def evaluate(path, spec, run, threads, source):
+    """export_gguf.py's record of a file that is not export.py's: its types, bits, bytes and llama.cpp's val loss."""
+    reader = gguf_file.open_reader(path, "make it again with python -m studies.iq3_pilot")
+    loss, file_loss = runtime.file_val_losses(path, reader, run.ckpt["model_args"], run.batches, False, threads)
+    return dict(spec=spec, path=path, type="IQ3_XXS", imatrix="imatrix" in spec, made_by=spec.split(" ")[0],
+                **tools.describe_file(path, reader, run.model.config), val_loss_llama_cpp=loss,
+                val_loss_file=file_loss, val_loss_source=source, relative_change=loss / source - 1)
 
 
 def blocks_alike(f32_path, pure_path, imatrix_path, names):
@@ -75,14 +107,11 @@ def main(argv):
     f32, imatrix = (os.path.join(run.export_dir, f) for f in (tools.F32_FILES[0], tools.IMATRIX))
     pure = tools.llama_quantize(f32, os.path.join(run.export_dir, PURE), "IQ3_XXS", pure=True, keep=tools.KEEP,
                                 imatrix=imatrix, threads=c["threads"])
-    reader = gguf_file.open_reader(pure, "make it again with python -m studies.iq3_pilot")
-    loss, file_loss = runtime.file_val_losses(pure, reader, run.ckpt["model_args"], run.batches, False, c["threads"])
-    source = table["files"][0]["val_loss_source"]
-    table["files"].append(dict(spec="IQ3_XXS+imatrix --pure", path=pure, type="IQ3_XXS", imatrix=True,
-                               made_by="llama-quantize", **tools.describe_file(pure, reader, run.model.config),
-                               val_loss_llama_cpp=loss, val_loss_file=file_loss, val_loss_source=source,
-                               relative_change=loss / source - 1))
     names = sorted(tools.block_linear_names(run.model.config))
+    ours = write_ste_file(pure, os.path.join(run.export_dir, OURS), names)
+    source = table["files"][0]["val_loss_source"]
+    table["files"] += [evaluate(pure, "llama-quantize IQ3_XXS+imatrix --pure", run, c["threads"], source),
+                       evaluate(ours, "quant.lattice IQ3_XXS (the STE's grid)", run, c["threads"], source)]
     table["blocks_alike"] = blocks_alike(f32, pure, imatrix, names)
     for f in table["files"]:
         print(f"{os.path.basename(f['path']):<36} {f['block_bits_per_weight']:.4f} bits/w  llama.cpp val loss "
