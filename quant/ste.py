@@ -329,9 +329,9 @@ def before_step(layers, step):
 def convert(model, fmt, *, start=0, bits_per_weight=0.0, takes=None):
     """Swap nn.Linear modules of `model` for STELinear in place and return model: those for which
     takes(module path, module) is true, every one when takes is None (gaussws.convert passes its
-    filter of the roles `ste[...]` names). Each trains on format fmt (grids.STE_FORMATS, GGML_FORMATS) from
-    optimizer step `start`, or with fmt "error-int" / "error-gguf" and bits_per_weight on per-block
-    int2/int3/int4 or per-tensor GGML types chosen at `start`. A width fmt cannot hold is refused
+    filter of the roles `ste[...]` names). Each trains on format fmt (grids.STE_FORMATS, GGML_FORMATS,
+    LATTICE_FORMATS) from optimizer step `start`, or with fmt "error-int" / "error-gguf" and bits_per_weight on
+    per-block int2/int3/int4 or per-tensor GGML types chosen at `start`. A width fmt cannot hold is refused
     (check_layers) before any layer is swapped. Call it after the model is built and before it is
     wrapped (DDP, FSDP, compile); the weights and biases stay the same Parameters, and nothing is
     drawn from torch's RNG."""
