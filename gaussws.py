@@ -516,18 +516,17 @@ def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="
     PQTLinear (a Hugging Face GPT-2's Conv1D for PQTConv1D), in place; return model. For ste[...],
     ste.convert swaps them for STELinear.
 
-    method: "bf16" (nothing changes), or "gaussws[...]" / "diffq[...]" / "ste[...]" naming roles
-    (parse_method). start: the first optimizer step with the method; the layers are plain nn.Linear
-    before it. fmt: the format STELinear trains on (grids.STE_FORMATS, formats.GGML_FORMATS), or for ste
-    "error-int" / "error-gguf" with bits_per_weight: per block int2/int3/int4, or a GGML type per
-    tensor, chosen at `start`; a width fmt cannot hold is refused (budget.check_layers). PQT layers take
-    their b_t from b_init, b_target. ste_start (PQT only; 0: never): the first step of STE on the
-    formats chosen then by the budget (fmt one of formats.BUDGET_TARGETS, bits_per_weight), after PQT.
-    Call it after the model is built and initialised and before it is wrapped (DDP, FSDP, compile).
-    The weights and biases are the same Parameters, so values, dtype and device are kept exactly,
-    also on the meta device; b_i starts at 1 (b_t = b_init); nothing is drawn from torch's RNG, so
-    the same seed gives the same initial weights and data order with any method. Each layer's
-    noise seed is a function of (seed, module path).
+    method: "bf16" (nothing changes), or "gaussws[...]" / "diffq[...]" / "ste[...]" naming roles (parse_method).
+    start: the first optimizer step with the method; the layers are plain nn.Linear before it. fmt: the format
+    STELinear trains on (grids.STE_FORMATS, formats.GGML_FORMATS, grids.LATTICE_FORMATS), or for ste "error-int" /
+    "error-gguf" with bits_per_weight: per block int2/int3/int4, or a GGML type per tensor, chosen at `start`; a
+    width fmt cannot hold is refused (budget.check_layers). PQT layers take their b_t from b_init, b_target.
+    ste_start (PQT only; 0: never): the first step of STE on the formats chosen then by the budget (fmt one of
+    formats.BUDGET_TARGETS, bits_per_weight), after PQT. Call it after the model is built and initialised and before
+    it is wrapped (DDP, FSDP, compile). The weights and biases are the same Parameters, so values, dtype and device
+    are kept exactly, also on the meta device; b_i starts at 1 (b_t = b_init); nothing is drawn from torch's RNG, so
+    the same seed gives the same initial weights and data order with any method. Each layer's noise seed is a
+    function of (seed, module path).
     """
     kind, _ = parse_method(method, roles.values())
     if kind == "bf16":

@@ -19,7 +19,7 @@ from configurator import ConfigError
 from model import GPT, ROLES, ModelConfig
 from quant.budget import budget_level, check_budget, matched_b_t
 from quant.formats import BUDGET_TARGETS, GGML_FORMATS, GGUF_BUDGETS
-from quant.grids import STE_FORMATS, check_format
+from quant.grids import LATTICE_FORMATS, STE_FORMATS, check_format
 
 
 def resolve(c, explicit, model_args):
@@ -63,7 +63,7 @@ def check_targets(kind, config):
                          f"gaussws[...], diffq[...] or ste[...]")
     if kind == "ste" and not fmt:
         raise ValueError(f"method ste[...] needs --target_format, the grid it trains on: one of "
-                         f"{', '.join(STE_FORMATS + tuple(GGML_FORMATS))}")
+                         f"{', '.join(STE_FORMATS + tuple(GGML_FORMATS) + tuple(LATTICE_FORMATS))}")
     if kind == "ste" and ste_value:
         raise ValueError(f"ste_start={ste_value:g} switches a gaussws[...] or diffq[...] run from PQT to STE; an "
                          f"ste[...] run is STE from pqt_start on: drop ste_start")

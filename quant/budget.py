@@ -22,7 +22,7 @@ from kernels import BL
 from kernels.torch_noise import block_absmax
 from quant.formats import (BUDGET_TARGETS, BY_NAME, FORMATS, GGML_FORMATS, GGUF_BUDGETS, INT_BUDGETS, block_weights,
                            dequantize_blocks, quantize_blocks, to_blocks)
-from quant.grids import check_format, fake_quantize, ggml
+from quant.grids import LATTICE_BLOCK, LATTICE_FORMATS, check_format, fake_quantize, ggml
 from util import UserError
 
 # What a GGUF budget mixes, in the order of their bits per weight (scales included: ggml_quants.bits_per_weight).
@@ -77,9 +77,10 @@ def check_layers(shapes, fmt, bits_per_weight=0.0):
     whose input width fmt cannot hold: a GGML type's blocks run along each row (the input dimension),
     32 weights or 256 (the K-quants, iq4_xs); a GGUF budget needs 32 (iq4_nl and q8_0, the types it mixes
     whose blocks are 32), and enough bits for every tensor's cheapest type. shapes: {module path: (out, in)}."""
-    if fmt not in GGML_FORMATS and fmt not in GGUF_BUDGETS:
+    if fmt not in GGML_FORMATS and fmt not in GGUF_BUDGETS and fmt not in LATTICE_FORMATS:
         return
-    need = ggml().block_size(GGML_FORMATS[fmt]) if fmt in GGML_FORMATS else 32
+    blocks = fmt in GGML_FORMATS or fmt in LATTICE_FORMATS  # a type whose blocks run along rows
+    need = ggml().block_size(GGML_FORMATS[fmt]) if fmt in GGML_FORMATS else LATTICE_BLOCK if blocks else 32
     bad = [(name, shape[1]) for name, shape in shapes.items() if shape[1] % need]
     if bad:
         (name, width), more = bad[0], f" (and {len(bad) - 1} more Linears)" if len(bad) > 1 else ""
@@ -88,7 +89,7 @@ def check_layers(shapes, fmt, bits_per_weight=0.0):
         else:  # neither does a 32-weight type: the advice is the type's own block, or another kind of format
             works = (f"use input widths (n_embd, ffn_hidden) that are multiples of {need}, or one of our 32x32-block "
                      f"formats (int4, mxfp4, ...), which take any width")
-        what = f"{fmt}'s blocks are {need} weights of a row" if fmt in GGML_FORMATS else \
+        what = f"{fmt}'s blocks are {need} weights of a row" if blocks else \
             f"{fmt} mixes GGML types whose blocks are 32 or 256 weights of a row"
         raise ValueError(f"{name} has input width {width}{more}, which target_format={fmt!r} cannot hold ({what}): "
                          f"{works}")
@@ -254,7 +255,7 @@ def rounding_error(name):
     weights would be neighbouring quantiles, almost equal, quantized almost exactly; so the 65,536
     quantiles fill a TILE x TILE tile in a fixed pseudo-random order (_fixed_order), and each weight's
     error is taken relative to the max of its 32x32 block of the tile."""
-    if check_format(name) in GGML_FORMATS:
+    if check_format(name) in GGML_FORMATS or name in LATTICE_FORMATS:
         n, shape = TILE * TILE, (TILE, TILE)
         i = _fixed_order(n).double()
     else:

@@ -4,6 +4,7 @@ float weights (the codes are formats.py's and ggml_quants.py's): fake_quantize(w
     w_q = grids.fake_quantize(w, "int3")      # every 32x32 block on export's grid, with export's scale
     w_q = grids.fake_quantize(w, "q4_k")      # llama.cpp's Q4_K, blocks along each row (ggml_quants)
     w_q = grids.fake_quantize_blocks(w, ids)  # each 32x32 block on its own format (a bit budget's)
+    w_q = grids.fake_quantize(w, "iq3_xxs")   # llama.cpp's lattice type IQ3_XXS (quant/lattice.py), to train on
 
 Our formats' values come from torchao (its affine fake quantization for int-b, its MX element casts)
 with the scales export.py stores (formats.int_scales, formats.e8m0_exponents), so a model trained on a
@@ -18,6 +19,8 @@ from quant.formats import BUDGET_TARGETS, BY_NAME, FORMATS, GGML_FORMATS, e8m0_e
 
 STE_FORMATS = tuple(f"int{b}" for b in range(2, 9)) + ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3",
                                                        "mxfp8_e5m2")  # and llama.cpp's types, GGML_FORMATS
+LATTICE_FORMATS = {"iq3_xxs": "IQ3_XXS"}  # llama.cpp's lattice types the STE trains on (quant/lattice.py)
+LATTICE_BLOCK = 256  # their weights per block of a row
 
 
 def ggml():
@@ -33,9 +36,10 @@ def ggml_type(name):
 
 def check_format(name):
     """The name of a format the STE trains on (and a PQT phase is matched to), or a ValueError."""
-    if name not in STE_FORMATS and name not in GGML_FORMATS:
+    if name not in STE_FORMATS and name not in GGML_FORMATS and name not in LATTICE_FORMATS:
         raise ValueError(f"target format {name!r}: expected one of {', '.join(STE_FORMATS)} (export.py's formats "
-                         f"with a per-block scale, up to 8 bits), llama.cpp's {', '.join(GGML_FORMATS)}, or "
+                         f"with a per-block scale, up to 8 bits), llama.cpp's {', '.join(GGML_FORMATS)}, its lattice "
+                         f"type {', '.join(LATTICE_FORMATS)} (to train on), or "
                          f"{' / '.join(BUDGET_TARGETS)} with a bit budget")
     return name
 
@@ -62,10 +66,14 @@ def fake_quantize(w, name):
     The values come from torchao: its affine fake quantization with a (32, 32) block for int-b, which
     computes round(w * (1 / s)) in FP32 (export.py rounds the same way), and its MX element casts.
     A GGML format (GGML_FORMATS) is ggml_quants.fake_quantize's grid: blocks along each row, with the
-    type's scales; it refuses non-finite weights and a row width the type cannot hold.
+    type's scales; it refuses non-finite weights and a row width the type cannot hold. A lattice type
+    (LATTICE_FORMATS) is lattice.fake_quantize's with the STE's trial scales (lattice.STE_TRIALS).
     """
     if check_format(name) in GGML_FORMATS:
         return ggml().fake_quantize(w.detach(), GGML_FORMATS[name])
+    if name in LATTICE_FORMATS:
+        from quant import lattice
+        return lattice.fake_quantize(w.detach(), trials=lattice.STE_TRIALS)
     fmt = FORMATS[BY_NAME[name]]
     m, n = w.shape
     nbm, nbn = -(-m // BL), -(-n // BL)

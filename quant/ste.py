@@ -38,7 +38,7 @@ from kernels import BL
 from quant import budget
 from quant.budget import IMATRIX_STEPS, UNCHOSEN
 from quant.formats import BUDGET_TARGETS, GGML_FORMATS, GGUF_BUDGETS
-from quant.grids import check_format, fake_quantize, fake_quantize_blocks, ggml, ggml_type
+from quant.grids import LATTICE_FORMATS, check_format, fake_quantize, fake_quantize_blocks, ggml, ggml_type
 
 class StraightThrough(torch.autograd.Function):
     """A weight made outside autograd from w (the STE's w_q, or gaussws's w_hat of a whole step), with
@@ -161,6 +161,8 @@ class BlockFormats:
             return self._rows(G.fake_quantize(self._rows(self.weight), G.T(self.ggml()), check=False))
         if self.formats_from is not None:
             return self._fake_quantize_blocks(self.weight, self.format_ids, self.formats_used())
+        if self.fmt in LATTICE_FORMATS:  # blocks along each row, as a GGML type's
+            return self._rows(self._fake_quantize(self._rows(self.weight), self.fmt))
         return self._fake_quantize(self.weight, self.fmt)
 
     def _begin_formats(self, step, quantized):
@@ -327,9 +329,9 @@ def before_step(layers, step):
 def convert(model, fmt, *, start=0, bits_per_weight=0.0, takes=None):
     """Swap nn.Linear modules of `model` for STELinear in place and return model: those for which
     takes(module path, module) is true, every one when takes is None (gaussws.convert passes its
-    filter of the roles `ste[...]` names). Each trains on format fmt (grids.STE_FORMATS, GGML_FORMATS) from
-    optimizer step `start`, or with fmt "error-int" / "error-gguf" and bits_per_weight on per-block
-    int2/int3/int4 or per-tensor GGML types chosen at `start`. A width fmt cannot hold is refused
+    filter of the roles `ste[...]` names). Each trains on format fmt (grids.STE_FORMATS, GGML_FORMATS,
+    LATTICE_FORMATS) from optimizer step `start`, or with fmt "error-int" / "error-gguf" and bits_per_weight on
+    per-block int2/int3/int4 or per-tensor GGML types chosen at `start`. A width fmt cannot hold is refused
     (check_layers) before any layer is swapped. Call it after the model is built and before it is
     wrapped (DDP, FSDP, compile); the weights and biases stay the same Parameters, and nothing is
     drawn from torch's RNG."""
