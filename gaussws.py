@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import BL
+from kernels import BL, batches
 from kernels.ops import (RecomputedLinear, backend_name, check_seed, noise_e, noise_kernels,  # noqa: F401 (API)
                          pseudo_quantize, sample_r, scale_bl)
 from kernels.torch_noise import block_absmax
@@ -115,6 +115,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         self.active = self.start == 0  # whether this (or the last) step has noise: TrainStep sets it
         self.w_hat = None  # step mode: this optimizer step's w_hat, shared by its micro-steps
         self._eq4 = None  # step mode: (scale_bl with its graph to b_i or None if batched, stored R, w's version)
+        self._micro = None  # per micro-step: the kernels.batches._Block that makes this step's w_hat, if any
 
     @classmethod
     def from_linear(cls, linear, **kwargs):
@@ -159,6 +160,10 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
             return self._matmul(x, self.step_weight())
         if not self.active:  # before the phase: nn.Linear's forward
             return self._matmul(x, self.weight)
+        if self._micro is not None and not torch.compiler.is_compiling():
+            y = self._micro.forward(self, x)  # per micro-step: the block's w_hat in one launch, its Eq. 4 in one
+            if y is not None:
+                return y
         if self.w_hat is not None:  # step mode: w_hat made once for the whole optimizer step
             if not torch.compiler.is_compiling() and self.weight._version != self._eq4[2]:
                 raise RuntimeError("PQTLinear: stale w_hat, the weight changed inside the step that made it "
@@ -182,6 +187,11 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
         w = self.weight
         return (backend_name(self.backend, w.device) == "triton" and self.b_i.dtype == torch.float32
                 and w.is_contiguous() and w.data_ptr() % 16 == 0)
+
+    def batched_micro(self):
+        """Whether TrainStep serves this layer per micro-step in a kernels.batches._Block, with the other
+        layers of its transformer block and kind (the Triton backend's multi-layer kernels)."""
+        return backend_name(self.backend, self.weight.device) == "triton" and self.b_i.dtype == torch.float32
 
     def step_mode(self):
         """Whether this step's w_hat is made once, at its begin (else in every forward: per micro-step,
@@ -226,7 +236,7 @@ class PQTLinear(ste.BlockFormats, nn.Linear):
             with torch.no_grad():
                 self._end_formats(apply_eq4)
         state = self._eq4
-        self._state(_eq4=None, w_hat=None, in_step=False)
+        self._state(_eq4=None, w_hat=None, in_step=False, _micro=None)
         if state is None or state[0] is None or not apply_eq4:  # state[0] None: batched, its _Batch did Eq. 4
             return None
         scale, r_store, version = state
@@ -295,7 +305,9 @@ class TrainStep:
         through one launch at begin and one at end, whatever their number (batched=False: one layer
         at a time, the reference the batches give the bits of).
       - per micro-step, for layers converted with recompute=True (no w_hat kept for the backward) and
-        for sharded (FSDP) weights: every forward makes w_hat, every backward applies Eq. 4.
+        for sharded (FSDP) weights: every forward makes w_hat, every backward applies Eq. 4. On the
+        Triton backend the layers of one transformer block and kind (kernels.batches._Block) make
+        them in one launch each, inside FSDP's unshard of the block and before its reduce-scatter.
     Layers whose phase starts after `step` are plain nn.Linear in it. STE layers (ste.py) make their
     w_q in begin(), once for the step, and begin() runs the STE's hook, ste.before_step: the first step
     on a bit budget's formats (per block or a GGML type per tensor; a layer's formats_from: ste_start,
@@ -308,9 +320,9 @@ class TrainStep:
     def __init__(self, model, step, batched=True):
         # method_layers and ste.budget_layers in one walk of the modules: it runs at every step
         named = [(name, m) for name, m in model.named_modules() if isinstance(m, (PQTLinear, ste.STELinear))]
-        self.layers, self.step, self.batched = [m for _, m in named], int(step), batched
+        self.model, self.layers, self.step, self.batched = model, [m for _, m in named], int(step), batched
         self.budget = [(name, m) for name, m in named if m.formats_from is not None]
-        self.batches = []
+        self.batches, self.blocks = [], []
 
     def begin(self):
         if any(layer.in_step for layer in self.layers):
@@ -318,9 +330,14 @@ class TrainStep:
         ste.before_step(self.budget, self.step)
         ways = [(layer, layer._begin(self.step)) for layer in self.layers]
         step_mode = [layer for layer, way in ways if way == "step"]
-        self.batches, alone = _batches(step_mode) if self.batched else ([], step_mode)
-        for seeds in _seeds([layer for layer, way in ways if way == "micro"]):
-            seeds.set(self.step)
+        self.batches, alone = batches.batches(step_mode, _step_seeds) if self.batched else ([], step_mode)
+        self.blocks, seeds = batches.blocks(self.model, [layer for layer, way in ways if way == "micro"],
+                                            _step_seeds, grouped=self.batched)
+        for device_seeds in seeds:
+            device_seeds.set(self.step)
+        for block in self.blocks:
+            for layer in block.layers:
+                layer._state(_micro=block)
         for layer in alone:
             layer._begin_alone(self.step)
         for batch in self.batches:
@@ -334,6 +351,8 @@ class TrainStep:
             for batch in self.batches:
                 batch.end(apply_eq4)
         finally:
+            for block in self.blocks:
+                block.release()
             eq4 = [pair for pair in (layer._end(apply_eq4) for layer in self.layers) if pair is not None]
         if eq4:  # one autograd call for every layer: on a GPU each call costs the host far more than its arithmetic
             scales, sums = zip(*eq4)
@@ -344,145 +363,6 @@ class TrainStep:
 
     def __exit__(self, exc_type, exc, tb):
         self.end(apply_eq4=exc_type is None)
-
-
-def _wait(event):
-    if event is not None:
-        event.synchronize()
-
-
-def _copied(device):
-    """On a GPU, an event after the copies queued so far: a pinned host buffer they read is free once it is."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
-class _Seeds:
-    """The step seeds (_step_seed) of layers on one device, each layer's noise_seed a view of them there: all
-    computed at once in NumPy and copied to the device in one copy a step, from a pinned buffer. A kernel reads
-    its layer's seed on the device: no launch and no host read per layer, and under torch.compile no CPU
-    tensor among a graph's inputs (one would keep inductor from CUDA graphs)."""
-
-    def __init__(self, layers, device):
-        self.layers = layers
-        self.host = torch.zeros(len(layers), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.device = torch.zeros(len(layers), dtype=torch.int64, device=device)
-        self.copied = None
-        for i, layer in enumerate(layers):
-            layer.noise_seed = self.device[i]
-
-    def set(self, step):
-        _wait(self.copied)
-        self.host.numpy()[:] = _step_seeds([layer.layer_seed for layer in self.layers], step)
-        self.device.copy_(self.host, non_blocking=True)
-        self.copied = _copied(self.device.device)
-
-
-def _seeds(layers):
-    """A _Seeds per device of `layers` (TrainStep's per-micro-step layers), kept on the first from step to step
-    and made again when the layers or their devices change."""
-    if not layers:
-        return []
-    key = (tuple(layers), tuple(layer.weight.device for layer in layers))
-    plan = layers[0].__dict__.get("_seeds")
-    if plan is None or plan[0] != key:
-        devices = {}
-        for layer in layers:
-            devices.setdefault(layer.weight.device, []).append(layer)
-        plan = (key, [_Seeds(group, device) for device, group in devices.items()])
-        layers[0].__dict__["_seeds"] = plan
-    return plan[1]
-
-
-class _Batch:
-    """Step-mode PQT layers of one kind (the Triton kernels' many_key, b_init, b_target) that TrainStep
-    serves together: at begin one launch of Eq. 3 for all (kernels.triton_noise.Many), after the few
-    PyTorch ops that make every block's 2^(1 - b_t) from the concatenated b_i (Eq. 11); at end one launch
-    of Eq. 4 into their b_i.grad. The per-layer Python left launches nothing: views, the StraightThrough
-    node of each w_hat (one per layer, so that each weight's gradient is ready, for DDP's all-reduce, as
-    soon as its backward is done), the checks. The seeds are a _Seeds: one copy to the device a step."""
-
-    def __init__(self, layers):
-        from kernels import triton_noise
-        self.layers, first = layers, layers[0]
-        self.weights = [layer._parameters["weight"] for layer in layers]
-        self.b_i = [layer._parameters["b_i"] for layer in layers]
-        self.many = triton_noise.Many(self.weights, first.method)
-        self.modes = (triton_noise.SKIP.value, triton_noise.STORE.value, triton_noise.ADD.value)
-        self.b_init, self.b_target, device = first.b_init, first.b_target, self.many.device
-        self.seeds = _Seeds(layers, device)
-        self.host_step = torch.zeros((len(layers), 3), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.step_table = torch.empty((len(layers), 3), dtype=torch.int64, device=device)
-        self.copied = None  # on a GPU, the event after the last copy from host_step
-
-    @staticmethod
-    def key(layer):
-        from kernels.triton_noise import many_key
-        return many_key(layer.weight, layer.method), layer.b_init, layer.b_target
-
-    @torch.no_grad()
-    def begin(self, step):
-        self.seeds.set(step)
-        b_t = self.b_target + torch.cat([b_i.view(-1) for b_i in self.b_i]) * (self.b_init - self.b_target)  # Eq. 11
-        e = torch.exp2(1.0 - b_t.float())  # as scale_bl; on a GPU each element's bits are those of its own layer's
-        w_hat, r_store = self.many.eq3(self.weights, self.seeds.device, e)
-        with torch.enable_grad():
-            for layer, w, w_h, r in zip(self.layers, self.weights, w_hat, r_store):
-                layer._state(w_hat=ste.StraightThrough.apply(w, w_h), _eq4=(None, r, w._version))
-
-    @torch.no_grad()
-    def end(self, apply_eq4):
-        """Eq. 4 into the b_i.grad of the layers whose weight has a gradient, in one launch."""
-        if not apply_eq4:
-            return
-        states = [layer._eq4 for layer in self.layers]
-        for layer, w, state in zip(self.layers, self.weights, states):
-            if state is not None and w.grad is not None:
-                layer._check_version(state[2])
-        skip, store, add = self.modes
-        grad = torch.empty(self.many.blk0[-1], dtype=torch.float32, device=self.many.device)
-        rows, keep = [], []  # keep: contiguous copies of gradients that are not, alive until the kernel has read them
-        for i, (w, b_i, state) in enumerate(zip(self.weights, self.b_i, states)):
-            g = w.grad
-            if state is None or g is None or not b_i.requires_grad:
-                rows.append((0, 0, skip))
-                continue
-            if not g.is_contiguous() or g.data_ptr() % 16:  # e.g. a view into DDP's gradient buckets
-                keep.append(g := g.clone(memory_format=torch.contiguous_format))
-            mode = store if b_i.grad is None else add  # b_i's own gradient (Eq. 12's) is FP32 and contiguous as b_i
-            if mode == store:
-                b_i.grad = grad[self.many.blk0[i]:self.many.blk0[i + 1]].view(b_i.shape)
-            rows.append((g.data_ptr(), b_i.grad.data_ptr(), mode))
-        _wait(self.copied)  # the copy that read host_step last step has finished
-        self.host_step.numpy()[:] = rows
-        self.step_table.copy_(self.host_step, non_blocking=True)
-        self.copied = _copied(self.many.device)
-        self.many.eq4(self.step_table, self.b_init - self.b_target)
-
-
-def _batches(layers):
-    """(the _Batch of each kind among `layers`, TrainStep's step-mode layers, and the layers left alone), kept
-    on the first layer from step to step: made again only when the layers or their weights change (a phase
-    starts, a weight moves)."""
-    if not layers:
-        return [], []
-    weights = [layer._parameters["weight"] for layer in layers]
-    plan = layers[0].__dict__.get("_plan")
-    if (plan is not None and plan[0] == tuple(layers) and all(a is b for a, b in zip(plan[1], weights))
-            and plan[2] == [w.data_ptr() for w in weights]):
-        return plan[3], plan[4]
-    kinds, alone = {}, []
-    for layer in layers:
-        if layer.batched():
-            kinds.setdefault(_Batch.key(layer), []).append(layer)
-        else:
-            alone.append(layer)
-    batches = [_Batch(group) for group in kinds.values()]
-    layers[0].__dict__["_plan"] = (tuple(layers), weights, [w.data_ptr() for w in weights], batches, alone)
-    return batches, alone
 
 
 def method_linears(model, method, roles):

@@ -4,6 +4,8 @@ triton_noise.py: Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1), amo
                  Eq. 3 and Eq. 4 over many weights that gaussws.TrainStep launches once a step.
 torch_noise.py:  PyTorch replaying the same Philox bits (CPU, or anywhere Triton is absent).
 ops.py:          Eq. 3 and Eq. 4 as differentiable ops over either backend (pseudo_quantize).
+batches.py:      Eq. 3 and Eq. 4 of many layers in one launch each, as gaussws.TrainStep serves them (a step's
+                 layers of one kind; per micro-step, a transformer block's).
 Both expose gen(numel, seed, method, device), apply(w, r_store, scale_bl, method) and
 block_sums(g, r_store, method). tests/test_kernels.py holds what they agree on:
   - gen and apply (R, w_hat): equal bit for bit.

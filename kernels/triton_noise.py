@@ -681,11 +681,15 @@ class Many:
         return ([v.view(shape) for v, shape in zip(w_hat.split(self.out_sizes)[::2], self.shapes)],
                 r_store.split(self.r_sizes)[::2])
 
-    def eq4(self, step_table, c):
+    def eq4(self, step_table, c, r_store=None, e=None, g_dtype=None):
         """Eq. 4 into every b_i.grad, as step_table (int64 (weights, 3) on the device: STEP_FIELDS) says,
-        from the step's R, max_bl and e (eq3's) and c = b_init - b_target; then the step's R is let go."""
+        from R and e (the last eq3's, or those given: a per-micro-step forward's), max_bl and c = b_init -
+        b_target; the gradients dL/dw_hat the table points to are of the weights' dtype or g_dtype. Then the
+        last eq3's R is let go."""
         word_rows = self.method != "gaussws" or self.aligned
-        _launch(f"eq4_many_{self.method}" + ("" if word_rows else "_unaligned"), (self.tile0[-1],), self.per_call,
-                table_ptr=self.table, tile_layer_ptr=self.tile_layer, step_ptr=step_table, r_ptr=self.r_store,
-                max_ptr=self.max_bl, e_ptr=self.e, c=float(c))
+        per_call = self.per_call if g_dtype is None else {**self.per_call, "W_DTYPE": _W_DTYPE[g_dtype]}
+        _launch(f"eq4_many_{self.method}" + ("" if word_rows else "_unaligned"), (self.tile0[-1],), per_call,
+                table_ptr=self.table, tile_layer_ptr=self.tile_layer, step_ptr=step_table,
+                r_ptr=self.r_store if r_store is None else r_store, max_ptr=self.max_bl,
+                e_ptr=self.e if e is None else e, c=float(c))
         self.r_store = None

@@ -434,8 +434,7 @@ def test_step_mode_compiles_once():
 def test_a_compiled_model_in_step_mode_is_one_graph_whose_inputs_hold_no_seed():
     """torch.compile of a gaussws[all] Llama2 trained in step mode (the batched path): the whole model is one
     graph (no graph break), compiled once over three steps, and what the graph takes holds no noise seed (its
-    only int64 input is the tokens): under CUDA graphs no CPU scalar can make inductor skip them. The
-    per-micro-step path (recompute_w_hat, FSDP) still passes each layer's seed as a CPU tensor."""
+    only int64 input is the tokens): under CUDA graphs no CPU scalar can make inductor skip them."""
     from model import GPT, ROLES, ModelConfig
 
     torch._dynamo.reset()
