@@ -431,7 +431,7 @@ def convert(model, method, roles, *, b_init=6.0, b_target=4.0, seed=0, backend="
 
 
 # E[R^2] of the noise: gaussws from Eq. 10's probabilities, Pr(+-2) and Pr(+-1) per sign; diffq's U(-1/2, 1/2)
-# (the level b_t matched to a format's rounding error, train.matched_b_t, divides by it).
+# (the level b_t matched to a format's rounding error, quant.budget.matched_b_t, divides by it).
 _P2 = 0.75 * 2.0 ** -9
 _P1 = 0.75 ** 2 * 2.0 ** -2 * (1 - 2 * _P2)
 R_SECOND_MOMENT = {"gaussws": 2 * (_P1 + 4 * _P2), "diffq": 1 / 12}

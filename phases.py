@@ -96,8 +96,8 @@ def phase_settings(kind, config, explicit=()):
     (rounded) or a whole step >= 1 is the step at which the Linears switch from plain, the bf16 run
     until then, to the method (convert's `start`). Returned as that step.
     target_format: the format the run trains toward. ste needs one: its grid. For gaussws and diffq
-    it sets b_target to matched_b_t(kind, format), the level whose noise is the format's rounding
-    error, and in a phase b_init too (unless b_init is set), so that b_t is at that level from the
+    it sets b_target to matched_b_t(R_SECOND_MOMENT[kind], format), the level whose noise is the
+    format's rounding error, and in a phase b_init too (unless b_init is set), so that b_t is at that level from the
     first noisy step to the last: a phase is too short for decay or Eq. 12 to bring b_t down from
     b_init. Decay shrinks b_i by a factor 1 - lr * bitwidth_weight_decay per step (2e-4 of it at the
     defaults); Eq. 12 through AdamW moves b_i by about lr per step, 0.06 over 30 steps at lr 2e-3.

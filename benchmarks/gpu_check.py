@@ -7,6 +7,7 @@ import torch
 
 import gaussws
 from benchmarks.common import BenchError, markdown_table, say, time_per_call, write_json
+from util import check_json_path
 from benchmarks.fig6 import run_kernel
 from benchmarks.options import parse_args, parse_ints, parse_shapes
 from benchmarks.table1 import run_train
@@ -229,6 +230,7 @@ def gpu_check(argv):
     config = dict(GPU_CHECK_CONFIG)
     configure(config, argv)  # first: its options (and a typo in them) are read on any machine
     table1_models(config["models"])
+    check_json_path(config["json"], "gpu_check.json")
     if not torch.cuda.is_available():
         raise BenchError("gpu-check needs a CUDA GPU and torch.cuda.is_available() is False here; "
                          "the CPU checks are `pytest tests/test_kernels.py tests/test_triton_compile.py`")

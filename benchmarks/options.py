@@ -1,7 +1,6 @@
 """bench.py's options: each command's defaults, overridden by `--key=value` and type-checked by the
 configurator train.py uses; lists are strings parsed here ("1,8", "512x2048,4096x4096")."""
 import dataclasses
-import os
 import re
 import types
 
@@ -10,6 +9,7 @@ import torch
 import model as model_lib
 from benchmarks.common import BenchError
 from configurator import check_device, configure
+from util import check_json_path
 
 def parse_shapes(text):
     shapes = []
@@ -91,6 +91,7 @@ def parse_args(argv):
         parse_ints(key, getattr(args, key))
     if args.threads < 0:
         raise BenchError(f"--threads={args.threads}: expected 0 (torch's default) or a positive number")
+    check_json_path(args.json)  # before the run, not after it
     if command == "kernel":
         args.shapes = parse_shapes(args.shapes) if args.shapes else None
     elif command == "host":
@@ -101,6 +102,4 @@ def parse_args(argv):
         if args.model not in model_lib.PRESETS:
             raise BenchError(f"--model={args.model}: unknown; expected one of {', '.join(model_lib.PRESETS)}")
     check_device(config)
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise BenchError(f"--json={args.json}: its folder does not exist")
     return command, args

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.ops import noise_e
 from quant.ste import StraightThrough
 
 
@@ -43,18 +44,18 @@ def _copied(device):
     return event
 
 
-class _StepTable:
-    """The per-layer rows (STEP_FIELDS: gradient address, b_i.grad address, mode) of one Eq. 4 launch, copied
-    to the device from a pinned buffer that the previous copy has finished reading."""
+class _PinnedCopy:
+    """An int64 tensor on the device set from the host once a step (or micro-step), through a pinned buffer that
+    the previous copy has finished reading: one copy, no wait for the GPU."""
 
-    def __init__(self, n, device):
-        self.host = torch.zeros((n, 3), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.device = torch.empty((n, 3), dtype=torch.int64, device=device)
+    def __init__(self, shape, device):
+        self.host = torch.zeros(shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.device = torch.zeros(shape, dtype=torch.int64, device=device)
         self.copied = None
 
-    def set(self, rows):
+    def set(self, values):
         _wait(self.copied)
-        self.host.numpy()[:] = rows
+        self.host.numpy()[:] = values
         self.device.copy_(self.host, non_blocking=True)
         self.copied = _copied(self.device.device)
         return self.device
@@ -69,31 +70,25 @@ def _contiguous(g, keep):
 
 
 def _e(b_i, b_init, b_target):
-    """2^(1 - b_t) of every block of the layers, flat FP32, from their b_i by Eq. 11: a few ops whatever the
-    number of layers; on a GPU each element's bits are those of its own layer's noise_e."""
-    b_t = b_target + torch.cat([b.reshape(-1) for b in b_i]) * (b_init - b_target)
-    return torch.exp2(1.0 - b_t.float())
+    """2^(1 - b_t) of every block of the layers, flat FP32, from their b_i by Eq. 11 (PQTLinear.b_t): a few ops
+    whatever the number of layers; on a GPU each element's bits are those of its own layer's noise_e."""
+    return noise_e(b_target + torch.cat([b.reshape(-1) for b in b_i]) * (b_init - b_target))
 
 
-class _Seeds:
+class _Seeds(_PinnedCopy):
     """The step seeds (gaussws._step_seed) of layers on one device, each layer's noise_seed a view of them there:
     all computed at once in NumPy and copied to the device in one copy a step, from a pinned buffer. A kernel
     reads its layer's seed on the device: no launch and no host read per layer, and under torch.compile no CPU
     tensor among a graph's inputs (one would keep inductor from CUDA graphs)."""
 
     def __init__(self, layers, device, step_seeds):
+        super().__init__(len(layers), device)
         self.layers, self.step_seeds = layers, step_seeds
-        self.host = torch.zeros(len(layers), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.device = torch.zeros(len(layers), dtype=torch.int64, device=device)
-        self.copied = None
         for i, layer in enumerate(layers):
             layer.noise_seed = self.device[i]
 
     def set(self, step):
-        _wait(self.copied)
-        self.host.numpy()[:] = self.step_seeds([layer.layer_seed for layer in self.layers], step)
-        self.device.copy_(self.host, non_blocking=True)
-        self.copied = _copied(self.device.device)
+        super().set(self.step_seeds([layer.layer_seed for layer in self.layers], step))
 
 
 class _Batch:
@@ -111,7 +106,7 @@ class _Batch:
         self.many = _triton().Many(self.weights, first.method)
         self.b_init, self.b_target, device = first.b_init, first.b_target, self.many.device
         self.seeds = _Seeds(layers, device, step_seeds)
-        self.table = _StepTable(len(layers), device)
+        self.table = _PinnedCopy((len(layers), 3), device)
 
     @staticmethod
     def key(layer):
@@ -256,7 +251,7 @@ class _Block:
         self.index = {id(layer): i for i, layer in enumerate(layers)}
         self.b_init, self.b_target = first.b_init, first.b_target
         self.many = _triton().Many([layer.weight for layer in layers], first.method)
-        self.table = _StepTable(len(layers), self.many.device)
+        self.table = _PinnedCopy((len(layers), 3), self.many.device)
         self.release()
 
     def release(self):

@@ -161,7 +161,7 @@ def quantize_blocks(blocks, fmt):
     if fmt.kind == "int":
         scales = int_scales(amax, fmt)
         s = scales.float()
-        # w / s as torchao's fake quantization (the STE's, ste.fake_quantize) computes it: w times
+        # w / s as torchao's fake quantization (the STE's, grids.fake_quantize) computes it: w times
         # the FP32 reciprocal of s, rounded half to even. The exact quotient rounds the other way where
         # w / s is within an FP32 rounding of a half-integer, and an STE-trained model would not export as trained.
         q = torch.round(blocks.float() * (1.0 / torch.where(s > 0, s, 1.0))[:, None]).clamp(-fmt.levels, fmt.levels)

@@ -132,7 +132,7 @@ def deploy_forks(n, trunk, bits):
     forks, scratch = [], []
     for f in DEPLOY_FORMATS[n]:
         forks.append(deploy_arm("STE phase", f, n, [f], trunk, method="ste[all]", target_format=f, pqt_start=phase))
-        # b_t at the level matched to the format's rounding error (train.matched_b_t)
+        # b_t at the level matched to the format's rounding error (quant.budget.matched_b_t)
         forks.append(deploy_arm("gaussws phase", f, n, [f], trunk, method="gaussws[all]", target_format=f,
                                 pqt_start=phase))
         if n == DEPLOY_STEPS[-1] and f == "int3" and BEST_B_T is not None:  # the 800-step sweep's pick

@@ -54,13 +54,18 @@ def write_ste_file(pure_path, dst, names):
            GGUFReader(os.path.join(os.path.dirname(pure_path), tools.F32_FILES[0])).tensors if t.name in names}
     tmp = dst + ".tmp"
     shutil.copyfile(pure_path, tmp)
-    reader = GGUFReader(tmp, "r+")
-    for t in reader.tensors:
-        if t.name in names:
-            t.data[...] = lattice.pack(lattice.quantize(torch.from_numpy(f32[t.name]), trials=lattice.STE_TRIALS))
-    reader.data.flush()
-    del reader
-    os.replace(tmp, dst)
+    try:
+        reader = GGUFReader(tmp, "r+")
+        for t in reader.tensors:
+            if t.name in names:
+                t.data[...] = lattice.pack(lattice.quantize(torch.from_numpy(f32[t.name]),
+                                                            trials=lattice.STE_TRIALS))
+        reader.data.flush()
+        del reader
+        os.replace(tmp, dst)
+    except BaseException:
+        os.remove(tmp)  # no half-written file left
+        raise
     return dst
 
 
@@ -116,10 +121,10 @@ def main(argv):
     for f in table["files"]:
         print(f"{os.path.basename(f['path']):<36} {f['block_bits_per_weight']:.4f} bits/w  llama.cpp val loss "
               f"{f['val_loss_llama_cpp']:.5f} (source {source:.5f})")
-    alike = table["blocks_alike"].values()
+    alike = table["blocks_alike"].values()  # each tensor's share, weighted by its blocks: the file's share
     print("blocks of the --pure file that quant.lattice writes: " + ", ".join(
-        f"{k} {np.mean([a[k] for a in alike]):.4f}" for k in ("rule_same_blocks", "ste_same_blocks",
-                                                               "ste_same_values")))
+        f"{k} {np.average([a[k] for a in alike], weights=[a['blocks'] for a in alike]):.4f}"
+        for k in ("rule_same_blocks", "ste_same_blocks", "ste_same_values")))
     if c["json"]:
         write_atomic(c["json"], json.dumps(table, indent=1) + "\n")
     return 0

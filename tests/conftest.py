@@ -112,7 +112,8 @@ def run_cli(args, **kw):
 
 def digest(path):
     """The SHA-256 of a file's bytes: whether a test's run left it as it was."""
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 @pytest.fixture(scope="session")
