@@ -313,10 +313,10 @@ class _Block:
     def eq4(self, needs, grads, r_store, e):
         """_BlockNoise's backward: Eq. 4 of the layers that left dL/dw_hat in `grads`, in one launch; the
         gradient of each b_i (None for the others)."""
-        if self.recompute:
-            if self.again is None:  # none of the block's layers had a backward
-                return [None] * len(self.layers)
-            (_, r_store, e), self.again = self.again, None
+        if not grads:  # none of the block's layers had a backward
+            return [None] * len(self.layers)
+        if self.recompute:  # R of the backward's launch (made again if another node of the block took it)
+            (_, r_store, e), self.again = self.again or self._eq3([m._parameters["b_i"] for m in self.layers]), None
         t = _triton()
         skip, store = t.SKIP.value, t.STORE.value
         dtypes = {g.dtype for g in grads.values()}
@@ -332,7 +332,7 @@ class _Block:
             keep.append(g := _contiguous(g.to(g_dtype), keep))  # alive until the kernel has read it
             b_grads.append(out[self.many.blk0[i]:self.many.blk0[i + 1]].view(layer._parameters["b_i"].shape))
             rows.append((g.data_ptr(), b_grads[-1].data_ptr(), store))
-        if any(b is not None for b in b_grads):
+        if any(b is not None for b in b_grads):  # else every gradient was unneeded
             self.many.eq4(self.table.set(rows), self.b_init - self.b_target, r_store, e, g_dtype)
         return b_grads
 

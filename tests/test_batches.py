@@ -105,6 +105,24 @@ def test_a_block_skips_what_gets_no_gradient():
     assert layers[0].b_i.grad is not None and layers[1].b_i.grad is None and layers[2].weight.grad is None
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+def test_layers_that_run_twice_in_a_forward_give_the_bits_of_one_layer_at_a_time(recompute):
+    """Weights used twice in one forward (the block's second launch serves the second use): each use's Eq. 4 is
+    there, as one layer at a time has it."""
+    nets = {batched: _net(1, recompute=recompute) for batched in (True, False)}
+    x = torch.randn(4, 64)
+    for batched, net in nets.items():
+        first, second = gaussws.pqt_layers(net)[:2]
+        if not recompute:
+            for layer in (first, second):
+                layer.step_mode = lambda: False
+        with gaussws.TrainStep(net, 2, batched=batched):
+            second(first(second(first(x)).tanh())).square().sum().backward()
+    for (name, a), (_, b) in zip(nets[True].named_parameters(), nets[False].named_parameters()):
+        assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), name
+    assert gaussws.pqt_layers(nets[True])[0].b_i.grad is not None
+
+
 def _micro_step_launches(copies, pqt):
     """Launches of one forward and backward of a block of `copies` x KINDS layers (recompute), by the counter of
     tests/test_launch_count.py; pqt=False: the same net of nn.Linear (bf16's launches)."""
