@@ -334,7 +334,7 @@ class TrainStep:
         self.blocks, seeds = batches.blocks(self.model, [layer for layer, way in ways if way == "micro"],
                                             _step_seeds, grouped=self.batched)
         for device_seeds in seeds:
-            device_seeds.set(self.step)
+            device_seeds.set_step(self.step)
         for block in self.blocks:
             for layer in block.layers:
                 layer._state(_micro=block)

@@ -17,9 +17,8 @@ The layers' own path (gaussws.PQTLinear one at a time) is the reference these gi
 """
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from kernels.ops import noise_e
+from kernels.ops import autocast_linear, linear_grads, noise_e
 from quant.ste import StraightThrough
 
 
@@ -87,8 +86,8 @@ class _Seeds(_PinnedCopy):
         for i, layer in enumerate(layers):
             layer.noise_seed = self.device[i]
 
-    def set(self, step):
-        super().set(self.step_seeds([layer.layer_seed for layer in self.layers], step))
+    def set_step(self, step):
+        self.set(self.step_seeds([layer.layer_seed for layer in self.layers], step))
 
 
 class _Batch:
@@ -114,7 +113,7 @@ class _Batch:
 
     @torch.no_grad()
     def begin(self, step):
-        self.seeds.set(step)
+        self.seeds.set_step(step)
         e = _e(self.b_i, self.b_init, self.b_target)
         w_hat, r_store = self.many.eq3(self.weights, self.seeds.device, e)
         with torch.enable_grad():
@@ -178,15 +177,15 @@ class _BlockNoise(torch.autograd.Function):
     launch and returns each b_i's gradient to autograd. w_hat itself is made outside autograd."""
 
     @staticmethod
-    def forward(ctx, block, grads, *b_i):
+    def forward(ctx, block, grads, weights, *b_i):
         ctx.set_materialize_grads(False)
         ctx.block, ctx.grads = block, grads
-        ctx.r_store, ctx.e = block.make(b_i)  # None, None where the backward makes them again (recompute)
+        ctx.r_store, ctx.e = block.make(weights, b_i)  # None, None where the backward makes them again (recompute)
         return tuple(b.new_empty(0) for b in b_i)
 
     @staticmethod
     def backward(ctx, *_):
-        return (None, None, *ctx.block.eq4(ctx.needs_input_grad[2:], ctx.grads, ctx.r_store, ctx.e))
+        return (None, None, None, *ctx.block.eq4(ctx.needs_input_grad[3:], ctx.grads, ctx.r_store, ctx.e))
 
 
 class _Linked(torch.autograd.Function):
@@ -216,26 +215,21 @@ class _RecomputedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, bias, link, w_hat, block, grads, i):
-        # Under autocast the matmul runs in its dtype, as F.linear's would; autocast is off in the backward
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x_c = x.to(dtype)
+        y, x_c = autocast_linear(x, w_hat, bias)
         ctx.save_for_backward(x_c)
         ctx.block, ctx.grads, ctx.i = block, grads, i
         ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, w.dtype, bias is not None
-        return F.linear(x_c, w_hat.to(dtype), None if bias is None else bias.to(dtype))
+        return y
 
     @staticmethod
     def backward(ctx, g):
         x_c, = ctx.saved_tensors
-        w_hat = ctx.block.w_hat_again(ctx.i).to(x_c.dtype)
-        g = g.to(x_c.dtype)
-        g2, x2 = g.reshape(-1, g.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
-        grad_w_hat = g2.t() @ x2
+        grad_x, grad_w_hat, grad_bias = linear_grads(g, x_c, ctx.block.w_hat_again(ctx.i), ctx.x_dtype,
+                                                     ctx.needs_input_grad[0], ctx.has_bias)
         if ctx.needs_input_grad[3]:
             ctx.grads[ctx.i] = grad_w_hat
-        grad_x = (g @ w_hat).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        return (grad_x, grad_w_hat.to(ctx.w_dtype), g2.sum(0).float() if ctx.has_bias else None,
-                g.new_empty(0) if ctx.needs_input_grad[3] else None, None, None, None, None)
+        return (grad_x, grad_w_hat.to(ctx.w_dtype), grad_bias, g.new_empty(0) if ctx.needs_input_grad[3] else None,
+                None, None, None, None)
 
 
 class _Block:
@@ -270,10 +264,11 @@ class _Block:
         i = self.index[id(layer)]
         entry = self.pending.pop(i, None)
         if entry is None:  # the block's first layer in this forward (or one that runs twice in it)
-            if self._weights() is None:
+            weights = self._weights()
+            if weights is None:
                 return None
             grads = {}
-            links = _BlockNoise.apply(self, grads, *(m._parameters["b_i"] for m in self.layers))
+            links = _BlockNoise.apply(self, grads, weights, *(m._parameters["b_i"] for m in self.layers))
             self.pending = {j: (link, w_hat, grads) for j, (link, w_hat) in enumerate(zip(links, self.made))}
             self.made = None
             entry = self.pending.pop(i)
@@ -285,29 +280,33 @@ class _Block:
             w_hat = w_hat.to(x.dtype)  # exact: BF16 values are representable in FP32
         return layer._matmul(x, w_hat)
 
-    def _eq3(self, b_i):
+    def _eq3(self, weights, b_i):
         """Every w_hat of the block in one launch: ([w_hat], flat R, e); the tables keep neither R nor e."""
         e = _e(b_i, self.b_init, self.b_target)
-        w_hat, _ = self.many.eq3(self._weights(), self.seeds, e)
+        w_hat, _ = self.many.eq3(weights, self.seeds, e)
         r_store, self.many.r_store, self.many.e = self.many.r_store, None, None
         return w_hat, r_store, e
 
     @torch.no_grad()
-    def make(self, b_i):
+    def make(self, weights, b_i):
         """_BlockNoise's forward: every w_hat of the block (self.made); (R, e) for Eq. 4 unless the backward
         makes them again."""
-        self.made, r_store, e = self._eq3(b_i)
+        self.made, r_store, e = self._eq3(weights, b_i)
         return (None, None) if self.recompute else (r_store, e)
 
     @torch.no_grad()
     def w_hat_again(self, i):
         """Recompute: layer i's w_hat in the backward, every layer's made again in one launch at the first."""
         if self.again is None:
-            if self._weights() is None:
-                raise RuntimeError("PQTLinear: a block's weights changed place or shape between its forward and "
-                                   "its backward; w_hat cannot be made again for recompute_w_hat")
-            self.again = self._eq3([m._parameters["b_i"] for m in self.layers])
+            self.again = self._again()
         return self.again[0][i]
+
+    def _again(self):
+        weights = self._weights()
+        if weights is None:
+            raise RuntimeError("PQTLinear: a block's weights changed place or shape between its forward and its "
+                               "backward; w_hat cannot be made again for recompute_w_hat")
+        return self._eq3(weights, [m._parameters["b_i"] for m in self.layers])
 
     @torch.no_grad()
     def eq4(self, needs, grads, r_store, e):
@@ -316,7 +315,7 @@ class _Block:
         if not grads:  # none of the block's layers had a backward
             return [None] * len(self.layers)
         if self.recompute:  # R of the backward's launch (made again if another node of the block took it)
-            (_, r_store, e), self.again = self.again or self._eq3([m._parameters["b_i"] for m in self.layers]), None
+            (_, r_store, e), self.again = self.again or self._again(), None
         t = _triton()
         skip, store = t.SKIP.value, t.STORE.value
         dtypes = {g.dtype for g in grads.values()}

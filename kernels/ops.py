@@ -133,29 +133,39 @@ def pseudo_quantize(w, b_t, seed, method="gaussws", *, backend="auto"):
     return _w_hat_op(w, e, seed, method, backend)[0]
 
 
+def autocast_linear(x, w_hat, bias):
+    """(F.linear(x, w_hat, bias) in the dtype autocast would run it in, x in that dtype): the forward of a Linear
+    that keeps x, not w_hat, for its backward (autocast is off in a custom Function's backward, so the dtype is
+    kept in x's copy)."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    x_c = x.to(dtype)
+    return F.linear(x_c, w_hat.to(dtype), None if bias is None else bias.to(dtype)), x_c
+
+
+def linear_grads(g, x_c, w_hat, x_dtype, need_x, has_bias):
+    """(dL/dx, dL/dw_hat, dL/dbias) of autocast_linear, with w_hat made again: dL/dw_hat in x_c's dtype, unrounded."""
+    w_hat, g = w_hat.to(x_c.dtype), g.to(x_c.dtype)
+    g2, x2 = g.reshape(-1, g.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
+    return ((g @ w_hat).to(x_dtype) if need_x else None, g2.t() @ x2, g2.sum(0).float() if has_bias else None)
+
+
 class RecomputedLinear(torch.autograd.Function):
     """F.linear(x, w_hat) that keeps neither w_hat nor R for the backward: both are made again there
     from (w, seed). Saves w_hat's 2 bytes per parameter for one more Eq. 3 per micro-step."""
 
     @staticmethod
     def forward(ctx, x, w, e, bias, seed, method, backend):
-        # Under autocast the matmul runs in its dtype, as F.linear's would; autocast is off inside
-        # custom Functions' backward, so the dtype is kept here for it.
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x_c = x.to(dtype)
         w_hat, max_bl = _w_hat_op(w.detach(), e.detach(), seed, method, backend)
+        y, x_c = autocast_linear(x, w_hat, bias)
         ctx.save_for_backward(x_c, w, e, max_bl, seed)
         ctx.method, ctx.backend, ctx.x_dtype, ctx.has_bias = method, backend, x.dtype, bias is not None
-        return F.linear(x_c, w_hat.to(dtype), None if bias is None else bias.to(dtype))
+        return y
 
     @staticmethod
     def backward(ctx, g):
         x_c, w, e, max_bl, seed = ctx.saved_tensors
-        w_hat = _w_hat_op(w.detach(), e.detach(), seed, ctx.method, ctx.backend)[0].to(x_c.dtype)
-        g = g.to(x_c.dtype)
-        grad_x = (g @ w_hat).to(ctx.x_dtype)
-        g2, x2 = g.reshape(-1, g.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
-        grad_w_hat = g2.t() @ x2
+        w_hat = _w_hat_op(w.detach(), e.detach(), seed, ctx.method, ctx.backend)[0]
+        grad_x, grad_w_hat, grad_bias = linear_grads(g, x_c, w_hat, ctx.x_dtype, ctx.needs_input_grad[0],
+                                                     ctx.has_bias)
         grad_e = _block_sums_op(grad_w_hat, seed, ctx.method, ctx.backend) * max_bl  # as _w_hat_backward
-        grad_bias = g2.sum(0).float() if ctx.has_bias else None
         return grad_x, grad_w_hat.to(w.dtype), grad_e, grad_bias, None, None, None
