@@ -12,7 +12,9 @@ files differ in their block Linears alone). The loss it "removes" is (L_ref - L_
 per seed, L_F32 llama.cpp's val loss of the seed's F32 file (the unquantized model as llama.cpp computes
 it, the same evaluation as every other figure): 1 is the unquantized model's loss or less, 0 llama.cpp's,
 below 0 worse than llama.cpp. The same share over PyTorch's FP32 val loss of the trunk (train.py's) is
-given beside it, and the two denominators per seed. Records made before the F32 file's loss and each
+given beside it, and the two denominators per seed. "For a user" (for_a_user) puts it as a user decides: per
+size, our lowest file against that best llama.cpp file, whether ours removes at least half of its loss (the
+interval too), and our lowest file of 2.6-3.2 bits against llama-quantize's Q3_K_M paired by seed. Records made before the F32 file's loss and each
 file's per-tensor types were kept (gguf.json) are reported as lacking them.
 """
 import os
@@ -172,6 +174,88 @@ def gguf_findings(rows):
                                   "increase_f32_pct": best["increase_f32_pct"]["mean"]},
                          "others": others, "shares": shares})
     return findings
+
+
+# The issue's bar for a trained file, as a user weighs it: it removes at least this share of the loss of the best
+# llama.cpp file of no more bytes, with the 95 % interval's lower end at or above it too
+GOAL_SHARE = 0.5
+# A trained file this small (bits per weight of the block Linears) ...
+SMALL = (2.6, 3.2)
+# ... against llama-quantize's file of this type (with the importance matrix), its lead in more bytes
+SMALL_VERSUS = "Q3_K_M+imatrix"
+
+
+def for_a_user(rows):
+    """What a user weighs at each size: per size class holding a trained file, the lowest trained file there
+    (ours), the best llama.cpp file of no more bytes (reference()), both losses over llama.cpp's F32 file, the
+    share of llama.cpp's loss ours removes (over the F32 file) and whether it meets GOAL_SHARE with its
+    interval; then the lowest trained file of SMALL bits per weight against SMALL_VERSUS, paired by seed."""
+    refs = [r for r in rows if r["imatrix"] and r["seeds"]]
+    ours = [r for r in rows if not r["llama_cpp"] and r["seeds"]]
+    sizes = []
+    for label, _, _ in CLASSES:
+        there = [r for r in ours if r["class"] == label]
+        if not there:
+            continue
+        best = min(there, key=lambda r: r["val_loss"]["mean"])
+        ref = reference(best, refs)
+        size = {"class": label, "ours": brief(best), "reference": brief(ref) if ref else None}
+        if ref is not None:  # goal_met None: no llama.cpp loss of the F32 file recorded, so no share over it
+            share = share_removed(best, ref)
+            met = None if not share["n"] else share["n"] > 1 and share["mean"] - share["ci95"] >= GOAL_SHARE
+            size.update(removed=share, removed_pytorch=share_removed(best, ref, "bf16_by_seed"), goal_met=met)
+        sizes.append(size)
+    small = [r for r in ours if SMALL[0] <= r["bits_per_weight"]["mean"] <= SMALL[1]]
+    versus = next((r for r in refs if r["spec"] == SMALL_VERSUS), None)
+    lead = None
+    if small and versus is not None:
+        best = min(small, key=lambda r: r["val_loss"]["mean"])
+        d, verdict = paired(best, versus)
+        lead = {"ours": brief(best), "versus": brief(versus), "minus_versus": d, "verdict": verdict,
+                "at_least_as_good": d["n"] > 0 and d["mean"] <= 0}
+    return {"sizes": sizes, "small": lead}
+
+
+def brief(r):
+    """A row as the user's table names it: its file, settings, bits and loss over the F32 file (mean over seeds)."""
+    return {"arm": r["arm"], "spec": r["spec"], "settings": r["settings"], "seeds": r["seeds"],
+            "bits_per_weight": r["bits_per_weight"]["mean"], "val_loss": r["val_loss"]["mean"],
+            "increase_f32_pct": r["increase_f32_pct"]["mean"] if r["increase_f32_pct"]["n"] else None}
+
+
+def for_a_user_markdown(user):
+    """The user's table: per size, the best llama.cpp file of no more bytes and ours, both by llama.cpp."""
+    if not user["sizes"]:
+        return ["No trained file yet."]
+    def file(b):
+        over = "-" if b["increase_f32_pct"] is None else f"{b['increase_f32_pct']:+.2f} %"
+        return f"{called(b['arm'], b['spec'])}, {b['bits_per_weight']:.2f} bits | {over}"
+    lines = ["| size (bits/w) | best llama.cpp file of no more bytes | over F32 | ours | over F32 | "
+             "share of llama.cpp's loss removed (95 %) | at least half |", "|---|---|---|---|---|---|---|"]
+    for s in user["sizes"]:
+        ref = file(s["reference"]) if s["reference"] else "none of no more bytes | -"
+        share, met = "-", "-"
+        if s["reference"] and s["removed"]["n"]:
+            share, met = ci(s["removed"], 2), "yes" if s["goal_met"] else "no"
+        elif s["reference"] and s["removed_pytorch"]["n"]:
+            share = f"F32 not recorded; over bf16 {ci(s['removed_pytorch'], 2)}"
+        lines.append(f"| {s['class']} | {ref} | {file(s['ours'])} | {share} | {met} |")
+    lines += ["", "At least half: the share's 95 % interval lies at or above 0.5 (two seeds or more). Ours is made "
+              "by the arm's settings (the arms list at the end), then `export.py --gguf=True` of its format."]
+    lead = user["small"]
+    if lead is not None:
+        o, v, d = lead["ours"], lead["versus"], lead["minus_versus"]
+        lines += ["", f"The lowest trained file of {SMALL[0]}-{SMALL[1]} bits per weight, {called(o['arm'], o['spec'])} "
+                  f"at {o['bits_per_weight']:.2f} bits, minus llama.cpp {v['spec']} at {v['bits_per_weight']:.2f} bits: "
+                  f"{ci(d)} in val loss, paired by seed, {d_verdict(lead)}."]
+    return lines
+
+
+def d_verdict(lead):
+    """What the small file's paired difference to SMALL_VERSUS says: at least as good in the mean, or not, and
+    whether the seeds tell the two apart."""
+    return ("at least as good in the mean" if lead["at_least_as_good"] else "worse in the mean") + \
+        f", {lead['verdict']}"
 
 
 def called(arm, spec):
@@ -342,6 +426,7 @@ def gguf_markdown(results):
              "(L_llama.cpp - L_file) / (L_llama.cpp - L_F32) per seed, and the same over PyTorch's loss, L_bf16 in "
              "place of L_F32 (1: all of it, 0: none, below 0: worse than llama.cpp):", "",
              *findings_markdown(results["findings"]), "",
+             "## For a user: the best file of each size", "", *for_a_user_markdown(results["for_a_user"]), "",
              "## The unquantized model: the denominators", "", *unquantized_markdown(results["rows"]), "",
              "## The files", ""]
     head = ["class", "arm", "file", "seeds", "bits/w", "bytes", "llama.cpp val loss", "over F32", "over bf16",
@@ -372,6 +457,7 @@ def write_gguf(name, study, root):
     trunk = next(a for a in study["arms"] if a.get("llama_cpp"))
     measured = {str(s): f["sensitivity"] for (i, s), f in sorted(runs.items()) if "sensitivity" in f}
     results = {**results_head(name, study, root, runs), "bf16": bf16, "rows": rows, "findings": gguf_findings(rows),
+               "for_a_user": for_a_user(rows),
                "chosen": chosen_types(rows), "sensitivity": measured,
                "sensitivity_step": trunk.get("sensitivity", {}).get("step"),
                "sensitivity_ranks": sensitivity_ranks(measured), "cost": cost(study, runs)}
