@@ -411,10 +411,11 @@ def _main(argv, resources):
 
     # logging
     cuda = proc.device_type == "cuda"
-    # the threads too: a CPU run repeats bit for bit on the same code, CPU and thread count (reduction order)
+    # the threads and the SIMD level torch's CPU kernels dispatch to too: a CPU run repeats bit for bit on the
+    # same code, CPU and thread count (reduction order), and a CPU of another SIMD level rounds otherwise
     versions = {"torch": torch.__version__, "python": sys.version.split()[0], "commit": git_commit(),
                 "machine": machine() + (f", {torch.cuda.get_device_name(proc.dev)}" if cuda else ""),
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     run_info = {**c, "model_args": asdict(mconf), "world_size": proc.world_size, "versions": versions}
     if proc.master and not c["eval_only"]:  # an evaluation leaves the run's record as it is
         run.start(run_info, new=c["init_from"] != "resume", forked=forked)
