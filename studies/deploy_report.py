@@ -3,12 +3,11 @@ increase over the bf16 run's of the same length and seed, the paired differences
 STE and to the error-ranked mix, and per length and format the lowest arm with each other arm's paired
 gap (results.json, results.md), and plots/increase.png, plots/pareto.png (studies.plots)."""
 import os
-import statistics
 
 from studies.definitions import BUDGET, MIX_PHASE, PHASE, arm_label, run_name
 from studies.exports import export_losses
 from studies.plots import deploy_panel, plot_deploy
-from studies.report import done_run, fmt_stats, results_head, run_figures, write_results
+from studies.report import done_run, fmt_stats, own_step_s, results_head, run_figures, write_results
 from studies.stats import interval, stats
 
 
@@ -34,10 +33,8 @@ def deploy_runs(study, root):
                 fig["params"] = parameters(run["config"])
             first = a["overrides"].get("pqt_start", 0) if a.get("trunk") else 0  # earlier records: the trunk's
             fig["trained_steps"] = a["steps"] - first
-            # Its own steps' time: the median logged step time (robust to a runner paused on a shared
-            # machine, which done.json's wall_s counts), times its steps.
-            ms = [r["ms_per_iter"] for r in run["logs"] if r["iter"] > first]
-            fig["train_min"] = statistics.median(ms) * fig["trained_steps"] / 60e3 if ms else None
+            step_s = own_step_s(run, first)  # its own steps' time
+            fig["train_min"] = step_s * fig["trained_steps"] / 60 if step_s is not None else None
             runs[i, seed] = fig
     return runs
 

@@ -18,14 +18,13 @@ interval too), and our lowest file of 2.6-3.2 bits against llama-quantize's Q3_K
 file's per-tensor types were kept (gguf.json) are reported as lacking them.
 """
 import os
-import statistics
 
 from studies.definitions import arm_label, run_name
 from studies.exports import F32_SPEC, llama_cpp_files, sensitivity, trained_files
 from studies.gguf_tensors import chosen_markdown, chosen_types, sensitivity_markdown, sensitivity_ranks
 from studies.plots import plot_gguf
 from studies.records import check_gguf_files
-from studies.report import done_run, results_head, run_figures, write_results
+from studies.report import done_run, own_step_s, results_head, run_figures, write_results
 from studies.stats import interval, stats
 
 # (label, lowest bits per weight, up to (not including)), on the study's GPT2 and Llama: Q8_0; Q5_K_M (5.8) and
@@ -62,11 +61,8 @@ def gguf_runs(study, root):
                     fig["sensitivity"] = sensitivity(run_dir, a["sensitivity"]["step"], a["sensitivity"]["types"])
             first = a["overrides"]["pqt_start"] if a.get("trunk") else 0
             fig["trained_steps"] = a["overrides"]["max_iters"] - first
-            # its own steps' time: the median logged step time (robust to a runner paused on a shared
-            # machine) times its steps, as the deployment study's
-            ms = [r["ms_per_iter"] for r in run["logs"] if r["iter"] > first]
-            fig["step_s"] = statistics.median(ms) / 1e3 if ms else None
-            fig["train_min"] = fig["step_s"] * fig["trained_steps"] / 60 if ms else None
+            fig["step_s"] = own_step_s(run, first)  # its own steps' time
+            fig["train_min"] = fig["step_s"] * fig["trained_steps"] / 60 if fig["step_s"] is not None else None
             runs[i, seed] = fig
     return runs
 

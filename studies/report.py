@@ -8,6 +8,7 @@ only where its records bear that out (records.read_done).
 """
 import collections
 import os
+import statistics
 
 import figures
 from studies.definitions import arm_label, arm_steps, reference_arm, run_name, runs_of
@@ -15,6 +16,13 @@ from studies.exports import export_losses
 from studies.records import read_done, read_json, write_json, write_text
 from studies.stats import stats
 from util import machine
+
+
+def own_step_s(run, first):
+    """A phase run's own time a step: the median of the logged step times after step `first` (robust to a
+    runner paused on a shared machine, which done.json's wall_s counts), in seconds; None before any log."""
+    ms = [r["ms_per_iter"] for r in run["logs"] if r["iter"] > first]
+    return statistics.median(ms) / 1e3 if ms else None
 
 
 def run_figures(run, done):
