@@ -14,8 +14,9 @@ it, the same evaluation as every other figure): 1 is the unquantized model's los
 below 0 worse than llama.cpp. The same share over PyTorch's FP32 val loss of the trunk (train.py's) is
 given beside it, and the two denominators per seed. "For a user" (for_a_user) puts it as a user decides: per
 size, our lowest file against that best llama.cpp file, whether ours removes at least half of its loss (the
-interval too), and our lowest file of 2.6-3.2 bits against llama-quantize's Q3_K_M paired by seed. Records made before the F32 file's loss and each
-file's per-tensor types were kept (gguf.json) are reported as lacking them.
+interval too), and our lowest file of 2.6-3.2 bits against llama-quantize's Q3_K_M paired by seed. Records
+made before the F32 file's loss and each file's per-tensor types were kept (gguf.json) are reported as lacking
+them.
 """
 import os
 
@@ -172,7 +173,7 @@ def gguf_findings(rows):
     return findings
 
 
-# The issue's bar for a trained file, as a user weighs it: it removes at least this share of the loss of the best
+# The bar a trained file is held to, as a user weighs it: it removes at least this share of the loss of the best
 # llama.cpp file of no more bytes, with the 95 % interval's lower end at or above it too
 GOAL_SHARE = 0.5
 # A trained file this small (bits per weight of the block Linears) ...
@@ -241,9 +242,9 @@ def for_a_user_markdown(user):
     lead = user["small"]
     if lead is not None:
         o, v, d = lead["ours"], lead["versus"], lead["minus_versus"]
-        lines += ["", f"The lowest trained file of {SMALL[0]}-{SMALL[1]} bits per weight, {called(o['arm'], o['spec'])} "
-                  f"at {o['bits_per_weight']:.2f} bits, minus llama.cpp {v['spec']} at {v['bits_per_weight']:.2f} bits: "
-                  f"{ci(d)} in val loss, paired by seed, {d_verdict(lead)}."]
+        lines += ["", f"The lowest trained file of {SMALL[0]}-{SMALL[1]} bits per weight, "
+                  f"{called(o['arm'], o['spec'])} at {o['bits_per_weight']:.2f} bits, minus llama.cpp {v['spec']} "
+                  f"at {v['bits_per_weight']:.2f} bits: {ci(d)} in val loss, paired by seed, {d_verdict(lead)}."]
     return lines
 
 
