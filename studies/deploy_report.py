@@ -7,7 +7,7 @@ import os
 from studies.definitions import BUDGET, MIX_PHASE, PHASE, arm_label, run_name
 from studies.exports import export_losses
 from studies.plots import deploy_panel, plot_deploy
-from studies.report import done_run, fmt_stats, own_step_s, results_head, run_figures, write_results
+from studies.report import done_figures, fmt_stats, own_step_s, results_head, write_results
 from studies.stats import interval, stats
 
 
@@ -22,20 +22,15 @@ def parameters(config):
 def deploy_runs(study, root):
     """{(arm index, seed): figures} of every done deployment run, the finished ones' exports measured."""
     runs = {}
-    for i, a in enumerate(study["arms"]):
-        for seed in a["seeds"]:
-            done, run = done_run(root, a, seed)
-            if done is None:
-                continue
-            fig = run_figures(run, done)
-            if done["status"] == "finished":
-                fig["export"] = export_losses(os.path.join(root, "runs", run_name(a, seed)), a["export"])
-                fig["params"] = parameters(run["config"])
-            first = a["overrides"].get("pqt_start", 0) if a.get("trunk") else 0  # earlier records: the trunk's
-            fig["trained_steps"] = a["steps"] - first
-            step_s = own_step_s(run, first)  # its own steps' time
-            fig["train_min"] = step_s * fig["trained_steps"] / 60 if step_s is not None else None
-            runs[i, seed] = fig
+    for i, seed, a, run, fig in done_figures(study, root):
+        if fig["status"] == "finished":
+            fig["export"] = export_losses(os.path.join(root, "runs", run_name(a, seed)), a["export"])
+            fig["params"] = parameters(run["config"])
+        first = a["overrides"].get("pqt_start", 0) if a.get("trunk") else 0  # earlier records: the trunk's
+        fig["trained_steps"] = a["steps"] - first
+        step_s = own_step_s(run, first)  # its own steps' time
+        fig["train_min"] = step_s * fig["trained_steps"] / 60 if step_s is not None else None
+        runs[i, seed] = fig
     return runs
 
 

@@ -25,7 +25,7 @@ from studies.exports import F32_SPEC, llama_cpp_files, sensitivity, trained_file
 from studies.gguf_tensors import chosen_markdown, chosen_types, sensitivity_markdown, sensitivity_ranks
 from studies.plots import plot_gguf
 from studies.records import check_gguf_files
-from studies.report import done_run, own_step_s, results_head, run_figures, write_results
+from studies.report import done_figures, own_step_s, results_head, write_results
 from studies.stats import interval, stats
 
 # (label, lowest bits per weight, up to (not including)), on the study's GPT2 and Llama: Q8_0; Q5_K_M (5.8) and
@@ -46,25 +46,20 @@ def gguf_runs(study, root):
     """{(arm index, seed): figures} of every done run, the finished ones' GGUF files measured ("files":
     {spec: record or why none})."""
     runs = {}
-    for i, a in enumerate(study["arms"]):
-        for seed in a["seeds"]:
-            done, run = done_run(root, a, seed)
-            if done is None:
-                continue
-            fig = run_figures(run, done)
-            if done["status"] == "finished":
-                run_dir = os.path.join(root, "runs", run_name(a, seed))
-                fig["files"] = {**(llama_cpp_files(run_dir, a["llama_cpp"]) if a.get("llama_cpp") else {}),
-                                **(trained_files(run_dir, a["gguf"]) if a.get("gguf") else {})}
-                check_gguf_files(run_dir, fig["files"], run["config"].get("model_args", {}).get("vocab_size"))
-                fig["f32"] = fig["files"].pop(F32_SPEC, None)  # a trunk's F32 file: its record, or why none
-                if a.get("sensitivity"):
-                    fig["sensitivity"] = sensitivity(run_dir, a["sensitivity"]["step"], a["sensitivity"]["types"])
-            first = a["overrides"]["pqt_start"] if a.get("trunk") else 0
-            fig["trained_steps"] = a["overrides"]["max_iters"] - first
-            fig["step_s"] = own_step_s(run, first)  # its own steps' time
-            fig["train_min"] = fig["step_s"] * fig["trained_steps"] / 60 if fig["step_s"] is not None else None
-            runs[i, seed] = fig
+    for i, seed, a, run, fig in done_figures(study, root):
+        if fig["status"] == "finished":
+            run_dir = os.path.join(root, "runs", run_name(a, seed))
+            fig["files"] = {**(llama_cpp_files(run_dir, a["llama_cpp"]) if a.get("llama_cpp") else {}),
+                            **(trained_files(run_dir, a["gguf"]) if a.get("gguf") else {})}
+            check_gguf_files(run_dir, fig["files"], run["config"].get("model_args", {}).get("vocab_size"))
+            fig["f32"] = fig["files"].pop(F32_SPEC, None)  # a trunk's F32 file: its record, or why none
+            if a.get("sensitivity"):
+                fig["sensitivity"] = sensitivity(run_dir, a["sensitivity"]["step"], a["sensitivity"]["types"])
+        first = a["overrides"]["pqt_start"] if a.get("trunk") else 0
+        fig["trained_steps"] = a["overrides"]["max_iters"] - first
+        fig["step_s"] = own_step_s(run, first)  # its own steps' time
+        fig["train_min"] = fig["step_s"] * fig["trained_steps"] / 60 if fig["step_s"] is not None else None
+        runs[i, seed] = fig
     return runs
 
 

@@ -55,6 +55,15 @@ def done_run(root, a, seed):
     return done, read_done(run_dir, done, arm_steps(a)[1])
 
 
+def done_figures(study, root):
+    """(arm index, seed, arm, the run's records, its figures) of every done run of the study's arms."""
+    for i, a in enumerate(study["arms"]):
+        for seed in a["seeds"]:
+            done, run = done_run(root, a, seed)
+            if done is not None:
+                yield i, seed, a, run, run_figures(run, done)
+
+
 def machines(runs):
     """The machines the runs record (train.py's config.json), each with its count of runs; runs that
     record none (made before train.py recorded it) are said to be so, with the machine writing this."""

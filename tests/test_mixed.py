@@ -24,7 +24,7 @@ from model import GPT, ROLES, ModelConfig
 from quant import budget, grids, ste
 from quant.formats import BY_NAME, FORMATS, block_weights
 from test_phase import curve, tiny, train_recording
-from test_ste import random_weight
+from test_ste import assert_compiled_is_eager, random_weight
 from util import UserError
 
 E_R2 = gaussws.R_SECOND_MOMENT  # E[R^2] of each method's noise (Eq. 10): what budget's levels are matched to
@@ -111,18 +111,9 @@ def test_each_block_trains_on_exports_grid_for_its_own_format(shape):
 
 
 def test_a_compiled_layer_trains_on_the_same_per_block_grid():
-    gen = torch.Generator().manual_seed(3)
     layer = ste.STELinear(96, 70, fmt="error-int", bits_per_weight=3.0)
     layer.set_formats(torch.tensor([[BY_NAME["int2"], BY_NAME["int4"], BY_NAME["int3"]]] * 3, dtype=torch.uint8))
-    x, g = torch.randn(4, 96, generator=gen), torch.randn(4, 70, generator=gen)
-    results = []
-    for model in (layer, torch.compile(layer)):
-        with gaussws.TrainStep(layer, 0):
-            y = model(x)
-            y.backward(g)
-        results.append((y.detach(), layer.weight.grad))
-        layer.weight.grad = None
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert_compiled_is_eager(layer, seed=3)
 
 
 def test_the_mixed_run_is_the_gaussws_phase_run_bit_for_bit_until_ste_start(runs):
