@@ -35,6 +35,16 @@ def pytest_runtest_makereport(item, call):
     if os.environ.get("PQT_REQUIRE_LLAMA_CPP") == "1" and "llama" in reason.lower():
         report.outcome, report.longrepr = "failed", f"PQT_REQUIRE_LLAMA_CPP=1, and this test was skipped: {reason}"
 
+def greedy_text(model, prompt, n):
+    """The text of n tokens greedily decoded by hand after prompt (a byte-level model's ids are bytes)."""
+    idx = torch.tensor([list(prompt.encode())])
+    for _ in range(n):
+        with torch.no_grad():
+            logits, _ = model(idx)
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+
+
 def tiny_model(arch, **kw):
     """A tiny ModelConfig of either architecture; odd widths so that b_i's edge blocks are partial."""
     from model import ModelConfig

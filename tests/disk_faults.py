@@ -29,15 +29,24 @@ def read_only_dir(tmp_path):
 
 
 class _FillingFile:
-    """A file opened for writing on a disk that fills: half of the first write lands, then ENOSPC."""
+    """A file opened for writing on a disk that fills: half of the first write lands, then ENOSPC; with a
+    marker, a write of data that holds it fails whole and the others land."""
 
-    def __init__(self, f):
-        self._f = f
+    def __init__(self, f, marker=None):
+        self._f, self._marker = f, marker
 
     def write(self, data):
-        self._f.write(data[:len(data) // 2])
-        self._f.flush()
-        raise no_space()
+        if self._marker is None:
+            self._f.write(data[:len(data) // 2])
+            self._f.flush()
+            raise no_space()
+        if (self._marker if isinstance(data, str) else self._marker.encode()) in data:
+            raise no_space()
+        return self._f.write(data)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
 
     def __getattr__(self, name):
         return getattr(self._f, name)
@@ -49,11 +58,12 @@ class _FillingFile:
         self._f.close()
 
 
-def full_disk_open(real_open=open):
-    """An open() whose files opened for writing fill the disk (_FillingFile); reading is as usual."""
+def full_disk_open(real_open=open, marker=None):
+    """An open() (or os.fdopen()) whose files opened for writing fill the disk (_FillingFile: at the first
+    write, or at a write of data that holds marker); reading is as usual."""
     def fake_open(file, mode="r", *args, **kwargs):
         f = real_open(file, mode, *args, **kwargs)
-        return _FillingFile(f) if any(c in mode for c in "wax+") else f
+        return _FillingFile(f, marker) if any(c in mode for c in "wax+") else f
     return fake_open
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import export as E
 import train
 import util
-from conftest import ROOT
+from conftest import ROOT, greedy_text
 from data import loader
 from files import lowbit
 from model import GPT, ModelConfig
@@ -501,13 +501,8 @@ def test_sample_py_generates_from_an_exported_file(tiny_corpus, tmp_path, capsys
     sample.main([f"--init_from={path}", "--start=def ", "--num_samples=1", "--max_new_tokens=8",
                  "--temperature=0.0", "--device=cpu"])
     text = capsys.readouterr().out.split("\n---------------")[0]
-    model, _ = lowbit.load(path)  # greedy decoding of the dequantized model, by hand
-    idx = torch.tensor([list(b"def ")])
-    for _ in range(8):
-        with torch.no_grad():
-            logits, _ = model(idx)
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert text == bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+    model, _ = lowbit.load(path)  # the dequantized model
+    assert text == greedy_text(model, "def ", 8)
     with pytest.raises(sample.UsageError, match="expected 'resume' or a .safetensors file"):
         sample.main([f"--init_from={tmp_path / 'ckpt.pt'}", "--device=cpu"])
 

@@ -23,6 +23,7 @@ from data import tokenizer
 from files import gguf_file, lowbit
 from llamacpp import arithmetic, build, runtime, tools
 from quant import ggml_quants
+from conftest import greedy_text
 from test_export import file_parts, seal
 from test_gguf import (our_key, safetensors_bits_per_weight, seeded_tokens, transformers_from_export,
                        transformers_from_gguf, write_data)
@@ -414,12 +415,7 @@ def test_sample_py_generates_from_a_file_of_a_llama_cpp_type(q4_k, capsys):
     model = GPT(ModelConfig(**ARCHS["gpt2"])).eval()
     model.load_state_dict({k: ggml_quants.fake_quantize(v.float(), "q4_k") if k in quantized else v.bfloat16().float()
                            for k, v in master.items()})
-    idx = torch.tensor([list(b"def ")])
-    for _ in range(8):
-        with torch.no_grad():
-            logits, _ = model(idx)
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert text == bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+    assert text == greedy_text(model, "def ", 8)
 
 
 def nan_scale(t):

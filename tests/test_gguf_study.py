@@ -13,12 +13,12 @@ import pytest
 
 import checkpoint
 import studies.__main__ as entry
-import train
 from conftest import ROOT
 from llamacpp import build, tools
 from studies import definitions as defs
 from studies import exports, gguf_report, plots, runner
 from studies.records import StudyError
+from test_study import resolved
 
 STUDY = defs.STUDIES["gguf"]
 TRUNK = STUDY["arms"][0]
@@ -92,23 +92,13 @@ def test_the_llama_studys_arms_are_the_gpt2s_at_its_own_length_and_mix_sizes():
     assert len({n for n, _, _ in defs.runs_of(study)}) == 39
 
 
-def resolved(a, seed=1):
-    """train.py's resolved config of a run of arm a, from its own dry run (meta device, no data)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        train.main([os.path.join(ROOT, a["config"]), *(f"--{k}={v}" for k, v in a["overrides"].items()),
-                    f"--seed={seed}", "--dry_run=True"])
-    text = out.getvalue()
-    return json.loads(text[:text.index("\n}\n") + 2])
-
-
 @pytest.mark.parametrize("name", ["gguf", "gguf_llama"])
 def test_train_accepts_every_arm_and_each_forks_from_its_trunk(name):
     """train.py's settings check takes every arm; each resolves its switches to the overrides' steps, and
     equals the trunk in every setting a fork must share (checkpoint.read_fork's rule)."""
-    trunk = resolved(defs.STUDIES[name]["arms"][0])
+    trunk = resolved(defs.STUDIES[name]["arms"][0], 1)
     for a in defs.STUDIES[name]["arms"][1:]:
-        c, o = resolved(a), a["overrides"]
+        c, o = resolved(a, 1), a["overrides"]
         assert (c["method"], c["target_format"], c["pqt_start"]) == (o["method"], o["target_format"], o["pqt_start"])
         assert (c["ste_start"], c["bits_per_weight"]) == (o.get("ste_start", 0), o.get("bits_per_weight", 0))
         assert [k for k in c if k not in checkpoint.FORK_FREE and c[k] != trunk.get(k)] == [], a["kind"]

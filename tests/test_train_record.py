@@ -12,6 +12,7 @@ import checkpoint
 import train
 from util import UserError
 from conftest import copy_run, digest, divergence, run_cli, run_here, tiny
+from disk_faults import full_disk_open
 
 
 # --- a run's record: what diverged, what is kept, what an evaluation or a crash leaves ------------
@@ -105,43 +106,13 @@ def test_an_overwrite_killed_before_its_first_save_leaves_no_checkpoint_to_resum
         train.main(tiny(tiny_corpus, out, max_iters=10, init_from="resume"))
 
 
-def full_disk_open(monkeypatch, marker):
+def full_disk_on(monkeypatch, marker):
     """open() and os.fdopen() as on a full disk for data that holds `marker`: the file is opened (a "w"
     truncates it), the write raises ENOSPC. Every open of any module goes through them (util's atomic
     writes through os.fdopen), old code's and new code's."""
     import builtins
-    import errno
-    real_open, real_fdopen = builtins.open, os.fdopen
-
-    class Full:
-        def __init__(self, f):
-            self._f = f
-
-        def write(self, text):
-            if (marker if isinstance(text, str) else marker.encode()) in text:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return self._f.write(text)
-
-        def writelines(self, lines):
-            for line in lines:
-                self.write(line)
-
-        def __getattr__(self, name):
-            return getattr(self._f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self._f.close()
-
-    def patched(real):
-        def opened(file, mode="r", *args, **kwargs):
-            f = real(file, mode, *args, **kwargs)
-            return Full(f) if "w" in mode or "a" in mode else f
-        return opened
-    monkeypatch.setattr(builtins, "open", patched(real_open))
-    monkeypatch.setattr(os, "fdopen", patched(real_fdopen))
+    monkeypatch.setattr(builtins, "open", full_disk_open(builtins.open, marker))
+    monkeypatch.setattr(os, "fdopen", full_disk_open(os.fdopen, marker))
 
 
 def test_a_crash_while_resuming_rewrites_no_metrics_in_place(tiny_corpus, trained, tmp_path, monkeypatch):
@@ -151,7 +122,7 @@ def test_a_crash_while_resuming_rewrites_no_metrics_in_place(tiny_corpus, traine
     with open(out / "metrics.jsonl", "a") as f:  # a crashed continuation's record, to be dropped
         f.write(json.dumps({"iter": 11, "loss": 1.0}) + "\n")
     before = (out / "metrics.jsonl").read_bytes()
-    full_disk_open(monkeypatch, '"iter"')
+    full_disk_on(monkeypatch, '"iter"')
     with pytest.raises(UserError) as error:
         train.main(tiny(tiny_corpus, out, max_iters=12, init_from="resume"))
     monkeypatch.undo()
@@ -163,7 +134,7 @@ def test_a_crash_while_resuming_rewrites_no_metrics_in_place(tiny_corpus, traine
 def test_a_full_disk_at_config_json_is_one_line_and_keeps_the_old_one(tiny_corpus, trained, tmp_path, monkeypatch):
     out = copy_run(trained, tmp_path)
     files = {f: (out / f).read_bytes() for f in ("config.json", "metrics.jsonl", "ckpt.pt")}
-    full_disk_open(monkeypatch, '"model_args"')
+    full_disk_on(monkeypatch, '"model_args"')
     with pytest.raises(UserError) as error:
         train.main(tiny(tiny_corpus, out, max_iters=12, init_from="resume"))
     monkeypatch.undo()
@@ -176,7 +147,7 @@ def test_a_full_disk_at_a_metrics_line_is_one_line_and_keeps_the_checkpoint(tiny
                                                                            monkeypatch):
     out = copy_run(trained, tmp_path)
     before = digest(out / "ckpt.pt")
-    full_disk_open(monkeypatch, '"iter": 12')  # the log line of step 12 finds the disk full
+    full_disk_on(monkeypatch, '"iter": 12')  # the log line of step 12 finds the disk full
     with pytest.raises(UserError) as error:
         train.main(tiny(tiny_corpus, out, max_iters=14, eval_interval=2, init_from="resume"))
     monkeypatch.undo()
