@@ -46,7 +46,7 @@ from data import loader
 from files import pretrained
 from model import GPT, PRESETS, ROLES, ModelConfig, shape_args
 from step import Diverging, NonFinite, check_sane, get_lr, schedule_notes, share_out, train_step
-from util import cli, git_commit, keep_freed_cpu_memory, machine
+from util import cli, cpu_id, git_commit, keep_freed_cpu_memory, machine
 
 # -----------------------------------------------------------------------------------------------
 # default config values: a small gaussws[all] GPT2 on the offline default corpus
@@ -411,11 +411,13 @@ def _main(argv, resources):
 
     # logging
     cuda = proc.device_type == "cuda"
-    # the threads and the SIMD level torch's CPU kernels dispatch to too: a CPU run repeats bit for bit on the
-    # same code, CPU and thread count (reduction order), and a CPU of another SIMD level rounds otherwise
+    # the threads, the CPU's family/model and the SIMD level torch's CPU kernels dispatch to too: a CPU run
+    # repeats bit for bit on the same code, CPU and thread count (reduction order), and another CPU of the
+    # same name (another microarchitecture, another SIMD level) may round otherwise
     versions = {"torch": torch.__version__, "python": sys.version.split()[0], "commit": git_commit(),
                 "machine": machine() + (f", {torch.cuda.get_device_name(proc.dev)}" if cuda else ""),
-                "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+                "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "cpu_id": cpu_id()}
     run_info = {**c, "model_args": asdict(mconf), "world_size": proc.world_size, "versions": versions}
     if proc.master and not c["eval_only"]:  # an evaluation leaves the run's record as it is
         run.start(run_info, new=c["init_from"] != "resume", forked=forked)

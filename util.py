@@ -52,6 +52,21 @@ def machine():
     return f"{cpu}, {os.cpu_count()} logical cores"
 
 
+def cpu_id():
+    """The CPU's x86 family, model and stepping (/proc/cpuinfo), e.g. "family 25 model 1 stepping 1" (AMD's
+    Zen 3): it tells apart two CPUs of one model name ("AMD EPYC" under a hypervisor) whose sums may round
+    otherwise; None where the platform does not say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]  # the first logical CPU's fields
+    except OSError:
+        return None
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    parts = [f"{word} {fields[key]}" for word, key in (("family", "cpu family"), ("model", "model"),
+                                                       ("stepping", "stepping")) if fields.get(key)]
+    return " ".join(parts) or None
+
+
 def git_commit(repo=None):
     """The repository's commit (short hash), with "+uncommitted changes" where tracked files differ
     from it; "unknown" outside a git checkout. What a run, a benchmark or a study record says its

@@ -336,6 +336,7 @@ def test_the_cosine_follows_max_iters_unless_lr_decay_iters_is_set(tiny_corpus, 
     assert config["versions"]["commit"].partition("+")[0] == head
     assert config["versions"]["threads"] == torch.get_num_threads()  # a CPU run's reduction order depends on it
     assert config["versions"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # and its SIMD level
+    assert config["versions"]["cpu_id"] == util.cpu_id()  # and the CPU's family, model and stepping
     # an explicit lr_decay_iters before max_iters is said once, and the run goes on
     train.main([f"--dataset={tiny_corpus}", f"--out_dir={tmp_path / 'b'}", "--lr_decay_iters=8"]
                + [f"--{k}={v}" for k, v in args.items()])

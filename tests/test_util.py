@@ -2,6 +2,7 @@
 the same way: `error: <one line>` on stderr, exit status 1, no traceback."""
 import os
 import platform
+import shutil
 import subprocess
 import sys
 
@@ -139,3 +140,14 @@ def test_keep_freed_cpu_memory_puts_large_tensors_in_the_heap():
     default, changed, after = out.stdout.split()
     assert int(default) >= 64 * 2**20  # by default its own mmap, given back at free (and faulted in again)
     assert changed == "True" and int(after) == 0  # now in the heap, where a freed block is reused
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or shutil.which("lscpu") is None,
+                    reason="no /proc/cpuinfo, or no lscpu to compare with (not Linux)")
+def test_the_cpu_id_is_lscpus_family_model_and_stepping():
+    """What a run records to tell two CPUs of one name apart, against util-linux's own reading."""
+    out = subprocess.run(["lscpu"], env={**os.environ, "LC_ALL": "C"}, capture_output=True, text=True).stdout
+    f = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
+    if "CPU family" not in f:
+        pytest.skip("lscpu names no CPU family here (not an x86 CPU)")
+    assert util.cpu_id() == f"family {f['CPU family']} model {f['Model']} stepping {f['Stepping']}"
