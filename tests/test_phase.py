@@ -302,7 +302,20 @@ def test_a_phase_run_forked_from_the_bf16_run_at_its_switch_is_the_whole_phase_r
     model, optimizer = forked[STEPS]
     for k, v in whole[STEPS][0].items():
         assert torch.equal(model[k], v), k
-    assert str(optimizer) == str(whole[STEPS][1])  # the AdamW state, b_i's group included
+    assert same_state(optimizer, whole[STEPS][1])  # the AdamW state, b_i's group included
+
+
+def same_state(a, b):
+    """Whether two optimizer state dicts (or lists of them) hold the same keys, settings and tensors, the
+    tensors bit for bit (their printed form rounds and elides: it would hide a changed moment)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
+            torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 @pytest.mark.parametrize("kw, message", [
