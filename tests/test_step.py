@@ -51,18 +51,42 @@ def test_the_step_is_accumulation_clipping_and_the_update_by_hand():
         assert p.grad is None  # zero_grad(set_to_none=True)
 
 
-def test_bitwidth_lambda_adds_eq12_to_every_micro_step():
-    model, reference = tiny("gaussws[all]"), tiny("gaussws[all]")
-    (x, y), lam = batches(1)[0], 0.25
-    with torch.no_grad():  # b_t away from b_target, so Eq. 12's term is not zero
-        for layer in gaussws.pqt_layers(model) + gaussws.pqt_layers(reference):
-            layer.b_i.fill_(1.5)
-    loss, _, _ = train_step(model, [torch.optim.SGD(model.parameters(), lr=0.0)], 0, (x, y), lambda s, m: (x, y), 1,
-                            bitwidth_lambda=lam)
-    with gaussws.TrainStep(reference, 0):
-        _, plain = reference(x, y)
-    want = plain.item() + lam * gaussws.bitwidth_loss(reference).item()
-    assert lam * gaussws.bitwidth_loss(reference).item() > 0.1 and loss == pytest.approx(want, rel=1e-6)
+def grads_at_the_update(model, lam, micro, accum):
+    """(the step's loss, {name: gradient} as train_step hands them to the optimizer) of one step with
+    bitwidth_lambda=lam over micro-batches micro[0..accum-1]."""
+    opt, names, seen = torch.optim.SGD(model.parameters(), lr=0.0), {p: n for n, p in model.named_parameters()}, {}
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.update(
+        {names[p]: p.grad.clone() for g in o.param_groups for p in g["params"] if p.grad is not None}))
+    loss, _, _ = train_step(model, [opt], 0, micro[0], lambda s, m: micro[m], accum, bitwidth_lambda=lam)
+    return loss, seen
+
+
+def test_bitwidth_lambda_adds_eq12_and_its_gradient_to_every_micro_step():
+    """Eq. 12 by hand: with lambda the step's loss grows by lambda x sum over layers of the mean |b_t -
+    b_target| of their m_i blocks (each of the accum micro-steps adds it over accum), each b_i's gradient
+    by lambda x sign(b_i) x |b_init - b_target| / m_i (d|b_t - b_target|/db_i through Eq. 11), and every
+    other gradient is the same bit for bit."""
+    accum, lam = 3, 0.25
+    micro = batches(accum + 1)
+    runs = {}
+    for l in (0.0, lam):
+        model = tiny("gaussws[all]")
+        with torch.no_grad():  # b_t on both sides of b_target: both signs of Eq. 12's gradient
+            for layer in gaussws.pqt_layers(model):
+                layer.b_i.copy_(torch.linspace(-1.5, 1.4, layer.b_i.numel()).view_as(layer.b_i))
+        runs[l] = (model, *grads_at_the_update(model, l, micro, accum))
+    (model, loss_0, g_0), (_, loss, g) = runs[0.0], runs[lam]
+    layers = {f"{n}.b_i": layer for n, layer in model.named_modules() if isinstance(layer, gaussws.PQTLinear)}
+    eq12 = sum((layer.b_i.double() * (layer.b_init - layer.b_target)).abs().mean().item() for layer in layers.values())
+    assert lam * eq12 > 0.1 and loss == pytest.approx(loss_0 + lam * eq12, rel=1e-6)
+    assert g.keys() == g_0.keys() and set(layers) <= set(g)
+    for name in g:
+        if name in layers:
+            layer = layers[name]
+            by_hand = lam * torch.sign(layer.b_i.double()) * abs(layer.b_init - layer.b_target) / layer.b_i.numel()
+            torch.testing.assert_close(g[name].double() - g_0[name].double(), by_hand, rtol=1e-4, atol=1e-7, msg=name)
+        else:
+            assert torch.equal(g[name], g_0[name]), name
 
 
 @pytest.mark.parametrize("poison", ["loss", "gradient"])
