@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -23,7 +24,6 @@ from data import loader
 from files import gguf_file, lowbit
 from llamacpp import arithmetic, runtime
 
-gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = open(os.path.join(ROOT, "model.py"), encoding="utf-8").read()
@@ -439,7 +439,6 @@ def test_transformers_reads_the_file_and_computes_the_exported_model_bit_for_bit
     """mxfp4, int4, int8: transformers' model from the GGUF file gives, bit for bit in FP32, the logits
     of transformers' model of export.load's weights (hf.py), and within FP32 rounding ours; the
     exact-GELU GPT2 differs by the GELU only (bit for bit against the tanh GELU)."""
-    pytest.importorskip("accelerate", reason="transformers reads GGUF files only with accelerate installed")
     case, run, tok, reports = exported
     for fmt in EXACT:
         ours, _ = lowbit.load(str(run / f"model-{fmt}.safetensors"))
@@ -461,7 +460,6 @@ def test_transformers_reads_the_file_and_computes_the_exported_model_bit_for_bit
 def test_transformers_logits_of_the_rounded_formats_are_the_measured_ones(exported):
     """mxfp8_e4m3 and auto (Q8_0 rounding) and the exact-GELU GPT2: the difference to the exported model
     export_gguf reports is the one transformers' model of the file shows, on the same tokens."""
-    pytest.importorskip("accelerate", reason="transformers reads GGUF files only with accelerate installed")
     case, run, tok, reports = exported
     for fmt in ("mxfp8_e4m3", "auto"):
         ours, _ = lowbit.load(str(run / f"model-{fmt}.safetensors"))

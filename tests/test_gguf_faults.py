@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -22,7 +23,6 @@ from files import gguf_file
 from llamacpp import runtime
 from test_gguf import make_checkpoint, write_data
 
-gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")
 
 ARCHS = {"gpt2": dict(arch="gpt2", vocab_size=256), "llama2": dict(arch="llama2", n_kv_head=2, vocab_size=256)}
 

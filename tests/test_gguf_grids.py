@@ -13,6 +13,7 @@ import json
 import os
 from types import SimpleNamespace
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -28,7 +29,6 @@ from test_export import file_parts, seal
 from test_gguf import (our_key, safetensors_bits_per_weight, seeded_tokens, transformers_from_export,
                        transformers_from_gguf, write_data)
 
-gguf = pytest.importorskip("gguf", reason="GGUF files are written with the gguf package (requirements.txt)")
 
 # Our format names and the GGML type of each, written out; the bits per weight of each type from
 # ggml-common.h's block sizes by hand: (bytes per block) * 8 / (weights per block).
@@ -173,7 +173,6 @@ def test_transformers_reads_every_type_and_computes_the_exported_model_bit_for_b
     """transformers 5.24 dequantizes every one of these types (through gguf's dequantizer): its model of the
     GGUF gives, bit for bit in FP32, the logits of its model of lowbit.load's weights (hf.py), and ours
     within FP32 rounding."""
-    pytest.importorskip("accelerate", reason="transformers reads GGUF files only with accelerate installed")
     ours, _ = lowbit.load(str(grids.run / f"model-{fmt}.safetensors"))
     theirs = transformers_from_gguf(grids.run, fmt, ours.config)
     twin = transformers_from_export(grids.run / f"model-{fmt}.safetensors", tmp_path / fmt, tanh=False)

@@ -9,6 +9,7 @@ import json
 import math
 import os
 
+import gguf
 import pytest
 
 import checkpoint
@@ -161,7 +162,6 @@ def test_llama_quantize_gives_each_block_linear_the_tables_type(llama_quantized,
     """Every block Linear of llama-quantize's file of the GPT2 (attn_qkv, attn_output, ffn_up, ffn_down) and of the
     Llama (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down) has the type LLAMA_MIXES gives it, and
     the file's block Linears hold llama_mix_bits bits per weight (their bytes, scales included)."""
-    gguf = pytest.importorskip("gguf")
     config, files = llama_quantized
     shapes, n = defs.block_linear_shapes(config)
     seen, bits, weights = set(), 0, 0

@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import hf
 from checkpoint import PQT_KEYS, CheckpointError
@@ -27,7 +28,6 @@ from conftest import ROOT, make_docs, train_sentencepiece
 from files import pretrained
 from model import GPT, ModelConfig
 
-transformers = pytest.importorskip("transformers", reason="the truth here is transformers' own models")
 VOCAB, T = 96, 16
 
 

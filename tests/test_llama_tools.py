@@ -16,6 +16,7 @@ import stat
 import subprocess
 import time
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -30,7 +31,6 @@ from llamacpp import build, tools
 from test_gguf import write_data
 from test_gguf_grids import BITS, VAL_LOSS_TO_OURS
 
-gguf = pytest.importorskip("gguf", reason="GGUF files are read with the gguf package (requirements.txt)")
 
 SPECS = ["Q8_0+imatrix", "Q4_0+imatrix", "Q4_K_M+imatrix", "Q3_K_M+imatrix", "Q2_K+imatrix", "Q4_0", "Q3_K_M",
          "Q3_K_S+imatrix", "Q2_K_S+imatrix", "IQ2_XS+imatrix", "IQ2_M+imatrix", "IQ3_XXS+imatrix", "IQ3_S+imatrix",

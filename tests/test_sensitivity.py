@@ -22,7 +22,6 @@ from studies import sensitivity
 from test_gguf import write_data
 from test_gguf_grids import ARCHS, make_run
 
-pytest.importorskip("gguf", reason="llama.cpp's types come from the gguf package (requirements.txt)")
 
 TYPES = ["q2_k", "q3_k", "q4_k"]
 BITS = {"q2_k": 84 * 8 / 256, "q3_k": 110 * 8 / 256, "q4_k": 144 * 8 / 256}  # ggml-common.h: bytes per 256
