@@ -25,6 +25,18 @@ print(common.{fn}(sys.argv[1])["train_tokens"])
 """
 
 
+# RACE whose process says "waiting" on stderr as it asks for the preparation lock (fcntl.flock)
+WAITING = RACE.replace("from data import common\n", """from data import common
+import fcntl
+_flock = fcntl.flock
+def flock(fd, op):
+    if op == fcntl.LOCK_EX:
+        print("waiting", file=sys.stderr, flush=True)
+    return _flock(fd, op)
+fcntl.flock = flock
+""")
+
+
 @pytest.mark.parametrize("fn", ["prepare_default", "prepare_default_if_missing"])
 def test_two_runs_preparing_the_default_corpus_at_once(tmp_path, fn):
     out, go = tmp_path / "default", tmp_path / "go"
@@ -60,10 +72,11 @@ def test_a_second_preparation_waits_for_the_first(tmp_path, monkeypatch):
     first.start()
     assert held.wait(60)
     go.touch()
-    code = RACE.format(root=ROOT, fn="prepare_default")
+    code = WAITING.format(root=ROOT, fn="prepare_default")
     second = subprocess.Popen([sys.executable, "-c", code, str(out), str(go)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
-    time.sleep(3)  # ample time for the second to prepare the corpus (0.5 s), were it not waiting
+    assert second.stderr.readline() == "waiting\n"  # it asked for the lock (a run without one never does)
+    time.sleep(3)  # from there, ample time for it to prepare the corpus (0.5 s), were it not waiting
     during = os.listdir(out)
     assert second.poll() is None and [n for n in during if not n.startswith(".")] == ["train.bin"]
     assert not [n for n in during if f".{second.pid}." in n]  # the first's temporaries only
