@@ -127,6 +127,18 @@ def test_int_gradient_is_torchaos_fake_quantization_gradient_which_never_clamps_
         torch.testing.assert_close(w_.grad[~clamped], g[~clamped], rtol=2 ** -22, atol=0)
         assert (w_.grad[clamped] == 0).all()
         assert clamped.any() == (scale is not s)  # the absmax scale clamps nothing
+    # and STELinear's weight gradient is torchao's at that scale: F.linear's dL/dw_q through its backward
+    layer = ste.STELinear(96, 64, bias=False, fmt="int3")
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    gen = torch.Generator().manual_seed(5)
+    x, g_y = torch.randn(8, 96, generator=gen), torch.randn(8, 64, generator=gen)
+    with gaussws.TrainStep(layer, 0):
+        layer(x).backward(g_y)
+    w_ = w.clone().requires_grad_()
+    w_q = _fake_quantize_affine(w_, (32, 32), s, None, torch.int32, -fmt.levels, fmt.levels, ZeroPointDomain.NONE)
+    nn.functional.linear(x, w_q).backward(g_y)
+    torch.testing.assert_close(layer.weight.grad, w_.grad, rtol=2 ** -22, atol=0)
 
 
 def test_mxfp4_gradient_is_torchaos_mx_qat_gradient_also_where_fp4_saturates():
