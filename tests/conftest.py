@@ -126,6 +126,12 @@ def digest(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def untouched_state(path):
+    """(inode, SHA-256) of a file: an atomic rewrite (a new file renamed over it) changes the first even
+    with the same bytes, a write in place the second; a modification time can miss both."""
+    return os.stat(path).st_ino, digest(path)
+
+
 @pytest.fixture(scope="session")
 def trained(tiny_corpus, tmp_path_factory):
     """A tiny run trained to step 10, once for the session; tests that change a run change a copy_run."""

@@ -459,8 +459,8 @@ def test_a_compiled_model_in_step_mode_is_one_graph_whose_inputs_hold_no_seed():
     assert [tuple(t.shape) for t in graphs[0] if t.dtype == torch.int64] == [(2, 16)]
 
 
-def _saved_bytes(fn):
-    """Bytes of the tensors autograd keeps for the backward, parameters not counted."""
+def _saved_bytes(fn, net_params):
+    """Bytes of the tensors autograd keeps for the backward, the parameters net_params not counted."""
     saved = []
 
     def pack(t):
@@ -475,7 +475,6 @@ def _saved_bytes(fn):
 
 
 def test_recompute_gives_the_same_gradients_and_keeps_no_w_hat():
-    global net_params
     standard, recompute = _two_layer_net(), _two_layer_net(recompute=True)
     net_params = list(standard.parameters()) + list(recompute.parameters())
     x = torch.randn(3, 5, 100, requires_grad=True)  # as inside a model: every layer needs dL/dx
@@ -483,7 +482,7 @@ def test_recompute_gives_the_same_gradients_and_keeps_no_w_hat():
     for name, net in (("standard", standard), ("recompute", recompute)):
         with gaussws.TrainStep(net, 4):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                y, kept[name] = _saved_bytes(lambda: net(x))
+                y, kept[name] = _saved_bytes(lambda: net(x), net_params)
             y.float().square().mean().backward()
     for (name, a), (_, b) in zip(standard.named_parameters(), recompute.named_parameters()):
         if name.endswith("b_i"):  # Eq. 4 once per step vs in the backward: the same sums, another order

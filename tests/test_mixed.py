@@ -23,6 +23,7 @@ from files import lowbit
 from model import GPT, ROLES, ModelConfig
 from quant import budget, grids, ste
 from quant.formats import BY_NAME, FORMATS, block_weights
+from conftest import untouched_state
 from test_phase import curve, tiny, train_recording
 from test_ste import assert_compiled_is_eager, random_weight
 from util import UserError
@@ -251,12 +252,12 @@ def test_a_run_stopped_at_or_after_a_switch_resumes_on_the_formats_chosen_at_it(
     assert all(torch.equal(v, format_ids(whole[STEPS][0])[k]) for k, v in format_ids(ckpt["model"]).items())
     assert {k: ckpt["pqt"][k] for k in ("ste_start", "bits_per_weight")} == \
         {"ste_start": RUNS[name].get("ste_start", 0.0), "bits_per_weight": RUNS[name]["bits_per_weight"]}
-    before = os.path.getmtime(tmp_path / "ckpt.pt")
+    before = untouched_state(tmp_path / "ckpt.pt")
     other = dict(bits_per_weight=3.5) if name == "ste" else dict(ste_start=12)
     with pytest.raises(UserError, match="bits_per_weight: checkpoint 3.0, config 3.5" if name == "ste" else
                        r"ste_start: checkpoint 10\.0, config 12\.0"):
         train.main(argv(data_dir, tmp_path, name, init_from="resume", **other))
-    assert os.path.getmtime(tmp_path / "ckpt.pt") == before
+    assert untouched_state(tmp_path / "ckpt.pt") == before
 
 
 def test_a_new_run_from_another_runs_weights_chooses_its_own_formats(runs, data_dir, tmp_path):

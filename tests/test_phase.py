@@ -23,6 +23,7 @@ from files import lowbit
 from model import GPT, ROLES, ModelConfig
 from quant import budget, grids, ste
 from util import UserError
+from conftest import untouched_state
 
 E_R2 = gaussws.R_SECOND_MOMENT  # E[R^2] of each method's noise (Eq. 10): what budget's levels are matched to
 
@@ -168,10 +169,10 @@ def test_pqt_start_as_a_fraction_is_a_step_of_max_iters_and_resume_holds_it(runs
     kw = PHASES["ste"]
     train.main(tiny(data_dir, tmp_path, pqt_start=START / STEPS, **kw))
     assert curve(tmp_path) == curve(runs["ste"][0])
-    before = os.path.getmtime(tmp_path / "ckpt.pt")
+    before = untouched_state(tmp_path / "ckpt.pt")
     with pytest.raises(UserError, match=r"pqt_start: checkpoint 10\.0, config 15\.0"):  # checkpoint.resume
         train.main(tiny(data_dir, tmp_path, pqt_start=START / STEPS, max_iters=30, init_from="resume", **kw))
-    assert os.path.getmtime(tmp_path / "ckpt.pt") == before
+    assert untouched_state(tmp_path / "ckpt.pt") == before
 
 
 @pytest.mark.parametrize("args, message", [
