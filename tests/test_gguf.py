@@ -535,6 +535,9 @@ def test_llama_cpp_runs_the_file_with_our_tokens_and_logits(exported):
         print(f"llama.cpp {case} {fmt}: max |logit difference| {worst:.2e} to the file's model, its roundings' "
               f"effect {effect:.2e}, to their arithmetic {(theirs - rounded).abs().max():.2e}")
         assert 0 < effect and worst <= 2 * effect, fmt
+        # the derivation's premise: llama.cpp's distance to its arithmetic (summation order, a few boundary
+        # crossings) is below the roundings' effect; a rounding missing from the arithmetic breaks it
+        assert (theirs - rounded).abs().max().item() <= effect, fmt
         assert theirs[-1].argmax() == ours[-1].argmax(), fmt
         del llm
 
