@@ -259,16 +259,18 @@ def test_a_stopped_run_is_resumed_to_the_losses_of_an_uninterrupted_one(finished
     assert results["runs"][name]["val_loss"] == whole_evals[TINY["max_iters"]]["val/loss"]
 
 
-def test_a_run_directory_made_with_other_arguments_is_refused(finished, tiny_config):
-    root, _, _ = finished
+def test_a_run_directory_made_with_other_arguments_is_refused(finished, tiny_config, tmp_path):
+    import shutil
+    root, _, _ = finished  # its copy: the finished study is the other tests' too
+    run_dir = tmp_path / "runs" / "tiny-bf16-s1"
+    shutil.copytree(os.path.join(root, "runs", "tiny-bf16-s1"), run_dir)
     other = dict(two_runs(tiny_config), arms=[defs.arm(tiny_config, method="bf16")])
-    run_dir = os.path.join(root, "runs", "tiny-bf16-s1")
-    record = json.load(open(os.path.join(run_dir, "run.json")))
+    record = json.load(open(run_dir / "run.json"))
     record["args"] = record["args"] + ["--learning_rate=1.0"]
-    write_json(os.path.join(run_dir, "run.json"), record)
-    os.remove(os.path.join(run_dir, "done.json"))
+    write_json(str(run_dir / "run.json"), record)
+    os.remove(run_dir / "done.json")
     with pytest.raises(StudyError, match="made with other arguments"):
-        runner.run_study("tiny", other, root, echo=False)
+        runner.run_study("tiny", other, str(tmp_path), echo=False)
 
 
 @pytest.mark.parametrize("argv,message", [
