@@ -609,6 +609,25 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line_and_nothing_written(what, 
 
 
 @needs_llama_cpp
+@pytest.mark.parametrize("exported", ["llama2"], indirect=True)
+def test_a_file_llama_cpp_computes_another_model_of_fails_the_check_in_one_line(exported, monkeypatch, capsys):
+    """The bound sees a model llama.cpp does not compute though it differs by as little as an RMSNorm
+    epsilon of 3e-5 for the 1e-5 the file declares (docs/GGUF.md): python export_gguf.py --gguf=F then exits
+    1 with one line."""
+    import export_gguf
+    _, run, _, _ = exported
+    real = gguf_file.model_from_gguf
+    monkeypatch.setattr(gguf_file, "model_from_gguf", lambda path, model_args, *a: real(
+        path, {**model_args, "norm_eps": 3e-5}, *a))
+    rc = util.cli(export_gguf.main, [f"--gguf={run / 'model-int8.gguf'}", "--plain_cpu=True", "--eval_iters=1"])
+    out, err = capsys.readouterr()
+    ours = [line for line in err.splitlines() if line.startswith("error: ")]  # beside llama.cpp's own log lines
+    assert rc == 1 and len(ours) == 1 and "Traceback" not in err, err
+    assert "more than twice the effect of its own roundings" in ours[0] and "does not compute the model" in ours[0]
+    assert "max |logit difference|" in out  # both terms reported before
+
+
+@needs_llama_cpp
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_llama_cpp_check_reports_our_val_loss_and_llama_cpps(exported, fmt):
     """python export_gguf.py --gguf=...: our val loss is export.py's in FP32 on train.py's evaluation
