@@ -15,7 +15,7 @@ from configurator import ConfigError
 from data import loader
 from data.common import DataError
 from util import UserError
-from conftest import ROOT, TINY_RUN, copy_run, digest, divergence, run_cli, run_here, tiny
+from conftest import ROOT, TINY_RUN, copy_run, digest, divergence, run_cli, run_here, tiny, untouched_state
 
 
 def losses(out_dir):
@@ -370,6 +370,11 @@ def test_adam_mini_trains_with_gaussws(tiny_corpus, tmp_path, arch):
     assert pull > 0.1 and b_t[0.0][-1]["b_t/mean"] - b_t[1.0][-1]["b_t/mean"] == pytest.approx(pull, rel=0.1)
 
 
+def files_of(out):
+    """{name: (inode, digest)} of every file of a run directory: whether anything in it was written."""
+    return {p.name: untouched_state(p) for p in out.iterdir() if p.is_file()}
+
+
 @pytest.mark.parametrize("args,message", [
     (["--n_layr=3"], "unknown config key 'n_layr'; did you mean --n_layer"),
     (["--batch_size=big"], "expected a int"),
@@ -380,13 +385,14 @@ def test_adam_mini_trains_with_gaussws(tiny_corpus, tmp_path, arch):
     (["--dataset=/nonexistent/data"], "not found; prepare the data first"),
     (["config/does_not_exist.py"], "config file"),
 ])
-def test_bad_input_is_one_line_and_keeps_the_checkpoint(tiny_corpus, trained, args, message, capsys):
-    before = digest(trained / "ckpt.pt")
-    status, err = in_process(tiny(tiny_corpus, trained, max_iters=10) + args, capsys)
+def test_bad_input_is_one_line_and_keeps_the_checkpoint(tiny_corpus, trained, tmp_path, args, message, capsys):
+    out = copy_run(trained, tmp_path)
+    before = files_of(out)
+    status, err = in_process(tiny(tiny_corpus, out, max_iters=10) + args, capsys)
     assert status != 0
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], err
-    assert digest(trained / "ckpt.pt") == before
+    assert files_of(out) == before  # the checkpoint, config.json, metrics.jsonl: nothing written
 
 
 def test_corrupt_data_and_checkpoint_are_reported(tiny_corpus, trained, tmp_path, capsys):
@@ -412,15 +418,17 @@ def test_corrupt_data_and_checkpoint_are_reported(tiny_corpus, trained, tmp_path
     assert (out / "ckpt.pt").read_bytes() == b"not a checkpoint"
 
 
-def test_a_second_run_on_a_locked_out_dir_is_one_line_and_changes_nothing(tiny_corpus, trained):
+def test_a_second_run_on_a_locked_out_dir_is_one_line_and_changes_nothing(tiny_corpus, trained, tmp_path):
     import checkpoint
-    before = digest(trained / "ckpt.pt")
-    with checkpoint.lock(str(trained)):  # as a run that holds the directory does
-        r = run_cli(tiny(tiny_corpus, trained, max_iters=20, init_from="resume"))
+    out = copy_run(trained, tmp_path)
+    with checkpoint.lock(str(out)):  # as a run that holds the directory does
+        before = files_of(out)
+        r = run_cli(tiny(tiny_corpus, out, max_iters=20, init_from="resume"))
+        after = files_of(out)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "is in use by another run" in lines[0] and f"pid {os.getpid()}" in lines[0], lines
-    assert digest(trained / "ckpt.pt") == before
+    assert after == before
 
 
 def test_a_checkpoint_with_flipped_bytes_is_refused_in_one_line(tiny_corpus, trained, tmp_path, capsys):
