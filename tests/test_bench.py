@@ -145,8 +145,10 @@ def test_train_figures_are_those_of_the_step_times(tmp_path, monkeypatch):
     # 1 layer of 64 wide: qkv 3*64*64 + out 64*64 + up 4*64*64 + down 4*64*64; [od]: out and down only.
     assert by_method["gaussws[all]"]["pqt_weight_params"] == 12 * 64 * 64
     assert by_method["diffq[od]"]["pqt_weight_params"] == 5 * 64 * 64
-    # TrainStep's begin and end do nothing without PQT layers; with them they make w_hat and apply Eq. 4.
-    assert max(real_pqt["bf16"]) < min(real_pqt["gaussws[all]"])
+    # TrainStep's begin and end do nothing without PQT layers; with them they make w_hat and apply Eq. 4: the
+    # medians of the rounds (one step preempted on a busy machine must not decide it)
+    assert sorted(real_pqt["bf16"])[len(real_pqt["bf16"]) // 2] < \
+        sorted(real_pqt["gaussws[all]"])[len(real_pqt["gaussws[all]"]) // 2]
 
 
 def test_the_table_of_a_cuda_run_has_no_cpu_time_column(capsys):
