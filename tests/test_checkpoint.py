@@ -488,15 +488,23 @@ def test_a_divergence_record_writes_non_finite_values_as_strings(tmp_path):
     assert checkpoint.read_divergence(tmp_path)["step"] == 3
 
 
-def test_a_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path):
+def test_a_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path, monkeypatch):
+    import fcntl
     import threading
     held = checkpoint.lock(tmp_path)
     with pytest.raises(checkpoint.Busy) as e:
         checkpoint.lock(tmp_path)
     assert e.value.holder == str(os.getpid())
-    got = []
+    got, asking, real_flock = [], threading.Event(), fcntl.flock
+
+    def flock(fd, op):  # the waiter says when it asks for the lock without LOCK_NB: from there it must block
+        if not op & fcntl.LOCK_NB:
+            asking.set()
+        return real_flock(fd, op)
+    monkeypatch.setattr(fcntl, "flock", flock)
     waiter = threading.Thread(target=lambda: got.append(checkpoint.lock(tmp_path, wait=True)))
     waiter.start()
+    assert asking.wait(30)
     waiter.join(timeout=0.5)
     assert waiter.is_alive() and not got  # still waiting: the lock is held
     held.release()
