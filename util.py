@@ -242,6 +242,27 @@ def check_json_path(path, example="out.json"):
     why = unusable_dir(folder)
     if why:
         raise UserError(f"--json={path} cannot be written: {why}; choose another path")
+    if os.path.basename(path) in RECORD_NAMES:  # a run's, a dataset's or a Hugging Face folder's own file
+        raise UserError(f"--json={path} would replace a record of its folder ({os.path.basename(path)}); it is "
+                        f"kept: choose another path, e.g. --json={os.path.join(os.path.dirname(path), example)}")
+    if os.path.isfile(path) and not _holds_json(path):
+        raise UserError(f"--json={path} exists and is not a JSON file (a checkpoint, a log?); it is kept: choose "
+                        f"another path, e.g. --json={os.path.join(os.path.dirname(path), example)}")
+
+
+# the files a run directory, a prepared dataset or a Hugging Face folder keeps about itself: never a --json
+RECORD_NAMES = {"config.json", "run.json", "done.json", "meta.json", "diverged.json", "manifest.json",
+                "metrics.jsonl", "tokenizer.json", "generation_config.json"}
+
+
+def _holds_json(path):
+    """Whether the file is one JSON document (what a --json wrote before, to be written again)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return True
 
 
 def write_atomic(path, data):

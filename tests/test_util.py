@@ -151,3 +151,20 @@ def test_the_cpu_id_is_lscpus_family_model_and_stepping():
     if "CPU family" not in f:
         pytest.skip("lscpu names no CPU family here (not an x86 CPU)")
     assert util.cpu_id() == f"family {f['CPU family']} model {f['Model']} stepping {f['Stepping']}"
+
+
+def test_a_json_output_never_replaces_a_checkpoint_a_log_or_a_record(tmp_path):
+    """--json=PATH: an earlier JSON summary is written again; a file that is not one JSON document (a
+    checkpoint, a log) and a folder's own record (config.json, metrics.jsonl, ...) are kept, in one line."""
+    (tmp_path / "ckpt.pt").write_bytes(b"PK\x03\x04\x80 a zip")
+    (tmp_path / "log.txt").write_text('{"iter": 1}\n{"iter": 2}\n')
+    (tmp_path / "config.json").write_text('{"n_layer": 2}')
+    (tmp_path / "out.json").write_text('{"exports": []}')
+    for name, why in (("ckpt.pt", "is not a JSON file"), ("log.txt", "is not a JSON file"),
+                      ("config.json", "would replace a record"), ("metrics.jsonl", "would replace a record")):
+        with pytest.raises(util.UserError, match=why) as e:
+            util.check_json_path(str(tmp_path / name), "export.json")
+        assert "\n" not in str(e.value) and "choose another path" in str(e.value)
+    util.check_json_path(str(tmp_path / "out.json"), "export.json")  # its own earlier summary
+    util.check_json_path(str(tmp_path / "new.json"), "export.json")
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"PK\x03\x04\x80 a zip"
