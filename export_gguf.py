@@ -58,6 +58,12 @@ def main(argv):
     if not (math.isfinite(cfg["tool_timeout"]) and cfg["tool_timeout"] >= 0):
         raise ConfigError(f"--tool_timeout={cfg['tool_timeout']!r}: expected the seconds each call of a llama.cpp tool "
                           f"may run, or 0 for a limit derived from each call's work")
+    if cfg["imatrix_chunks"] < 0 or cfg["threads"] < 0 or cfg["eval_iters"] < 0:
+        raise ConfigError("--imatrix_chunks, --threads and --eval_iters take a count >= 1, or 0 for the default")
+    table_only = [k for k in ("json", "imatrix_chunks", "threads", "export_dir") if k in explicit]
+    if table_only and not (cfg["out_dir"] or cfg["llama_quantize"]):
+        raise ConfigError(f"--{table_only[0]} is for the table of a run's files (--out_dir=RUN, with "
+                          f"--llama_quantize=TYPES); checking one file (--gguf=F) takes --eval_iters and --plain_cpu")
     if cfg["build_llama_cpp"]:
         build.build_llama_cpp(tool_timeout=cfg["tool_timeout"])
         if not (cfg["out_dir"] or cfg["llama_quantize"] or "gguf" in explicit):
@@ -97,8 +103,6 @@ def check_table_args(cfg, with_ours):
         raise ConfigError("--llama_quantize quantizes a run's checkpoint: pass --out_dir=RUN, its run directory")
     specs = tools.parse_specs(cfg["llama_quantize"])
     ours = [p.strip() for p in cfg["gguf"].split(",") if p.strip()] if with_ours else []
-    if cfg["imatrix_chunks"] < 0 or cfg["threads"] < 0 or cfg["eval_iters"] < 0:
-        raise ConfigError("--imatrix_chunks, --threads and --eval_iters take a count >= 1, or 0 for the default")
     check_json_path(cfg["json"], "llama_cpp.json")
     return specs, ours
 
