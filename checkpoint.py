@@ -471,11 +471,26 @@ def resume(out_dir, model_args, config):
 
 
 def check_new(out_dir, overwrite):
-    """A new run in out_dir: refused where another run's checkpoint is there, unless overwrite."""
+    """A new run in out_dir: refused where another run's checkpoint is there, or another tool's config.json
+    (a Hugging Face folder: the run would write its own over it), unless overwrite."""
     path = find(out_dir)
     if path is not None and not overwrite:
         raise CheckpointError(f"{path} holds another run; resume it with --init_from=resume, choose another --out_dir, "
                               f"or pass --overwrite=True to replace it")
+    config = os.path.join(out_dir, "config.json")
+    if os.path.isfile(config) and not overwrite and not _a_run_record(config):
+        raise CheckpointError(f"{config} is not a record of a run of train.py (another tool's folder?): choose "
+                              f"another --out_dir, or pass --overwrite=True to replace it")
+
+
+def _a_run_record(path):
+    """Whether config.json is train.py's record of a run (its settings with model_args)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(record, dict) and "model_args" in record
 
 
 # What a phase run may set otherwise than the bf16 run it forks from: the method and its settings,

@@ -652,3 +652,18 @@ def test_a_checkpoint_this_code_cannot_continue_is_one_line(tiny_corpus, trained
     torch.save(ckpt, out / "ckpt.pt")
     with pytest.raises(UserError, match=message):
         train.main(tiny(tiny_corpus, out, max_iters=20, init_from="resume"))
+
+
+def test_a_new_run_in_another_tools_folder_is_one_line_and_writes_nothing(tiny_corpus, tmp_path, capsys):
+    """A Hugging Face folder (hf.py's: config.json without train.py's model_args) as --out_dir: refused in one
+    line, its files as they were; --overwrite=True is the way to replace them."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 2}))
+    (out / "model.safetensors").write_bytes(b"weights")
+    before = files_of(out)
+    status, err = in_process(tiny(tiny_corpus, out, max_iters=2, eval_interval=2), capsys)
+    assert status == 1 and err.count("\n") == 1 and "is not a record of a run of train.py" in err, err
+    after = files_of(out)
+    after.pop(".lock")  # the lock every run takes on its out_dir before it reads anything there
+    assert "--overwrite=True" in err and after == before
