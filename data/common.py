@@ -188,10 +188,28 @@ def staged(out_dir, names):
                 os.remove(tmp)
 
 
-def check_out_dir(out_dir):
+def check_out_dir(out_dir, origin=None):
+    """out_dir can take a dataset's files: it can be written, it is not a run directory of train.py, and,
+    given the origin of the data to prepare ({"hub": name} or {"data_files": ...}), any dataset already
+    prepared there came from the same origin (prepared again, as after an interrupted run); hours of
+    another dataset's preparation are not replaced by a mistyped --out_dir."""
     why = unusable_dir(out_dir)
     if why:
         raise DataError(f"--out_dir={str(out_dir)!r} is unusable: {why}; choose a directory that can be written")
+    if any(os.path.exists(os.path.join(out_dir, name)) for name in ("ckpt.pt", "ckpt.dcp", "metrics.jsonl")):
+        raise DataError(f"--out_dir={str(out_dir)!r} is a run directory of train.py; choose another --out_dir")
+    meta_path = os.path.join(out_dir, "meta.json")
+    if origin is None or not os.path.exists(meta_path):
+        return
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            source = json.load(f).get("source")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        source = None
+    theirs = {k: source.get(k) for k in origin} if isinstance(source, dict) else source
+    if theirs != origin:
+        raise DataError(f"--out_dir={str(out_dir)!r} already holds a dataset prepared from {theirs or 'elsewhere'}, "
+                        f"not {origin}; choose another --out_dir, or remove its train.bin, val.bin and meta.json first")
 
 
 @contextmanager

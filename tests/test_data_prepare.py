@@ -175,7 +175,8 @@ def test_a_full_disk_is_one_line_and_leaves_the_earlier_files_as_they_were(tmp_p
     before = {p.name: p.read_bytes() for p in out_dir.iterdir()}
     fault(monkeypatch)
     with pytest.raises(common.DataError) as e:
-        owt.prepare(data_files=write_jsonl(tmp_path / "b.jsonl", make_docs(30, seed=9)), out_dir=out_dir, encoding=enc)
+        # the same files, grown: prepared again into their folder
+        owt.prepare(data_files=write_jsonl(tmp_path / "a.jsonl", make_docs(30, seed=9)), out_dir=out_dir, encoding=enc)
     assert "No space left on device" in str(e.value) and "--out_dir" in str(e.value) and "\n" not in str(e.value)
     assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before  # no temporary left, nothing replaced
 
@@ -256,6 +257,28 @@ def test_an_unusable_out_dir_is_one_line_before_any_work(tmp_path, case):
                                   "--tokenizer=tiny"))
     assert "is unusable" in line and "Hugging Face" not in line  # checked before the tokenizer or any download
     assert (tmp_path / "a_file").read_text() == "not a directory"
+
+
+def test_another_datasets_folder_or_a_run_directory_is_kept_and_said_in_one_line(tmp_path):
+    """A dataset prepared from other files (or the hub), or a train.py run directory, as --out_dir: refused
+    before any work, its files as they were; the same files prepared again (an interrupted run) are not."""
+    enc = tiny_encoding()
+    data, other = write_jsonl(tmp_path / "a.jsonl", make_docs(20)), write_jsonl(tmp_path / "b.jsonl", make_docs(30))
+    owt.prepare(data_files=data, out_dir=tmp_path / "out", encoding=enc)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()}
+    for prepare in (lambda: owt.prepare(data_files=other, out_dir=tmp_path / "out", encoding=enc),
+                    lambda: owt.prepare(out_dir=tmp_path / "out", encoding=enc),  # the hub's
+                    lambda: c4.prepare(data_files=data, val_data_files=data, out_dir=tmp_path / "out", encoding=enc)):
+        with pytest.raises(common.DataError, match="already holds a dataset prepared from") as e:
+            prepare()
+        assert "\n" not in str(e.value) and "choose another --out_dir" in str(e.value)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()} == before
+    owt.prepare(data_files=data, out_dir=tmp_path / "out", encoding=enc)  # the same files again
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_bytes(b"a checkpoint")
+    with pytest.raises(common.DataError, match="is a run directory of train.py"):
+        owt.prepare(data_files=data, out_dir=tmp_path / "run", encoding=enc)
+    assert sorted(os.listdir(tmp_path / "run")) == ["ckpt.pt"]
 
 
 def test_c4_local_files_need_their_validation_files_too(tmp_path):

@@ -23,7 +23,8 @@ def prepare(data_files=None, val_data_files=None, out_dir=HERE, encoding="gpt2",
             max_docs=None):
     """Write out_dir/{train,val}.bin and meta.json; encoding is a tiktoken.Encoding or its name;
     max_docs limits each split."""
-    common.check_out_dir(out_dir)  # before any slow work
+    common.check_out_dir(out_dir, {"data_files": data_files, "val_data_files": val_data_files} if data_files
+                         else {"hub": f"{HUB_DATASET}:{HUB_CONFIG}"})  # before any slow work
     if bool(data_files) != bool(val_data_files):
         raise common.DataError("C4 keeps its own validation split: give --data_files (train) and --val_data_files "
                                "together, e.g. --data_files='en/c4-train.*.json.gz' "

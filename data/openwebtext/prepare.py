@@ -23,7 +23,8 @@ VAL_FRACTION, SPLIT_SEED = 0.0005, 2357  # nanoGPT's split: ~4k of ~8M documents
 
 def prepare(data_files=None, out_dir=HERE, encoding="gpt2", num_proc=1, streaming=False, max_docs=None):
     """Write out_dir/{train,val}.bin and meta.json; encoding is a tiktoken.Encoding or its name."""
-    common.check_out_dir(out_dir)  # before any slow work
+    origin = {"data_files": data_files} if data_files else {"hub": HUB_DATASET}
+    common.check_out_dir(out_dir, origin)  # before any slow work
     files = data_files and common.find_files(data_files)
     enc = common.get_encoding(encoding)  # before loading, so a missing tokenizer fails before a 54 GB download
     if data_files:
