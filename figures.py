@@ -56,8 +56,11 @@ def read_metrics(path, whole=False):
     A last line cut short (a run killed while writing it) is left out, or with whole (the records of a
     run that ended) a PlotError, as is any other line that is not a JSON record with an integer iter."""
     evals, logs = {}, {}
-    with open(path) as f:
-        lines = f.read().split("\n")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError:
+        raise PlotError(f"{path} is not a text file of JSON records (damaged?)") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -13,7 +13,7 @@ import sys
 
 import configurator
 import figures
-from util import cli
+from util import cli, unusable_dir
 
 DEFAULTS = dict(
     out="plots",  # the directory loss.png, bitwidth.png and paired.png are written to
@@ -26,6 +26,9 @@ def main(argv):
     configurator.configure(c, argv, positional=run_dirs, usage=USAGE)
     if not run_dirs:
         raise figures.PlotError(f"no run directory given; {USAGE} (--help says more)")
+    why = unusable_dir(c["out"]) if c["out"] else "it is empty"
+    if why:
+        raise figures.PlotError(f"--out={c['out']!r} cannot take the figures: {why}; choose another directory")
     for path in figures.make_plots(run_dirs, c["out"]):
         print(f"wrote {path}")
 

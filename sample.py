@@ -94,6 +94,9 @@ def main(argv):
     dev = torch.device(cfg["device"])
     if cfg["temperature"] < 0:
         raise UsageError(f"--temperature must be >= 0, got {cfg['temperature']}")
+    for key in ("num_samples", "max_new_tokens"):
+        if cfg[key] < 1:
+            raise UsageError(f"--{key}={cfg[key]}: expected an integer >= 1")
     if not 0 <= cfg["seed"] < 2**63:
         raise UsageError(f"--seed={cfg['seed']}: expected an integer in [0, 2^63)")
 

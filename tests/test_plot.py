@@ -120,11 +120,14 @@ def test_no_bitwidth_png_without_pqt_runs(tmp_path):
     assert not os.path.exists(tmp_path / "plots" / "bitwidth.png")
 
 
-@pytest.mark.parametrize("make", ["empty_dir", "missing_dir"])
+@pytest.mark.parametrize("make", ["empty_dir", "missing_dir", "binary_metrics"])
 def test_a_directory_without_metrics_is_refused_with_one_line(runs, tmp_path, make):
     bad = tmp_path / "not_a_run"
-    if make == "empty_dir":
+    if make != "missing_dir":
         bad.mkdir()
+    if make == "binary_metrics":  # a run's config and a damaged log: bytes that are not UTF-8
+        (bad / "config.json").write_bytes(open(os.path.join(runs[0], "config.json"), "rb").read())
+        (bad / "metrics.jsonl").write_bytes(bytes(range(128, 256)))
     out = tmp_path / "plots"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), runs[0], str(bad), f"--out={out}"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -295,7 +298,9 @@ def test_help_prints_the_usage_and_exits_0(flag):
 @pytest.mark.parametrize("argv,message", [
     (["--outt=x"], "unknown config key 'outt'; did you mean --out?"),
     (["--out"], "--out: overrides are written --key=value"),
-    ([], "no run directory given")])
+    ([], "no run directory given"),
+    (["--out=/proc/plots"], "--out='/proc/plots' cannot take the figures"),
+    (["--out="], "--out='' cannot take the figures")])
 def test_a_bad_command_line_is_the_configurators_one_line_error(runs, tmp_path, argv, message):
     """plot.py speaks the configurator's dialect: an unknown key or a bare --key of a string is its
     one-line error, exit status 1, nothing drawn."""

@@ -77,6 +77,8 @@ def test_sample_prints_prompt_and_continuation(byte_run, capsys, tmp_path):
     (["--top_k=many"], "top_k"),
     (["--start="], "prompt is empty"),
     (["--temperature=-1"], "temperature must be >= 0"),
+    (["--num_samples=0"], "--num_samples=0: expected an integer >= 1"),
+    (["--max_new_tokens=-3"], "--max_new_tokens=-3: expected an integer >= 1"),
 ])
 def test_sample_bad_options_say_what_is_wrong(byte_run, args, message):
     out_dir, _ = byte_run
