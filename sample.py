@@ -16,7 +16,7 @@ from configurator import check_device, configure
 from data import loader
 from data.common import DataError
 from model import GPT, ROLES, ModelConfig
-from util import UserError, cli, first_line
+from util import UserError, cli, first_line, load_error
 
 # -----------------------------------------------------------------------------
 init_from = "resume"  # "resume": the checkpoint in out_dir; or a low-precision file of export.py (.safetensors)
@@ -61,7 +61,8 @@ def load_checkpoint(out_dir, device):
                         bits_per_weight=pqt["bits_per_weight"])
         model.load_state_dict(ckpt["model"])
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        raise UsageError(f"{path} is not a checkpoint of this project's model: {first_line(e)}")
+        raise UsageError(f"{path} is not a checkpoint of this project's model ({load_error(e)}): train it with "
+                         f"train.py, or point --out_dir at the run that made it")
     model.eval()  # also turns the PQT noise off: eval-mode PQTLinear is a plain Linear
     return model.to(device), ckpt
 

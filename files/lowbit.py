@@ -38,7 +38,7 @@ from quant import ggml_quants
 from quant.budget import FORMAT_STATE, UNCHOSEN, budget_format_ids, trained_formats, trained_ggml_types
 from quant.formats import (BY_NAME, FORMATS, GGML_FORMATS, GGML_NAMES, GGUF_BUDGETS, INT_BUDGETS, block_weights,
                            dequantize_blocks, from_blocks, quantize_blocks, to_blocks)
-from util import UserError, first_line
+from util import UserError, first_line, load_error
 
 
 class ExportError(UserError):
@@ -65,7 +65,8 @@ def build_model(state_dict, arch_args):
         model = GPT(ModelConfig(**arch_args))
         result = model.load_state_dict(state_dict, strict=False)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ExportError(f"the checkpoint does not fit this project's model: {first_line(e)}")
+        raise ExportError(f"the checkpoint does not fit this project's model ({load_error(e)}): export a checkpoint "
+                          f"of train.py, of the run it names")
     unexpected = [k for k in result.unexpected_keys if not k.endswith((".b_i", *FORMAT_STATE))]
     if result.missing_keys or unexpected:
         raise ExportError(f"the checkpoint does not fit this project's model: missing {result.missing_keys[:3]}, "

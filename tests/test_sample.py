@@ -105,8 +105,10 @@ def test_sample_refuses_a_damaged_or_foreign_checkpoint(byte_run):
     ckpt = torch.load(path, weights_only=True)
     ckpt["model_args"]["n_layer"] = 3  # another model's shape
     torch.save(ckpt, path)
-    with pytest.raises(sample.UsageError, match="not a checkpoint of this project's model"):
+    with pytest.raises(sample.UsageError, match="not a checkpoint of this project's model") as e:
         sample.main([f"--out_dir={out_dir}", "--device=cpu"])
+    assert "Missing key(s)" in str(e.value) and "transformer.h.2" in str(e.value)  # what does not fit, not torch's
+    assert "\n" not in str(e.value)  # first line only ("Error(s) in loading state_dict")
 
 
 def test_sample_needs_the_datasets_meta(byte_run):
