@@ -69,6 +69,9 @@ def main(argv):
         print(configurator.help_text(c, DEFAULTS, __file__, __doc__, usage()))
         return 0
     study = STUDIES[name]
+    if c["only"] and not any(re.search(c["only"], n) for n, _, _ in runs_of(study)):
+        raise StudyError(f"--only={c['only']!r} matches none of {name}'s {len(runs_of(study))} runs; "
+                         f"`python -m studies {name} --dry_run` lists their names")
     # Config paths and train.py's out_dir are the repository's; --root may be given from anywhere.
     root = os.path.abspath(c["root"])
     check_root(root, made=not c["dry_run"])

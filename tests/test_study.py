@@ -277,7 +277,8 @@ def test_a_run_directory_made_with_other_arguments_is_refused(finished, tiny_con
     (["fig9"], "'fig9' is not a study"), (["fig1b", "--nproc=0"], "nproc=0: expected an integer >= 1"),
     (["fig1b", "--dry_rn"], "unknown config key 'dry_rn'; did you mean --dry_run?"),
     (["fig1b", "--root"], "--root: overrides are written --key=value"),
-    (["fig1b", "--only=("], "--only='(' is not a regular expression")])
+    (["fig1b", "--only=("], "--only='(' is not a regular expression"),
+    (["fig1b", "--only=nomatch", "--dry_run"], "--only='nomatch' matches none of fig1b's 18 runs")])
 def test_bad_input_is_one_line(argv, message):
     """The configurator's dialect and its one-line errors, as every script's."""
     r = subprocess.run([sys.executable, "-m", "studies", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
