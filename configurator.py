@@ -49,7 +49,7 @@ def _coerce(key, value, default):
         try:
             value = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            raise ConfigError(f"--{key}={value}: expected a {type(default).__name__} like {default!r}") from None
+            raise ConfigError(f"--{key}={value}: expected {_a(type(default).__name__)} like {default!r}") from None
     if default is None or value is None or isinstance(value, type(default)):
         pass
     elif isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -173,7 +173,7 @@ def check_set(config, defaults):
     """No key left None (a config file's `key = None`): each takes a value of its default's type."""
     for key, value in config.items():
         if value is None:
-            raise ConfigError(f"{key}=None: expected a {type(defaults[key]).__name__} like {defaults[key]!r}")
+            raise ConfigError(f"{key}=None: expected {_a(type(defaults[key]).__name__)} like {defaults[key]!r}")
 
 
 def check_choices(config, choices):
@@ -211,3 +211,8 @@ def check_device(config, key="device"):
         raise ConfigError(f"--{key}={config[key]!r}, but torch finds no CUDA GPU here; use --{key}=cpu")
     if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
         raise ConfigError(f"--{key}={config[key]!r}, but torch finds {torch.cuda.device_count()} CUDA GPUs here")
+
+
+def _a(noun):
+    """The noun with its article: "an int", "a float"."""
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun

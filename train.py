@@ -145,6 +145,8 @@ def validate(c, explicit):
                                        arch=("gpt2", "llama2")))
     if c["init_from"] == "":
         fail("init_from='': expected 'scratch', 'resume', or a ckpt.pt or an out_dir holding one")
+    if not c["out_dir"]:
+        fail("out_dir='': give the directory the run's checkpoint and records go to, e.g. --out_dir=out")
     if c["fork_from"] and c["init_from"] not in ("scratch", "resume"):  # resume: the fork's own checkpoint
         fail(f"fork_from starts a new run from {c['fork_from']}: it goes with --init_from=scratch, not "
              f"{c['init_from']!r}")
@@ -281,8 +283,9 @@ def resolve_init(init_from, out_dir, requested):
         source = f"init_from={init_from}"
         return pretrained.fit_pretrained(*pretrained.load_pretrained(init_from), requested, source=source)
     if not path or not os.path.exists(path):
-        fail(f"init_from={init_from!r}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, a "
-             f"Hugging Face model directory, or one of {', '.join(pretrained.GPT2_HUB)}")
+        missing = "" if os.path.exists(init_from) else " (no such file or directory)"
+        fail(f"init_from={init_from!r}{missing}: expected 'scratch', 'resume', a ckpt.pt or an out_dir holding one, "
+             f"a Hugging Face model directory, or one of {', '.join(pretrained.GPT2_HUB)}")
     if os.path.realpath(path) in map(os.path.realpath, ckpt_io.paths(out_dir)):
         fail(f"init_from={init_from!r} is this run's own checkpoint: continue it with --init_from=resume, "
              f"or write the new run to another --out_dir")

@@ -377,7 +377,8 @@ def files_of(out):
 
 @pytest.mark.parametrize("args,message", [
     (["--n_layr=3"], "unknown config key 'n_layr'; did you mean --n_layer"),
-    (["--batch_size=big"], "expected a int"),
+    (["--batch_size=big"], "expected an int"),
+    (["--out_dir="], "out_dir='': give the directory"),
     (["--learning_rate=True"], "takes a float"),
     (["--method=gaussws[qkv,foo]"], "bad method"),
     (["--method=gaussws[all]", "--arch=llama2", "--bias=False", "--init_from=resume"], "holds another model"),
@@ -667,3 +668,9 @@ def test_a_new_run_in_another_tools_folder_is_one_line_and_writes_nothing(tiny_c
     after = files_of(out)
     after.pop(".lock")  # the lock every run takes on its out_dir before it reads anything there
     assert "--overwrite=True" in err and after == before
+
+
+def test_a_missing_init_from_says_it_is_missing_in_one_line(tiny_corpus, tmp_path, capsys):
+    missing = str(tmp_path / "missing" / "ckpt.pt")
+    status, err = in_process(tiny(tiny_corpus, tmp_path / "new", init_from=missing), capsys)
+    assert status == 1 and err.count("\n") == 1 and "(no such file or directory)" in err, err
