@@ -60,6 +60,10 @@ def main(argv):
     if not c["out"]:
         raise pretrained.HFError(f"--out is required: the directory to write ({USAGE.removeprefix('usage: ')})")
     pretrained.check_out(c["out"])  # before reading the checkpoint
+    if c["data_dir"] and not os.path.isfile(os.path.join(c["data_dir"], "meta.json")):
+        # named by the user: a wrong path is an error, where the checkpoint's own dataset may be absent
+        raise pretrained.HFError(f"--data_dir={c['data_dir']!r} holds no meta.json: give the folder of the data the "
+                                 f"run trained on (its prepare.py wrote meta.json there), or leave --data_dir out")
     ckpt = read_exported(c["ckpt"]) if c["ckpt"].endswith(".safetensors") else checkpoint.read(c["ckpt"])
     tok, why = data_tokenizer(ckpt, c["data_dir"])
     written, no_tokenizer = pretrained.save_pretrained(ckpt["model_args"], ckpt["model"], c["out"], tok)

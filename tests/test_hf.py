@@ -591,7 +591,9 @@ def test_convert_puts_pqt_on_a_transformers_gpt2_in_its_own_layout():
 
 
 @pytest.mark.parametrize("args, words", [([], "--out is required"), (["--ot=x"], "did you mean --out"),
-                                         (["--out"], "overrides are written --key=value")])
+                                         (["--out"], "overrides are written --key=value"),
+                                         (["--out=hf", "--data_dir=/nonexistent"],
+                                          "--data_dir='/nonexistent' holds no meta.json")])
 def test_a_missing_or_unknown_option_is_one_line(tmp_path, args, words):
     """hf.py reads its command line as every script does (configurator): one 'error: ' line, exit 1."""
     assert words in error_line(run(tmp_path, "hf.py", *args))
