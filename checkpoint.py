@@ -73,8 +73,8 @@ from model import ModelConfig
 from quant.ste import IMATRIX_STEPS
 from sharded import CRCS, HEADER, CheckpointError, load_sharded, save_sharded
 from sharded import load_model as load_sharded_model
-from util import (atomic_open, first_line, fsync_dir, load_error, read_record, remove_stale_temporaries, unusable_dir,
-                  write_atomic)
+from util import (atomic_open, first_line, fsync_dir, load_error, read_json_or_none, read_record,
+                  remove_stale_temporaries, unusable_dir, write_atomic)
 
 
 class Busy(CheckpointError):
@@ -485,11 +485,7 @@ def check_new(out_dir, overwrite):
 
 def _a_run_record(path):
     """Whether config.json is train.py's record of a run (its settings with model_args)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
+    record = read_json_or_none(path)
     return isinstance(record, dict) and "model_args" in record
 
 

@@ -257,12 +257,17 @@ RECORD_NAMES = {"config.json", "run.json", "done.json", "meta.json", "diverged.j
 
 def _holds_json(path):
     """Whether the file is one JSON document (what a --json wrote before, to be written again)."""
+    return read_json_or_none(path) is not None
+
+
+def read_json_or_none(path):
+    """The JSON document at path, or None where it cannot be read or is not JSON: for a caller that only
+    asks whether a file is of a kind it knows (read_record is the reader of a program's own records)."""
     try:
         with open(path, encoding="utf-8") as f:
-            json.load(f)
+            return json.load(f)
     except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return True
+        return None
 
 
 def write_atomic(path, data):

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data import tokenizer  # the prepare scripts put the repository root on sys.path
-from util import UserError, cli, commit, reason, temp_path, unusable_dir
+from util import UserError, cli, commit, read_json_or_none, reason, temp_path, unusable_dir
 
 # datasets' builder for each local file type; a .txt file is one document, as in OpenWebText's
 # own archives (one .txt per web page)
@@ -201,11 +201,8 @@ def check_out_dir(out_dir, origin=None):
     meta_path = os.path.join(out_dir, "meta.json")
     if origin is None or not os.path.exists(meta_path):
         return
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            source = json.load(f).get("source")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        source = None
+    meta = read_json_or_none(meta_path)
+    source = meta.get("source") if isinstance(meta, dict) else None
     theirs = {k: source.get(k) for k in origin} if isinstance(source, dict) else source
     if theirs != origin:
         raise DataError(f"--out_dir={str(out_dir)!r} already holds a dataset prepared from {theirs or 'elsewhere'}, "
