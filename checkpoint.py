@@ -176,32 +176,59 @@ def load(path, map_location="cpu"):
 class Lock:
     """An exclusive fcntl.flock on <out_dir>/<name>, held while this object lives (or until
     release()). The kernel drops it when the process dies, however it dies, so a crash leaves no
-    stale lock to clean up by hand. wait: block until the holder lets go, instead of raising Busy."""
+    stale lock to clean up by hand. wait: block until the holder lets go, instead of raising Busy.
+    A lock that made out_dir and finds nothing else there when it lets go (a run that failed before
+    writing) removes its file and the directory: a failed start leaves no folder behind."""
 
     def __init__(self, out_dir, wait=False, name=".lock"):
-        self.path, self._fd = os.path.join(out_dir, name), None
+        self.out_dir, self.path, self._fd, self._made = out_dir, os.path.join(out_dir, name), None, False
+        while not self._acquire(wait):  # the file we locked was removed by its last holder: lock the new one
+            pass
+
+    def _acquire(self, wait):
         try:
-            os.makedirs(out_dir, exist_ok=True)
+            self._made = not os.path.isdir(self.out_dir)
+            os.makedirs(self.out_dir, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
-            raise CheckpointError(f"cannot lock {out_dir}: {first_line(e)}") from None
+            raise CheckpointError(f"cannot lock {self.out_dir}: {first_line(e)}") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except OSError as e:
             holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            self.release()
+            self._close()
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise Busy(f"{out_dir} is in use by another run (pid {holder}); wait for it to end, "
+                raise Busy(f"{self.out_dir} is in use by another run (pid {holder}); wait for it to end, "
                            f"stop it, or choose another --out_dir", holder) from None
-            raise CheckpointError(f"cannot lock {out_dir}: {first_line(e)}") from None
+            raise CheckpointError(f"cannot lock {self.out_dir}: {first_line(e)}") from None
+        try:  # a waiter may get the lock of a file its holder removed on release: that file locks nothing
+            current = os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if not current:
+            self._close()
+            return False
         try:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # the holder, for the message above
         except OSError as e:  # a full disk: nothing is written yet, so stop here
             self.release()
             raise CheckpointError(f"cannot write {self.path}: {first_line(e)}; free some space") from None
+        return True
 
     def release(self):
+        if self._fd is None:
+            return
+        if self._made:  # removed while still held, so no one locks the file between
+            try:
+                if os.listdir(self.out_dir) == [os.path.basename(self.path)]:
+                    os.unlink(self.path)
+                    os.rmdir(self.out_dir)
+            except OSError:
+                pass  # a file written meanwhile, or no permission: the directory stays, as it would have
+        self._close()
+
+    def _close(self):
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor releases the flock
             self._fd = None

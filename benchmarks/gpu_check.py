@@ -9,7 +9,7 @@ import gaussws
 from benchmarks.common import BenchError, markdown_table, say, time_per_call, write_json
 from util import check_json_path
 from benchmarks.fig6 import run_kernel
-from benchmarks.options import parse_args, parse_ints, parse_shapes
+from benchmarks.options import check_positive, parse_args, parse_shapes
 from benchmarks.table1 import run_train
 from configurator import configure
 from kernels import BL
@@ -235,7 +235,7 @@ def gpu_check(argv):
         raise BenchError("gpu-check needs a CUDA GPU and torch.cuda.is_available() is False here; "
                          "the CPU checks are `pytest tests/test_kernels.py tests/test_triton_compile.py`")
     device = "cuda"
-    parse_ints("repeats", config["repeats"])
+    check_positive("repeats", config["repeats"])
     bandwidth_shape = parse_shapes(config["bandwidth_shape"])[0]
     name = torch.cuda.get_device_name(device)
     import triton

@@ -21,6 +21,12 @@ def parse_shapes(text):
     return shapes
 
 
+def check_positive(key, value):
+    """An option that is one count (configurator has made it an int)."""
+    if value < 1:
+        raise BenchError(f"--{key}={value}: expected a positive integer")
+
+
 def parse_ints(key, text):
     try:
         values = [int(v) for v in str(text).split(",")]
@@ -88,7 +94,7 @@ def parse_args(argv):
     positive = {"kernel": ["repeats"], "train": ["batch_size", "block_size", "rounds", "warmup"],
                 "host": ["repeats", "width"]}[command]
     for key in positive:
-        parse_ints(key, getattr(args, key))
+        check_positive(key, getattr(args, key))
     if args.threads < 0:
         raise BenchError(f"--threads={args.threads}: expected 0 (torch's default) or a positive number")
     check_json_path(args.json)  # before the run, not after it

@@ -45,6 +45,18 @@ def greedy_text(model, prompt, n):
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 
+def end_spawned_rank():
+    """The last call of a torch.multiprocessing.spawn worker that has written what it had to: as train.py ends
+    a distributed run. fully_shard and DDP keep the gloo process group referenced from C++, so it outlives
+    destroy_process_group and its threads abort in the interpreter's teardown now and then (SIGABRT,
+    "terminate called without an active exception"): a passing worker would fail its test."""
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def tiny_model(arch, **kw):
     """A tiny ModelConfig of either architecture; odd widths so that b_i's edge blocks are partial."""
     from model import ModelConfig

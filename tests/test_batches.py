@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import gaussws
 from benchmarks.host import LaunchCounter
+from conftest import end_spawned_rank
 
 # (in, out, weight dtype, method): kinds that rows of R start a word of, or not; FP32 and BF16 weights
 KINDS = [(64, 48, torch.float32, "gaussws"), (48, 64, torch.float32, "gaussws"), (64, 35, torch.float32, "diffq"),
@@ -181,8 +182,10 @@ def fsdp_worker(rank, world_size, init_file, out):
                 assert len(plan) == 2 * 3, [(len(b.layers), b.many.shapes) for b in plan]  # gaussws, diffq, unaligned
         if rank == 0:
             torch.save(grads, out)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_spawned_rank()
 
 
 def test_fsdp_blocks_give_the_bits_of_one_layer_at_a_time(tmp_path):

@@ -307,7 +307,9 @@ def test_host_runs_from_the_shell_without_triton_interpret_set():
 
 @pytest.mark.parametrize("argv, words", [
     (["kernel", "--shapes=12by4"], "bad shape"),
-    (["kernel", "--repeats=0"], "positive"),
+    (["kernel", "--repeats=0"], "--repeats=0: expected a positive integer"),
+    (["host", "--repeats=-2"], "--repeats=-2: expected a positive integer"),
+    (["train", "--rounds=0"], "--rounds=0: expected a positive integer"),
     (["kernel", "--device=tpu"], "expected cpu, cuda or cuda:N"),  # configurator.check_device's
     (["kernel", "--device=cuda"] if not torch.cuda.is_available() else ["kernel", "--device=xla"], "cuda"),
     (["kernel", "--threads=-1"], "--threads=-1"),

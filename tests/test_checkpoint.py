@@ -14,7 +14,7 @@ import torch
 import checkpoint
 import sharded
 from checkpoint import CheckpointError
-from conftest import ROOT
+from conftest import ROOT, end_spawned_rank
 
 
 def a_state():
@@ -258,8 +258,10 @@ def sharded_worker(rank, world_size, init_file, path, tmp):
         if rank == 0:
             torch.save(saved, os.path.join(tmp, "saved.pt"))
             torch.save(loaded, os.path.join(tmp, "loaded2.pt"))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_spawned_rank()
 
 
 def assert_same(a, b):
@@ -511,3 +513,43 @@ def test_a_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path, monkeypatch)
     got[0].release()
     with checkpoint.lock(tmp_path, name=".study.lock"):  # another name, another lock of the same directory
         checkpoint.lock(tmp_path).release()
+
+
+def test_a_lock_that_made_its_directory_removes_it_when_nothing_else_was_written(tmp_path):
+    out = tmp_path / "out"
+    checkpoint.lock(out).release()  # a run that failed before it wrote anything leaves no folder
+    assert not out.exists()
+    with checkpoint.lock(out):
+        (out / "ckpt.pt").write_bytes(b"x")
+    assert sorted(os.listdir(out)) == [".lock", "ckpt.pt"]  # what a run wrote stays, with its lock file
+    checkpoint.lock(out).release()  # a directory the lock did not make stays too
+    assert out.is_dir()
+    tmp_path.joinpath("kept").mkdir()
+    checkpoint.lock(tmp_path / "kept").release()
+    assert os.listdir(tmp_path / "kept") == [".lock"]
+
+
+def test_a_waiter_whose_lock_file_was_removed_locks_the_new_one(tmp_path, monkeypatch):
+    """The holder made the directory and removes it with its lock file when it lets go; a waiter that
+    opened the old file then holds a lock on nothing, so it must lock the path anew: after it has
+    the lock, a third run is refused."""
+    import fcntl
+    import threading
+    out = tmp_path / "out"
+    held = checkpoint.lock(out)
+    got, asking, real_flock = [], threading.Event(), fcntl.flock
+
+    def flock(fd, op):
+        if not op & fcntl.LOCK_NB:
+            asking.set()
+        return real_flock(fd, op)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    waiter = threading.Thread(target=lambda: got.append(checkpoint.lock(out, wait=True)))
+    waiter.start()
+    assert asking.wait(30)
+    held.release()  # removes out/.lock and out, which the waiter's open file no longer names
+    waiter.join(timeout=30)
+    assert len(got) == 1 and (out / ".lock").read_text() == f"{os.getpid()}\n"
+    with pytest.raises(checkpoint.Busy):
+        checkpoint.lock(out)
+    got[0].release()

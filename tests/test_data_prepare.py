@@ -196,18 +196,23 @@ def test_a_really_full_disk_is_one_line_not_a_sigbus(tmp_path):
     ("missing/*.jsonl", "no file matches"),
     ("notes.md", "is not one of"),
     ("notext.jsonl", "no field 'text'"),
-    ("broken.jsonl", "could not read"),
+    ("broken.jsonl", "could not read|reading the stream failed .*JSON parse error"),
     ("one.jsonl", "need at least 2 documents"),
     ("notes.md,one.jsonl", "is not one of"),
+    ("empty.jsonl", "holds no documents; give files with at least 2"),
+    ("blank.jsonl", "holds no documents; give files with at least 2"),
 ])
-def test_bad_local_files_are_one_clear_error(tmp_path, files, expect):
+@pytest.mark.parametrize("streaming", [False, True], ids=["files", "stream"])
+def test_bad_local_files_are_one_clear_error(tmp_path, files, expect, streaming):
     (tmp_path / "notes.md").write_text("# not data")
     (tmp_path / "notext.jsonl").write_text('{"body": "x"}\n')
     (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "cut off\n')
     write_jsonl(tmp_path / "one.jsonl", ["only one"])
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
     data_files = ",".join(str(tmp_path / f) for f in files.split(","))
     with pytest.raises(common.DataError, match=expect):
-        owt.prepare(data_files=data_files, out_dir=tmp_path / "out", encoding=tiny_encoding())
+        owt.prepare(data_files=data_files, out_dir=tmp_path / "out", encoding=tiny_encoding(), streaming=streaming)
     assert not (tmp_path / "out" / "train.bin").exists()
 
 

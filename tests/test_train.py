@@ -639,6 +639,7 @@ def test_data_messages_point_at_the_cause(tiny_corpus, tmp_path):
     with pytest.raises(DataError) as error:
         train.main(tiny(str(empty), tmp_path / "o"))
     assert "has no prepare.py" in str(error.value) and "data/" not in str(error.value).replace(str(empty), "")
+    assert not (tmp_path / "o").exists()  # a run that failed before writing leaves no folder with a .lock in it
 
 
 @pytest.mark.parametrize("damage,message", [
