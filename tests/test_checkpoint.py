@@ -488,23 +488,30 @@ def test_a_divergence_record_writes_non_finite_values_as_strings(tmp_path):
     assert checkpoint.read_divergence(tmp_path)["step"] == 3
 
 
-def test_a_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path, monkeypatch):
+def waiter_for(out_dir, monkeypatch):
+    """A thread that takes lock(out_dir, wait=True) into the returned list, started and past the point where
+    it asks for the lock without LOCK_NB (from there it must block while the lock is held)."""
     import fcntl
     import threading
-    held = checkpoint.lock(tmp_path)
-    with pytest.raises(checkpoint.Busy) as e:
-        checkpoint.lock(tmp_path)
-    assert e.value.holder == str(os.getpid())
     got, asking, real_flock = [], threading.Event(), fcntl.flock
 
-    def flock(fd, op):  # the waiter says when it asks for the lock without LOCK_NB: from there it must block
+    def flock(fd, op):
         if not op & fcntl.LOCK_NB:
             asking.set()
         return real_flock(fd, op)
     monkeypatch.setattr(fcntl, "flock", flock)
-    waiter = threading.Thread(target=lambda: got.append(checkpoint.lock(tmp_path, wait=True)))
+    waiter = threading.Thread(target=lambda: got.append(checkpoint.lock(out_dir, wait=True)))
     waiter.start()
     assert asking.wait(30)
+    return waiter, got
+
+
+def test_a_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path, monkeypatch):
+    held = checkpoint.lock(tmp_path)
+    with pytest.raises(checkpoint.Busy) as e:
+        checkpoint.lock(tmp_path)
+    assert e.value.holder == str(os.getpid())
+    waiter, got = waiter_for(tmp_path, monkeypatch)
     waiter.join(timeout=0.5)
     assert waiter.is_alive() and not got  # still waiting: the lock is held
     held.release()
@@ -533,20 +540,9 @@ def test_a_waiter_whose_lock_file_was_removed_locks_the_new_one(tmp_path, monkey
     """The holder made the directory and removes it with its lock file when it lets go; a waiter that
     opened the old file then holds a lock on nothing, so it must lock the path anew: after it has
     the lock, a third run is refused."""
-    import fcntl
-    import threading
     out = tmp_path / "out"
     held = checkpoint.lock(out)
-    got, asking, real_flock = [], threading.Event(), fcntl.flock
-
-    def flock(fd, op):
-        if not op & fcntl.LOCK_NB:
-            asking.set()
-        return real_flock(fd, op)
-    monkeypatch.setattr(fcntl, "flock", flock)
-    waiter = threading.Thread(target=lambda: got.append(checkpoint.lock(out, wait=True)))
-    waiter.start()
-    assert asking.wait(30)
+    waiter, got = waiter_for(out, monkeypatch)
     held.release()  # removes out/.lock and out, which the waiter's open file no longer names
     waiter.join(timeout=30)
     assert len(got) == 1 and (out / ".lock").read_text() == f"{os.getpid()}\n"
