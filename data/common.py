@@ -83,19 +83,19 @@ def load_local(files, streaming=False, flag="--data_files"):
     records, or one document per .txt file."""
     from datasets import load_dataset
     kind, paths = files
+    named = f"{paths[0]!r}{' ...' if len(paths) > 1 else ''}"
+    no_documents = f"{flag}: {named} holds no documents; give files with at least 2 documents"
     try:
         ds = load_dataset(kind, data_files=paths, split="train", streaming=streaming,
                           **({"sample_by": "document"} if kind == "text" else {}))
     except Exception as e:
-        named = f"{paths[0]!r}{' ...' if len(paths) > 1 else ''}"
         # datasets' JSON builder infers its fields from the first record: files without one (empty, or blank
         # lines) end in StopIteration, or in a split that "corresponds to no data"
         if isinstance(e, StopIteration) or "corresponds to no data" in str(e):
-            raise DataError(f"{flag}: {named} holds no documents; give files with at least 2 documents") from None
+            raise DataError(no_documents) from None
         raise DataError(f"{flag}: could not read {named} ({reason(e)})") from e
     if ds.column_names == []:  # a stream of blank lines: no first record to take fields from
-        raise DataError(f"{flag}: {paths[0]!r}{' ...' if len(paths) > 1 else ''} holds no documents; give files "
-                        f"with at least 2 documents")
+        raise DataError(no_documents)
     if ds.column_names is not None and "text" not in ds.column_names:
         raise DataError(f"{flag}: the files have no field 'text' (fields: {ds.column_names})")
     return ds
