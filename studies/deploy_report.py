@@ -7,7 +7,7 @@ import os
 from studies.definitions import BUDGET, MIX_PHASE, PHASE, arm_label, run_name
 from studies.exports import export_losses
 from studies.plots import deploy_panel, plot_deploy
-from studies.report import done_figures, fmt_stats, own_step_s, results_head, write_results
+from studies.report import done_figures, fmt_stats, markdown_head, own_step_s, results_head, write_results
 from studies.stats import interval, stats
 
 
@@ -159,10 +159,7 @@ def row_markdown(r):
 
 
 def deploy_markdown(results):
-    lines = [f"# {results['study']}: {results['about']}", "",
-             f"Command: `{results['command']}`. Machine: {results['machine']}; torch "
-             f"{', '.join(results['torch']) or '-'}; commits {', '.join(results['commits']) or '-'}. Runs finished: "
-             f"{results['runs_finished']} of {results['runs_total']}. Val losses are the last evaluation's (20 fixed "
+    about = ("Val losses are the last evaluation's (20 fixed "
              "batches of train.py), the exported model's on the same batches (export.py); the increase is the "
              "exported val loss over the bf16 run's of the same length and seed; ± is the standard deviation over "
              "seeds; the paired columns give the mean difference by seed with its 95 % interval (Student's t; none "
@@ -171,7 +168,8 @@ def deploy_markdown(results):
              "logged time a step (a runner paused on the shared machine does not count; each run's done.json has its "
              "wall time, results.json both). The two mixes end on the same STE phase over the last "
              f"{100 - 100 * PHASE:.0f} %; the learned one leaves bf16 earlier, at {100 * MIX_PHASE:.0f} %, for the "
-             "gaussws phase whose b_t allocate its formats.", ""]
+             "gaussws phase whose b_t allocate its formats.")
+    lines = markdown_head(results, about)
     head = ["steps (tokens/param)", "arm", "exported at", "seeds", "val loss", "exported val loss", "increase",
             "bits/w", "− PTQ (paired)", "− STE int3 (paired)", "− STE int4 (paired)", "− error mix (paired)",
             "own train min (steps)"]

@@ -25,7 +25,7 @@ from studies.exports import F32_SPEC, llama_cpp_files, sensitivity, trained_file
 from studies.gguf_tensors import chosen_markdown, chosen_types, sensitivity_markdown, sensitivity_ranks
 from studies.plots import plot_gguf
 from studies.records import check_gguf_files
-from studies.report import done_figures, own_step_s, results_head, write_results
+from studies.report import done_figures, markdown_head, own_step_s, results_head, write_results
 from studies.stats import interval, stats
 
 # (label, lowest bits per weight, up to (not including)), on the study's GPT2 and Llama: Q8_0; Q5_K_M (5.8) and
@@ -398,29 +398,27 @@ def row_markdown(r):
 
 
 def gguf_markdown(results):
-    lines = [f"# {results['study']}: {results['about']}", "",
-             f"Command: `{results['command']}`. Machine: {results['machine']}; torch "
-             f"{', '.join(results['torch']) or '-'}; commits {', '.join(results['commits']) or '-'}. Runs finished: "
-             f"{results['runs_finished']} of {results['runs_total']}. Every val loss is llama.cpp's, of the GGUF "
+    about = ("Every val loss is llama.cpp's, of the GGUF "
              "file, on train.py's fixed evaluation batches (export_gguf.py); F32 is llama.cpp's val loss of the "
              "trunk's F32 file of the same seed (the unquantized model, as llama.cpp computes it), bf16 the trunk's "
              "own val loss (train.py, PyTorch, FP32). Embeddings and head are BF16 in every file, so files differ by "
              "their block Linears; bits/w is theirs, scales included, as measured in the files. ± is the standard "
              "deviation over seeds; the paired differences and shares are means over seeds with their 95 % "
              "interval (Student's t; none for one seed). A trained arm forks from its seed's trunk and trains only "
-             "its phase: its time is its own steps times its median logged time a step.", "",
-             "## What it says", "",
-             "Per size class (bits per weight of the block Linears), the file with the lowest llama.cpp val loss, "
-             "then each other file's val loss minus that one's, paired by seed (inside the noise when the 95 % "
-             "interval holds 0); and, for each trained file, the share of the loss of the best file a llama.cpp "
-             "user can make in no more bytes (llama-quantize's with the importance matrix, Q, K or IQ, of the "
-             "lowest mean val loss among those whose block Linears hold no more bits per weight) that it removes, "
-             "(L_llama.cpp - L_file) / (L_llama.cpp - L_F32) per seed, and the same over PyTorch's loss, L_bf16 in "
-             "place of L_F32 (1: all of it, 0: none, below 0: worse than llama.cpp):", "",
-             *findings_markdown(results["findings"]), "",
-             "## For a user: the best file of each size", "", *for_a_user_markdown(results["for_a_user"]), "",
-             "## The unquantized model: the denominators", "", *unquantized_markdown(results["rows"]), "",
-             "## The files", ""]
+             "its phase: its time is its own steps times its median logged time a step.")
+    lines = markdown_head(results, about)
+    lines += ["## What it says", "",
+              "Per size class (bits per weight of the block Linears), the file with the lowest llama.cpp val loss, "
+              "then each other file's val loss minus that one's, paired by seed (inside the noise when the 95 % "
+              "interval holds 0); and, for each trained file, the share of the loss of the best file a llama.cpp "
+              "user can make in no more bytes (llama-quantize's with the importance matrix, Q, K or IQ, of the "
+              "lowest mean val loss among those whose block Linears hold no more bits per weight) that it removes, "
+              "(L_llama.cpp - L_file) / (L_llama.cpp - L_F32) per seed, and the same over PyTorch's loss, L_bf16 in "
+              "place of L_F32 (1: all of it, 0: none, below 0: worse than llama.cpp):", "",
+              *findings_markdown(results["findings"]), "",
+              "## For a user: the best file of each size", "", *for_a_user_markdown(results["for_a_user"]), "",
+              "## The unquantized model: the denominators", "", *unquantized_markdown(results["rows"]), "",
+              "## The files", ""]
     head = ["class", "arm", "file", "seeds", "bits/w", "bytes", "llama.cpp val loss", "over F32", "over bf16",
             "own train min (steps)", "missing"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -238,14 +238,20 @@ def paired_table(results, export_formats):
     return lines
 
 
+def markdown_head(results, about):
+    """A results.md's title and its first paragraph: where its figures come from (results_head's fields, the
+    devices where the study records them), then `about`, what its figures mean."""
+    devices = f"; device {', '.join(results['devices']) or '-'}" if "devices" in results else ""
+    return [f"# {results['study']}: {results['about']}", "",
+            f"Command: `{results['command']}`. Machine: {results['machine']}{devices}; torch "
+            f"{', '.join(results['torch']) or '-'}; commits {', '.join(results['commits']) or '-'}. Runs finished: "
+            f"{results['runs_finished']} of {results['runs_total']}. {about}", ""]
+
+
 def markdown(results):
     """results.md: the table a README can take whole."""
-    lines = [f"# {results['study']}: {results['about']}", "",
-             f"Command: `{results['command']}`. Machine: {results['machine']}; device "
-             f"{', '.join(results['devices']) or '-'}; torch {', '.join(results['torch']) or '-'}; commit "
-             f"{', '.join(results['commits']) or '-'}. Runs finished: {results['runs_finished']} of "
-             f"{results['runs_total']}. Seeds {results['seeds']}; ± is the standard deviation over seeds (n - 1); "
-             f"losses are the last evaluation's (PQN off).", ""]
+    lines = markdown_head(results, f"Seeds {results['seeds']}; ± is the standard deviation over seeds (n - 1); "
+                                   "losses are the last evaluation's (PQN off).")
     export_formats = list(dict.fromkeys(f for a in results["arms"] for f in a.get("export", {})))
     head = ["arm", "seeds done", "val loss", "train loss", "tokens", "wall min/run", "b_t mean [min, max]"]
     head += [f"val loss at {f} (increase)" for f in export_formats]
