@@ -63,7 +63,7 @@ def main(argv):
 if __name__ == "__main__":
     common.run(main)
 
-# Expected sizes, none measured here (this was written on a machine without network):
+# Expected sizes, from published counts, not measured by this repository (its tests run offline):
 # C4 en has 364,868,892 train and 364,608 validation documents (the dataset card). Dodge et al. (2021)
 # count ~156B tokens in its train split, with their own tokenizer, not GPT-2 BPE; RedPajama reports
 # ~175B Llama-tokenizer tokens for its copy of C4. So expect on the order of 150-180B gpt2 tokens in
