@@ -190,8 +190,8 @@ def for_a_user(rows):
         if not there:
             continue
         best = min(there, key=lambda r: r["val_loss"]["mean"])
-        ref = reference(best, refs)
-        size = {"class": label, "ours": brief(best), "reference": brief(ref) if ref else None}
+        ref = reference(best, refs)  # its losses over ours' seeds, so that a study half done compares like with like
+        size = {"class": label, "ours": brief(best), "reference": brief(ref, best["by_seed"]) if ref else None}
         if ref is not None:  # goal_met None: no llama.cpp loss of the F32 file recorded, so no share over it
             share = share_removed(best, ref)
             met = None if not share["n"] else share["n"] > 1 and share["mean"] - share["ci95"] >= GOAL_SHARE
@@ -203,16 +203,19 @@ def for_a_user(rows):
     if small and versus is not None:
         best = min(small, key=lambda r: r["val_loss"]["mean"])
         d, verdict = paired(best, versus)
-        lead = {"ours": brief(best), "versus": brief(versus), "minus_versus": d, "verdict": verdict,
+        lead = {"ours": brief(best), "versus": brief(versus, best["by_seed"]), "minus_versus": d, "verdict": verdict,
                 "at_least_as_good": d["n"] > 0 and d["mean"] <= 0}
     return {"sizes": sizes, "small": lead}
 
 
-def brief(r):
-    """A row as the user's table names it: its file, settings, bits and loss over the F32 file (mean over seeds)."""
-    return {"arm": r["arm"], "spec": r["spec"], "settings": r["settings"], "seeds": r["seeds"],
-            "bits_per_weight": r["bits_per_weight"]["mean"], "val_loss": r["val_loss"]["mean"],
-            "increase_f32_pct": r["increase_f32_pct"]["mean"] if r["increase_f32_pct"]["n"] else None}
+def brief(r, seeds=None):
+    """A row as the user's table names it: its file, settings, bits and llama.cpp loss, itself and over the F32
+    file of the same seed, means over its seeds (over those of `seeds` it has, when given)."""
+    seeds = sorted(set(r["by_seed"]) & set(r["by_seed"] if seeds is None else seeds), key=int)
+    over = stats([100 * (r["by_seed"][s] / r["f32_by_seed"][s] - 1) for s in seeds if s in r["f32_by_seed"]])
+    return {"arm": r["arm"], "spec": r["spec"], "settings": r["settings"], "seeds": len(seeds),
+            "bits_per_weight": r["bits_per_weight"]["mean"], "val_loss": stats([r["by_seed"][s] for s in seeds])["mean"],
+            "increase_f32_pct": over["mean"]}
 
 
 def for_a_user_markdown(user):
@@ -232,8 +235,10 @@ def for_a_user_markdown(user):
         elif s["reference"] and s["removed_pytorch"]["n"]:
             share = f"F32 not recorded; over bf16 {ci(s['removed_pytorch'], 2)}"
         lines.append(f"| {s['class']} | {ref} | {file(s['ours'])} | {share} | {met} |")
-    lines += ["", "At least half: the share's 95 % interval lies at or above 0.5 (two seeds or more). Ours is made "
-              "by the arm's settings (the arms list at the end), then `export.py --gguf=True` of its format."]
+    lines += ["", "Over F32: the file's llama.cpp val loss over the F32 file's of the same seed, the mean over the "
+              "seeds ours has finished, for both files. At least half: the share's 95 % interval lies at or above 0.5 "
+              "(two seeds or more). Ours is made by the arm's settings (the arms list at the end), then "
+              "`export.py --gguf=True` of its format."]
     lead = user["small"]
     if lead is not None:
         o, v, d = lead["ours"], lead["versus"], lead["minus_versus"]
