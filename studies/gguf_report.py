@@ -122,6 +122,16 @@ def share_removed(r, ref, base="f32_by_seed"):
     return interval([(ref["by_seed"][s] - r["by_seed"][s]) / (ref["by_seed"][s] - ref[base][s]) for s in seeds])
 
 
+def lowest_first(rows):
+    """rows by their mean val loss over the seeds they all have: a seed's data moves every file's loss alike, more
+    than files differ, so the means over different seeds (a study half done) would rank the seeds; over each
+    row's own seeds where they share none."""
+    common = set.intersection(*(set(r["by_seed"]) for r in rows)) if rows else set()
+    if not common:
+        return sorted(rows, key=lambda r: r["val_loss"]["mean"])
+    return sorted(rows, key=lambda r: sum(r["by_seed"][s] for s in common) / len(common))
+
+
 def reference(r, refs):
     """The best file a llama.cpp user can make in no more bytes than r: of refs (llama-quantize's files with the
     importance matrix), the one of the lowest mean llama.cpp val loss among those whose block Linears hold no more
@@ -131,14 +141,14 @@ def reference(r, refs):
 
 
 def gguf_findings(rows):
-    """Per size class (CLASSES' order): its rows by mean val loss, the lowest, each other's paired
+    """Per size class (CLASSES' order): its rows, lowest first (lowest_first), the lowest, each other's paired
     difference to it; and for each trained file its reference (the best llama.cpp imatrix file of no more
     bytes, of any class) and the share of the reference's loss it removes, over llama.cpp's F32 file and
     over PyTorch's FP32 loss."""
     findings = []
     refs = [r for r in rows if r["imatrix"] and r["seeds"]]
     for label, _, _ in CLASSES:
-        rs = sorted((r for r in rows if r["class"] == label and r["seeds"]), key=lambda r: r["val_loss"]["mean"])
+        rs = lowest_first([r for r in rows if r["class"] == label and r["seeds"]])
         if not rs:
             continue
         others = []
@@ -189,7 +199,7 @@ def for_a_user(rows):
         there = [r for r in ours if r["class"] == label]
         if not there:
             continue
-        best = min(there, key=lambda r: r["val_loss"]["mean"])
+        best = lowest_first(there)[0]
         ref = reference(best, refs)  # its losses over ours' seeds, so that a study half done compares like with like
         size = {"class": label, "ours": brief(best), "reference": brief(ref, best["by_seed"]) if ref else None}
         if ref is not None:  # goal_met None: no llama.cpp loss of the F32 file recorded, so no share over it
@@ -201,7 +211,7 @@ def for_a_user(rows):
     versus = next((r for r in refs if r["spec"] == SMALL_VERSUS), None)
     lead = None
     if small and versus is not None:
-        best = min(small, key=lambda r: r["val_loss"]["mean"])
+        best = lowest_first(small)[0]
         d, verdict = paired(best, versus)
         lead = {"ours": brief(best), "versus": brief(versus, best["by_seed"]), "minus_versus": d, "verdict": verdict,
                 "at_least_as_good": d["n"] > 0 and d["mean"] <= 0}
@@ -214,8 +224,8 @@ def brief(r, seeds=None):
     seeds = sorted(set(r["by_seed"]) & set(r["by_seed"] if seeds is None else seeds), key=int)
     over = stats([100 * (r["by_seed"][s] / r["f32_by_seed"][s] - 1) for s in seeds if s in r["f32_by_seed"]])
     return {"arm": r["arm"], "spec": r["spec"], "settings": r["settings"], "seeds": len(seeds),
-            "bits_per_weight": r["bits_per_weight"]["mean"], "val_loss": stats([r["by_seed"][s] for s in seeds])["mean"],
-            "increase_f32_pct": over["mean"]}
+            "bits_per_weight": r["bits_per_weight"]["mean"],
+            "val_loss": stats([r["by_seed"][s] for s in seeds])["mean"], "increase_f32_pct": over["mean"]}
 
 
 def for_a_user_markdown(user):
@@ -413,13 +423,14 @@ def gguf_markdown(results):
              "its phase: its time is its own steps times its median logged time a step.")
     lines = markdown_head(results, about)
     lines += ["## What it says", "",
-              "Per size class (bits per weight of the block Linears), the file with the lowest llama.cpp val loss, "
-              "then each other file's val loss minus that one's, paired by seed (inside the noise when the 95 % "
-              "interval holds 0); and, for each trained file, the share of the loss of the best file a llama.cpp "
-              "user can make in no more bytes (llama-quantize's with the importance matrix, Q, K or IQ, of the "
-              "lowest mean val loss among those whose block Linears hold no more bits per weight) that it removes, "
-              "(L_llama.cpp - L_file) / (L_llama.cpp - L_F32) per seed, and the same over PyTorch's loss, L_bf16 in "
-              "place of L_F32 (1: all of it, 0: none, below 0: worse than llama.cpp):", "",
+              "Per size class (bits per weight of the block Linears), the file with the lowest llama.cpp val loss "
+              "(the mean over the seeds every file of the class has), then each other file's val loss minus that "
+              "one's, paired by seed (inside the noise when the 95 % interval holds 0); and, for each trained file, "
+              "the share of the loss of the best file a llama.cpp user can make in no more bytes (llama-quantize's "
+              "with the importance matrix, Q, K or IQ, of the lowest mean val loss among those whose block Linears "
+              "hold no more bits per weight) that it removes, (L_llama.cpp - L_file) / (L_llama.cpp - L_F32) per "
+              "seed, and the same over PyTorch's loss, L_bf16 in place of L_F32 (1: all of it, 0: none, below 0: "
+              "worse than llama.cpp):", "",
               *findings_markdown(results["findings"]), "",
               "## For a user: the best file of each size", "", *for_a_user_markdown(results["for_a_user"]), "",
               "## The unquantized model: the denominators", "", *unquantized_markdown(results["rows"]), "",
