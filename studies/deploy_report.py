@@ -8,7 +8,7 @@ from studies.definitions import BUDGET, MIX_PHASE, PHASE, arm_label, run_name
 from studies.exports import export_losses
 from studies.plots import deploy_panel, plot_deploy
 from studies.report import done_figures, fmt_stats, markdown_head, own_step_s, results_head, write_results
-from studies.stats import interval, stats
+from studies.stats import interval, lowest_first, paired, stats
 
 
 def parameters(config):
@@ -98,13 +98,10 @@ def deploy_findings(rows):
             groups.setdefault((r["steps"], deploy_panel(r["format"])), []).append(r)
     findings = []
     for (steps, group), rs in sorted(groups.items(), key=lambda kv: -kv[0][0]):
-        rs = sorted(rs, key=lambda r: r["exported"]["mean"])
+        rs = lowest_first(rs, lambda r: r["exported_by_seed"])
         best, others = rs[0], []
         for r in rs[1:]:
-            seeds = sorted(set(r["exported_by_seed"]) & set(best["exported_by_seed"]), key=int)
-            d = interval([r["exported_by_seed"][s] - best["exported_by_seed"][s] for s in seeds])
-            verdict = ("one seed" if d["n"] == 1 else "no common seed" if not d["n"]
-                       else "inside the noise" if abs(d["mean"]) <= d["ci95"] else "outside the noise")
+            d, verdict = paired(r["exported_by_seed"], best["exported_by_seed"])
             others.append({"arm": r["arm"], "format": r["format"], "increase_pct": r["increase_pct"]["mean"],
                            "minus_best": d, "verdict": verdict})
         findings.append({"steps": steps, "tokens_per_param": best["tokens_per_param"], "group": group,

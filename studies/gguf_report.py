@@ -26,7 +26,7 @@ from studies.gguf_tensors import chosen_markdown, chosen_types, sensitivity_mark
 from studies.plots import plot_gguf
 from studies.records import check_gguf_files
 from studies.report import done_figures, markdown_head, own_step_s, results_head, write_results
-from studies.stats import interval, stats
+from studies.stats import interval, lowest_first, paired, stats
 
 # (label, lowest bits per weight, up to (not including)), on the study's GPT2 and Llama: Q8_0; Q5_K_M (5.8) and
 # Q6_K (6.56); Q4_K_M (5.10, the Llama's 4.82); Q4_0, IQ4_NL and the other grids of 4.5 bits; IQ4_XS (4.25) with
@@ -104,13 +104,9 @@ def gguf_rows(study, runs):
     return rows
 
 
-def paired(r, best):
-    """r's val loss minus best's, paired by seed, with its 95 % interval and what it says."""
-    seeds = sorted(set(r["by_seed"]) & set(best["by_seed"]), key=int)
-    d = interval([r["by_seed"][s] - best["by_seed"][s] for s in seeds])
-    verdict = ("one seed" if d["n"] == 1 else "no common seed" if not d["n"]
-               else "inside the noise" if abs(d["mean"]) <= d["ci95"] else "outside the noise")
-    return d, verdict
+def seed_losses(r):
+    """A row's llama.cpp val loss per seed."""
+    return r["by_seed"]
 
 
 def share_removed(r, ref, base="f32_by_seed"):
@@ -122,16 +118,6 @@ def share_removed(r, ref, base="f32_by_seed"):
     return interval([(ref["by_seed"][s] - r["by_seed"][s]) / (ref["by_seed"][s] - ref[base][s]) for s in seeds])
 
 
-def lowest_first(rows):
-    """rows by their mean val loss over the seeds they all have: a seed's data moves every file's loss alike, more
-    than files differ, so the means over different seeds (a study half done) would rank the seeds; over each
-    row's own seeds where they share none."""
-    common = set.intersection(*(set(r["by_seed"]) for r in rows)) if rows else set()
-    if not common:
-        return sorted(rows, key=lambda r: r["val_loss"]["mean"])
-    return sorted(rows, key=lambda r: sum(r["by_seed"][s] for s in common) / len(common))
-
-
 def reference(r, refs):
     """The best file a llama.cpp user can make in no more bytes than r: of refs (llama-quantize's files with the
     importance matrix), the one of the lowest mean llama.cpp val loss among those whose block Linears hold no more
@@ -141,19 +127,19 @@ def reference(r, refs):
 
 
 def gguf_findings(rows):
-    """Per size class (CLASSES' order): its rows, lowest first (lowest_first), the lowest, each other's paired
+    """Per size class (CLASSES' order): its rows, lowest first (over the seeds they all have), the lowest, each other's paired
     difference to it; and for each trained file its reference (the best llama.cpp imatrix file of no more
     bytes, of any class) and the share of the reference's loss it removes, over llama.cpp's F32 file and
     over PyTorch's FP32 loss."""
     findings = []
     refs = [r for r in rows if r["imatrix"] and r["seeds"]]
     for label, _, _ in CLASSES:
-        rs = lowest_first([r for r in rows if r["class"] == label and r["seeds"]])
+        rs = lowest_first([r for r in rows if r["class"] == label and r["seeds"]], seed_losses)
         if not rs:
             continue
         others = []
         for r in rs[1:]:
-            d, verdict = paired(r, rs[0])
+            d, verdict = paired(r["by_seed"], rs[0]["by_seed"])
             others.append({"arm": r["arm"], "spec": r["spec"], "minus_best": d, "verdict": verdict})
         shares = []
         for r in (r for r in rs if not r["llama_cpp"]):
@@ -199,7 +185,7 @@ def for_a_user(rows):
         there = [r for r in ours if r["class"] == label]
         if not there:
             continue
-        best = lowest_first(there)[0]
+        best = lowest_first(there, seed_losses)[0]
         ref = reference(best, refs)  # its losses over ours' seeds, so that a study half done compares like with like
         size = {"class": label, "ours": brief(best), "reference": brief(ref, best["by_seed"]) if ref else None}
         if ref is not None:  # goal_met None: no llama.cpp loss of the F32 file recorded, so no share over it
@@ -211,8 +197,8 @@ def for_a_user(rows):
     versus = next((r for r in refs if r["spec"] == SMALL_VERSUS), None)
     lead = None
     if small and versus is not None:
-        best = lowest_first(small)[0]
-        d, verdict = paired(best, versus)
+        best = lowest_first(small, seed_losses)[0]
+        d, verdict = paired(best["by_seed"], versus["by_seed"])
         lead = {"ours": brief(best), "versus": brief(versus, best["by_seed"]), "minus_versus": d, "verdict": verdict,
                 "at_least_as_good": d["n"] > 0 and d["mean"] <= 0}
     return {"sizes": sizes, "small": lead}

@@ -67,3 +67,25 @@ def interval(values):
     s = stats(values)
     s["ci95"] = t_quantile(0.975, s["n"] - 1) * s["std"] / math.sqrt(s["n"]) if s["n"] > 1 else None
     return s
+
+
+def paired(by_seed, best_by_seed):
+    """by_seed's values minus best_by_seed's ({seed: value} each), over the seeds both have, as interval() gives
+    them, and what they say: one seed, no common seed, inside the noise (the 95 % interval holds 0) or outside."""
+    seeds = sorted(set(by_seed) & set(best_by_seed), key=int)
+    d = interval([by_seed[s] - best_by_seed[s] for s in seeds])
+    verdict = ("one seed" if d["n"] == 1 else "no common seed" if not d["n"]
+               else "inside the noise" if abs(d["mean"]) <= d["ci95"] else "outside the noise")
+    return d, verdict
+
+
+def lowest_first(rows, by_seed):
+    """rows by their mean value over the seeds they all have (by_seed(row): {seed: value}): a seed's data moves
+    every arm's loss alike, more than arms differ, so means over different seeds (a study half done) would rank
+    the seeds; each over its own seeds where they share none."""
+    common = set.intersection(*(set(by_seed(r)) for r in rows)) if rows else set()
+    def mean(r):
+        values = by_seed(r)
+        seeds = common or values
+        return sum(values[s] for s in seeds) / len(seeds)
+    return sorted(rows, key=mean)
