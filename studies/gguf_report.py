@@ -127,8 +127,8 @@ def reference(r, refs):
 
 
 def gguf_findings(rows):
-    """Per size class (CLASSES' order): its rows, lowest first (over the seeds they all have), the lowest, each other's paired
-    difference to it; and for each trained file its reference (the best llama.cpp imatrix file of no more
+    """Per size class (CLASSES' order): its rows, lowest first (over the seeds they all have), each other's
+    paired difference to the lowest; and for each trained file its reference (the best llama.cpp imatrix file of no more
     bytes, of any class) and the share of the reference's loss it removes, over llama.cpp's F32 file and
     over PyTorch's FP32 loss."""
     findings = []
@@ -186,7 +186,8 @@ def for_a_user(rows):
         if not there:
             continue
         best = lowest_first(there, seed_losses)[0]
-        ref = reference(best, refs)  # its losses over ours' seeds, so that a study half done compares like with like
+        ref = reference(best, refs)
+        # llama.cpp's file over ours' seeds, so that a study half done compares like with like
         size = {"class": label, "ours": brief(best), "reference": brief(ref, best["by_seed"]) if ref else None}
         if ref is not None:  # goal_met None: no llama.cpp loss of the F32 file recorded, so no share over it
             share = share_removed(best, ref)
@@ -207,7 +208,7 @@ def for_a_user(rows):
 def brief(r, seeds=None):
     """A row as the user's table names it: its file, settings, bits and llama.cpp loss, itself and over the F32
     file of the same seed, means over its seeds (over those of `seeds` it has, when given)."""
-    seeds = sorted(set(r["by_seed"]) & set(r["by_seed"] if seeds is None else seeds), key=int)
+    seeds = sorted(set(r["by_seed"]) if seeds is None else set(r["by_seed"]) & set(seeds), key=int)
     over = stats([100 * (r["by_seed"][s] / r["f32_by_seed"][s] - 1) for s in seeds if s in r["f32_by_seed"]])
     return {"arm": r["arm"], "spec": r["spec"], "settings": r["settings"], "seeds": len(seeds),
             "bits_per_weight": r["bits_per_weight"]["mean"],

@@ -383,14 +383,21 @@ def report(root):
         return results, f.read(), written
 
 
+def write_study(tmp_path):
+    """The hand-made runs of FILES as they stand (seeds 1-2 of every arm, seed 3 of the trunk and the q4_0 STE
+    phase) under a new root: its path."""
+    root = str(tmp_path / "root")
+    for i in range(len(STUDY["arms"])):
+        for seed in (1, 2, 3) if i in (0, 1) else (1, 2):
+            write_run(root, i, seed)
+    return root
+
+
 @pytest.fixture
 def reported(tmp_path):
     """The report of the hand-made runs (seeds 1-2 of every arm, seed 3 of the trunk and the q4_0 STE
     phase): (root, results.json, results.md, the paths written)."""
-    root = str(tmp_path / "root")
-    for i, a in enumerate(STUDY["arms"]):
-        for seed in (1, 2, 3) if i in (0, 1) else (1, 2):
-            write_run(root, i, seed)
+    root = write_study(tmp_path)
     return (root, *report(root))
 
 
@@ -463,11 +470,7 @@ def test_files_are_ranked_over_the_seeds_they_all_have_not_each_over_its_own(tmp
     and the user's table name q4_k the lowest of ~4.5 bits, and the user's table gives llama.cpp's file over
     q4_k's seeds."""
     monkeypatch.setitem(FILES, 2, ({1: 1.212, 2: 1.222}, 4.5))
-    root = str(tmp_path / "root")
-    for i, a in enumerate(STUDY["arms"]):
-        for seed in (1, 2, 3) if i in (0, 1) else (1, 2):
-            write_run(root, i, seed)
-    results, text, _ = report(root)
+    results, text, _ = report(write_study(tmp_path))
     f = next(f for f in results["findings"] if f["class"] == "~4.5")
     assert (f["best"]["spec"], f["best"]["seeds"]) == ("q4_k", 2)
     assert [o["spec"] for o in f["others"]][:2] == ["q4_0", "iq4_nl"]
@@ -527,11 +530,7 @@ def test_the_users_table_gives_per_size_our_lowest_file_against_llama_cpps_best_
     phase is made to remove about 85 % here, the one size that meets it. Then the lowest trained file of
     2.6-3.2 bits against Q3_K_M+imatrix, paired by seed."""
     monkeypatch.setitem(FILES, 6, ({1: 1.206, 2: 1.215}, 4.25))
-    root = str(tmp_path / "root")
-    for i, a in enumerate(STUDY["arms"]):
-        for seed in (1, 2, 3) if i in (0, 1) else (1, 2):
-            write_run(root, i, seed)
-    results, text, _ = report(root)
+    results, text, _ = report(write_study(tmp_path))
     sizes = {s["class"]: s for s in results["for_a_user"]["sizes"]}
     want = {"~4.5": 1, "~3.9-4.3": 6, "~3.4": 9, "~2.7-3.2": 11, "~2.3-2.6": 4}
     assert list(sizes) == list(want)
