@@ -436,8 +436,8 @@ def gguf_markdown(results):
                                 for r in results["rows"]))
     lines += ["", "Plot: plots/gguf.png (llama.cpp val loss over each seed's bf16 model, mean and std over seeds, "
               "against the block Linears' bits per weight: llama.cpp's quantizer with and without the importance "
-              "matrix as curves, the trained files as points, and the lowest trained file at each size as a "
-              "curve).", ""]
+              "matrix as curves, the trained files as points, and the lowest trained file at each size, over the "
+              "seeds the files of that size share, as a curve).", ""]
     return "\n".join(lines)
 
 

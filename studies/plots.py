@@ -5,6 +5,7 @@ parameter, and pareto.png, the exported val loss against bits per weight; the ll
 import os
 
 from figures import DPI, FIGSIZE, pyplot
+from studies.stats import lowest_first
 
 DEPLOY_MARKERS = "osD^vP*Xh<>p"
 
@@ -84,24 +85,25 @@ def gguf_curves(rows):
     """The curves of gguf.png from gguf_report.gguf_rows' files done: {name: [(bits per weight, mean
     increase over the seed's bf16 in %, its std over seeds, label), ...] by size}: llama-quantize with the
     importance matrix, without it, each trained arm kind's files, and "trained files, lowest at each
-    size", the trained file with the lowest mean increase at each size (the trained curve beside
-    llama.cpp's)."""
-    curves = {}
+    size", the trained curve beside llama.cpp's: at each size the trained file whose increase is lowest in
+    the mean over the seeds all files of that size have, as the report's tables rank them (a study half done
+    has files of one seed beside files of three)."""
+    curves, trained = {}, {}
     for r in (r for r in rows if r["increase_pct"]["n"]):  # done, and its seed's trunk too (the curves' zero)
         kind = ("llama-quantize with imatrix" if r["imatrix"] else "llama-quantize without imatrix" if r["llama_cpp"]
                 else r["arm"].split(" at ")[0])
         inc = r["increase_pct"]
-        curves.setdefault(kind, []).append((r["bits_per_weight"]["mean"], inc["mean"], inc["std"] or 0.0,
-                                            r["spec"].removesuffix("+imatrix")))
-    lowest = {}
-    for kind, points in curves.items():
-        for p in points if not kind.startswith("llama-quantize") else ():
-            size = round(p[0], 1)  # a mix lands a little under its budget: one size with the type it matches
-            if size not in lowest or p[1] < lowest[size][1]:
-                lowest[size] = p
+        point = (r["bits_per_weight"]["mean"], inc["mean"], inc["std"] or 0.0, r["spec"].removesuffix("+imatrix"))
+        curves.setdefault(kind, []).append(point)
+        if not r["llama_cpp"]:  # a mix lands a little under its budget: one size with the type it matches
+            trained.setdefault(round(point[0], 1), []).append((r, point))
     curves = {kind: sorted(points) for kind, points in curves.items()}
-    if lowest:
-        curves["trained files, lowest at each size"] = sorted(lowest.values())
+    if trained:
+        def increases(rp):
+            r = rp[0]
+            return {s: 100 * (v / r["bf16_by_seed"][s] - 1) for s, v in r["by_seed"].items() if s in r["bf16_by_seed"]}
+        curves["trained files, lowest at each size"] = sorted(lowest_first(files, increases)[0][1]
+                                                              for files in trained.values())
     return curves
 
 

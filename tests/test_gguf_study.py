@@ -628,6 +628,22 @@ def test_the_figures_curves_are_each_files_loss_over_its_seeds_bf16_and_the_lowe
         "q2_k", "auto-gguf@3.1666", "auto-gguf@3.4375", "iq4_xs", "auto-gguf@4.2708", "q4_0"]
 
 
+def test_the_figures_trained_curve_ranks_a_sizes_files_over_the_seeds_they_share(tmp_path, monkeypatch):
+    """q4_0's seed 3 (only q4_0 has it) lies close to its bf16: over its own seeds q4_0's mean increase is the
+    lowest of ~4.5 bits, yet q4_k's is lower in both seeds they share. The curve takes q4_k, as the tables do."""
+    monkeypatch.setitem(FILES, 1, ({1: 1.215, 2: 1.224, 3: 1.192}, 4.5))
+    monkeypatch.setitem(FILES, 2, ({1: 1.212, 2: 1.222}, 4.5))
+
+    def increases(key):
+        return {s: 100 * (v - BF16[s]) / BF16[s] for s, v in FILES[key][0].items()}
+    q4_0, q4_k = increases(1), increases(2)
+    assert sum(q4_0.values()) / 3 < sum(q4_k.values()) / 2  # the fixture's point: own seeds rank q4_0 first
+    assert all(q4_k[s] < q4_0[s] for s in (1, 2))
+    results, _, _ = report(write_study(tmp_path))
+    curve = plots.gguf_curves(results["rows"])["trained files, lowest at each size"]
+    assert [label for bits, *_, label in curve if bits == 4.5] == ["q4_k"]
+
+
 def test_the_figure_is_written(reported):
     root, _, _, written = reported
     path = os.path.join(root, "gguf", "plots", "gguf.png")
