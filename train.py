@@ -28,6 +28,7 @@ and what it records in metrics.jsonl, is progress.py's.
 """
 import json
 import os
+import shlex
 import sys
 import time
 from contextlib import ExitStack
@@ -360,6 +361,18 @@ def for_training(c, proc, model):
 
 # --- the loop's: learning rate, logging, evaluation, checkpoints, stopping --------------------------
 
+def exported_hint(c):
+    """For a run of a PQT or STE method: the line saying that its val losses are its master weights' (noise
+    off, no rounding; an STE run's w moves off its grid, so they can lie above the rounded model's) and how to
+    measure the model export writes; none for bf16."""
+    if c["method"] == "bf16":
+        return []
+    fmt = c["target_format"] or "auto"
+    budget = f" --bits_per_weight={c['bits_per_weight']:g}" if c["bits_per_weight"] else ""
+    return [f"val losses: of the master weights; the {fmt} model export writes: "
+            f"python export.py --out_dir={shlex.quote(c['out_dir'])} --format={fmt}{budget}"]
+
+
 def evaluate(c, proc, model, splits, iter_num, metrics, **eval_args):
     """{split: loss} of the model at step iter_num on the fixed evaluation batches, noise off
     (data/loader.estimate_loss); printed and logged, and the b_t histograms sent to wandb."""
@@ -487,7 +500,7 @@ def _main(argv, resources):
             metrics.log(record)
             proc.say(report.line(record), flush=True)
     if not c["eval_only"]:
-        for line in report.summary(iter_num, best_val_loss, proc.dev):
+        for line in [*report.summary(iter_num, best_val_loss, proc.dev), *exported_hint(c)]:
             proc.say(line)
     if proc.ddp:
         # DDP's reducer and fully_shard keep the gloo process group referenced from C++, so

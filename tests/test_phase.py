@@ -281,6 +281,27 @@ def test_ste_from_the_first_step_learns(data_dir, tmp_path):
     assert np.mean([losses[i] for i in (28, 29, 30)]) < np.mean([losses[i] for i in (1, 2, 3)]) - 1.0
 
 
+def test_a_run_ends_with_the_export_that_measures_its_model_beside_its_master_weights_val_loss(data_dir, tmp_path,
+                                                                                              capsys):
+    """train.py's val losses are the master weights' (eval mode: no noise, no rounding). A PQT or STE run's last
+    line says so and gives export.py's command for the model it trained toward; that command, run as printed,
+    measures the run's last val loss as the unquantized one and the int3 model's beside it. A bf16 run has no
+    such line."""
+    capsys.readouterr()
+    train.main(tiny(data_dir, tmp_path / "ste", method="ste[all]", target_format="int3", max_iters=10,
+                    lr_decay_iters=10))
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    command = f"python export.py --out_dir={tmp_path / 'ste'} --format=int3"
+    assert last == f"val losses: of the master weights; the int3 model export writes: {command}"
+    summary = tmp_path / "export.json"
+    assert util.cli(E.main, [*command.split()[2:], f"--json={summary}"]) == 0
+    (measured,) = json.loads(summary.read_text())["exports"]
+    assert measured["val_loss_unquantized"] == pytest.approx(curve(tmp_path / "ste", "val/loss")[10], rel=1e-6)
+    assert measured["val_loss"] != pytest.approx(measured["val_loss_unquantized"], rel=1e-6)
+    train.main(tiny(data_dir, tmp_path / "bf16", method="bf16", max_iters=5, lr_decay_iters=5))
+    assert "val losses: " not in capsys.readouterr().out
+
+
 @pytest.fixture(scope="module")
 def trunk(data_dir, tmp_path_factory):
     """The bf16 run stopped at the switch step (its schedule still that of STEPS): its ckpt.pt is the

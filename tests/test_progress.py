@@ -73,14 +73,17 @@ def test_the_run_says_where_it_starts_and_in_which_dtype(tiny_run, tiny_corpus, 
 
 
 def test_the_summary_gives_val_losses_tokens_time_and_peak_memory(tiny_run):
-    _, lines, records = tiny_run
+    """... and, the run being gaussws's, whose val losses those are and export's command for its model."""
+    out, lines, records = tiny_run
     vals = {r["iter"]: r["val/loss"] for r in records if "val/loss" in r}
     assert sorted(vals) == [0, 3, 6]
-    assert lines[-3] == f"val loss: {vals[6]:.4f} at step 6, best {min(vals.values()):.4f}"
+    assert lines[-4] == f"val loss: {vals[6]:.4f} at step 6, best {min(vals.values()):.4f}"
     tokens = 6 * TINY_RUN["batch_size"] * TINY_RUN["block_size"]
-    assert re.fullmatch(rf"trained: steps 0-6, {tokens:,} tokens in \d+s", lines[-2]), lines[-2]
-    m = re.fullmatch(r"peak memory: ([\d,]+) MiB \(the process's peak RSS\)", lines[-1])
-    assert m and 100 < int(m[1].replace(",", "")) < 64 * 1024, lines[-1]  # python + torch, less than the machine
+    assert re.fullmatch(rf"trained: steps 0-6, {tokens:,} tokens in \d+s", lines[-3]), lines[-3]
+    m = re.fullmatch(r"peak memory: ([\d,]+) MiB \(the process's peak RSS\)", lines[-2])
+    assert m and 100 < int(m[1].replace(",", "")) < 64 * 1024, lines[-2]  # python + torch, less than the machine
+    assert lines[-1] == (f"val losses: of the master weights; the auto model export writes: "
+                         f"python export.py --out_dir={out} --format=auto")
 
 
 def test_eta_is_the_mean_pace_since_the_first_step_times_the_steps_left(monkeypatch):
