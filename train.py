@@ -368,7 +368,8 @@ def exported_hint(c):
     if c["method"] == "bf16":
         return []
     fmt = c["target_format"] or "auto"
-    budget = f" --bits_per_weight={c['bits_per_weight']:g}" if c["bits_per_weight"] else ""
+    # repr: export takes the run's own budget only exactly (quant/budget.trained_ggml_types)
+    budget = f" --bits_per_weight={c['bits_per_weight']!r}" if c["bits_per_weight"] else ""
     return [f"val losses: of the master weights; the {fmt} model export writes: "
             f"python export.py --out_dir={shlex.quote(c['out_dir'])} --format={fmt}{budget}"]
 

@@ -336,7 +336,7 @@ def trained_ggml_types(state_dict, pqt, quantized, fmt_name, budget):
     target, trained_budget = pqt.get("target_format"), pqt.get("bits_per_weight")
     if target in GGUF_BUDGETS and (target, trained_budget) != (fmt_name, budget):
         raise BudgetError(f"{asked}, and this run trained {target} at {trained_budget:g} bits per weight: export it "
-                          f"with --format={target} --bits_per_weight={trained_budget:g}")
+                          f"with --format={target} --bits_per_weight={trained_budget!r}")
     missing = [k for k in quantized if k not in found]
     if target != fmt_name or missing:
         raise BudgetError(f"{asked}, and {'this run' if target != fmt_name else missing[0]} trained none (method "

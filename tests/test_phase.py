@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shlex
 
 import numpy as np
 import pytest
@@ -300,6 +301,16 @@ def test_a_run_ends_with_the_export_that_measures_its_model_beside_its_master_we
     assert measured["val_loss"] != pytest.approx(measured["val_loss_unquantized"], rel=1e-6)
     train.main(tiny(data_dir, tmp_path / "bf16", method="bf16", max_iters=5, lr_decay_iters=5))
     assert "val losses: " not in capsys.readouterr().out
+
+
+def test_the_export_command_of_a_runs_last_line_gives_its_budget_exactly_and_its_directory_quoted():
+    """export takes a run's own bit budget only exactly: 3.16666667 printed with 6 digits would be refused."""
+    c = dict(method="gaussws[all]", target_format="auto-gguf", bits_per_weight=3.16666667, out_dir="out/a run")
+    (line,) = train.exported_hint(c)
+    argv = shlex.split(line.split(": ", 2)[2])
+    assert argv[:3] == ["python", "export.py", "--out_dir=out/a run"]
+    assert argv[3:] == ["--format=auto-gguf", "--bits_per_weight=3.16666667"]
+    assert float(argv[4].split("=")[1]) == c["bits_per_weight"]
 
 
 @pytest.fixture(scope="module")
