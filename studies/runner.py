@@ -7,7 +7,9 @@ evaluation at max_iters, every loss finite and sane), so a run that was killed i
 last checkpoint (--init_from=resume: the same losses as an uninterrupted run), and a finished one is
 skipped. A run that train.py stops as diverged (it writes diverged.json: the step, and whether the
 loss, the gradient norm, the eval loss, the weights or b_t went wrong) is recorded as diverged, not
-retried: the same seed diverges again.
+retried: the same seed diverges again. An arm forks from its trunk's kept checkpoint; a trunk known
+only by its records (committed ones lack checkpoints) is trained again to that step, and the arm forks
+from the result only if every loss is the recorded one, bit for bit (remake_kept).
 
 Two runners may share the runs (two studies with the same bf16 runs, in two shells): a runner holds a
 run directory's lock (.study.lock) while it trains, resumes or exports that run, and takes it only
@@ -16,6 +18,7 @@ does the others first, then waits for it, and skips it when the other has finish
 """
 import collections
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -99,26 +102,121 @@ def launch(name, a, seed, run_dir, nproc, echo):
     resume = os.path.exists(ckpt)  # else a new run: train.py starts its metrics afresh
     start = [f"--init_from={'resume' if resume else 'scratch'}"]
     if a.get("trunk") and not resume:
-        trunk = run_name(a["trunk"], seed)
-        fork = os.path.join(os.path.dirname(run_dir), trunk, f"ckpt_{a['overrides']['pqt_start']}.pt")
-        if not os.path.exists(fork):
-            print(f"  {name}: its trunk {trunk} has not kept {os.path.basename(fork)} yet; run it first")
+        fork = fork_checkpoint(a, seed, os.path.dirname(run_dir), nproc, echo)
+        if fork is None:
             return None
         start = ["--init_from=scratch", f"--fork_from={fork}"]
-    for step in a.get("keep", ()):
+    rc, tail, start = train_segments(args, run_dir, record, start, a.get("keep", ()), nproc, echo)
+    if rc == 0:
+        rc, tail = run_train(launcher(nproc) + args + start, nproc, run_dir, record, echo)
+    return finish(name, a, run_dir, record, rc, tail)
+
+
+def train_segments(args, run_dir, record, start, steps, nproc, echo):
+    """train.py to each step of steps in turn from start, each one's checkpoint kept as ckpt_<step>.pt
+    (a step already kept is not trained again). Returns (exit status, output's tail, the start of what
+    follows): the status of the segment that failed, else 0."""
+    for step in steps:
         kept_ckpt = os.path.join(run_dir, f"ckpt_{step}.pt")
         if os.path.exists(kept_ckpt):
             continue
         rc, tail = run_train(launcher(nproc) + args + [f"--max_iters={step}"] + start, nproc, run_dir, record, echo)
         if rc != 0:
-            return finish(name, a, run_dir, record, rc, tail)
+            return rc, tail, start
         try:
-            ckpt_io.copy(ckpt, kept_ckpt)
+            ckpt_io.copy(os.path.join(run_dir, "ckpt.pt"), kept_ckpt)
         except ckpt_io.CheckpointError as e:
             raise StudyError(str(e)) from None
         start = ["--init_from=resume"]
-    rc, tail = run_train(launcher(nproc) + args + start, nproc, run_dir, record, echo)
-    return finish(name, a, run_dir, record, rc, tail)
+    return 0, [], start
+
+
+# --- a trunk's kept checkpoint, remade --------------------------------------------------------------
+# A study's records are kept (studies/results) but not its checkpoints, so on a fresh clone, or another
+# machine, a finished trunk lacks the ckpt_<step>.pt its arms fork from. The runner then trains the trunk
+# again to that step, beside its records (TRUNK/remade), and lets the arm fork from the result only if
+# every loss it logged on the way is bit for bit the one the trunk recorded: a resumed or repeated run
+# repeats an uninterrupted one, so equal losses say the remade checkpoint is the trunk's; any other
+# machine, thread count or torch that changes a bit is refused, and the arm is not run.
+REMADE = "remade"
+
+
+def fork_checkpoint(a, seed, runs, nproc, echo):
+    """The checkpoint arm a (seed) forks from, its trunk's ckpt_<pqt_start>.pt under runs; remade
+    (remake_kept) when the trunk finished without it. None while the trunk has not reached it, or when
+    it could not be remade."""
+    trunk, step = run_name(a["trunk"], seed), a["overrides"]["pqt_start"]
+    trunk_dir = os.path.join(runs, trunk)
+    fork = os.path.join(trunk_dir, f"ckpt_{step}.pt")
+    if os.path.exists(fork):
+        return fork
+    done = read_json(os.path.join(trunk_dir, "done.json"))
+    if done is None or done["status"] != "finished":
+        print(f"  {run_name(a, seed)}: its trunk {trunk} has not kept {os.path.basename(fork)} yet; run it first")
+        return None
+    return remake_kept(a["trunk"], seed, trunk_dir, step, nproc, echo)
+
+
+def remake_kept(trunk_arm, seed, trunk_dir, step, nproc, echo):
+    """The finished trunk's ckpt_<step>.pt, made again: train.py on the trunk's own arguments in
+    trunk_dir/remade (resumed there if stopped), to the kept steps up to step; copied into trunk_dir
+    only when its losses are the trunk's (first_difference). None, with one line saying why, if not."""
+    trunk, fork = os.path.basename(trunk_dir), os.path.join(trunk_dir, f"ckpt_{step}.pt")
+    scratch = os.path.join(trunk_dir, REMADE)
+    held = claim(scratch, wait=True)  # a second runner remaking the same trunk waits, then takes its result
+    with held:
+        if os.path.exists(fork):
+            return fork
+        print(f"  {trunk} finished without keeping {os.path.basename(fork)} (its records only): training it again "
+              f"to step {step} in {scratch}, its losses checked against its records", flush=True)
+        args = train_args(trunk_arm, seed, scratch)
+        record = check_run_dir(scratch, args, trunk_arm["config"])
+        start = [f"--init_from={'resume' if os.path.exists(os.path.join(scratch, 'ckpt.pt')) else 'scratch'}"]
+        steps = [k for k in trunk_arm.get("keep", ()) if k <= step]
+        rc, tail, _ = train_segments(args, scratch, record, start, steps, nproc, echo)
+        if rc != 0:
+            print(f"  {trunk}: remaking ckpt_{step}.pt, train.py failed (exit {rc}): {tail[-1] if tail else ''}; "
+                  f"see {scratch}/train.log")
+            return None
+        differs = first_difference(scratch, trunk_dir, step)
+        if differs:
+            print(f"  {trunk}: not remade: {differs}, so its checkpoint would not be the trunk's (another machine, "
+                  f"thread count or torch); the arms that fork from it are not run (remove {scratch} and the "
+                  f"trunk's done.json to train the trunk again, and its arms after it)")
+            return None
+        try:
+            ckpt_io.copy(os.path.join(scratch, f"ckpt_{step}.pt"), fork)
+        except ckpt_io.CheckpointError as e:
+            raise StudyError(str(e)) from None
+        print(f"  {trunk}: ckpt_{step}.pt remade, every loss to step {step} the trunk's own", flush=True)
+        return fork
+
+
+def logged_losses(run_dir, step):
+    """{(iter, key): value} of every loss metrics.jsonl holds up to step (train.py's logged training
+    loss and each evaluation's), a later record of an iter replacing an earlier (a resumed run logs the
+    steps after its checkpoint again)."""
+    losses = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["iter"] <= step:
+                losses.update({(r["iter"], k): v for k, v in r.items() if k in ("loss", "train/loss", "val/loss")})
+    return losses
+
+
+def first_difference(remade, trunk_dir, step):
+    """'' when the remade run logged every loss the trunk recorded up to step, each bit for bit equal;
+    else what differs first."""
+    try:
+        made, kept = logged_losses(remade, step), logged_losses(trunk_dir, step)
+    except (OSError, ValueError, KeyError) as e:
+        return f"its metrics.jsonl could not be read ({e})"
+    for it, key in sorted(kept.keys() | made.keys()):
+        if made.get((it, key)) != kept.get((it, key)):
+            return (f"at step {it} its {key} is {made.get((it, key))!r} where the trunk recorded "
+                    f"{kept.get((it, key))!r}")
+    return ""
 
 
 def run_train(cmd, nproc, run_dir, record, echo):
@@ -238,9 +336,34 @@ def steps_left(run_dir, a):
     return max(last - first, 0)
 
 
+def remake_steps(todo, root):
+    """{TRUNK/remade: (steps, trunk arm)}: the steps each finished trunk that kept no checkpoint trains
+    again for the runs of todo not yet begun that fork from it (remake_kept), to the latest of their fork
+    steps, less those its remade run has trained already."""
+    upto = {}
+    for run, a, seed in todo:
+        if not a.get("trunk") or os.path.exists(os.path.join(root, "runs", run, "ckpt.pt")):
+            continue
+        trunk_dir, step = os.path.join(root, "runs", run_name(a["trunk"], seed)), a["overrides"]["pqt_start"]
+        done = read_json(os.path.join(trunk_dir, "done.json"))
+        if done and done["status"] == "finished" and not os.path.exists(os.path.join(trunk_dir, f"ckpt_{step}.pt")):
+            scratch = os.path.join(trunk_dir, REMADE)
+            upto[scratch] = (max(upto.get(scratch, (0,))[0], step), a["trunk"])
+    return {scratch: (step - remade_to(scratch), trunk) for scratch, (step, trunk) in upto.items()}
+
+
+def remade_to(scratch):
+    """The step a trunk's remade run would resume from: its last evaluation, where it keeps ckpt.pt."""
+    metrics = os.path.join(scratch, "metrics.jsonl")
+    if not (os.path.exists(os.path.join(scratch, "ckpt.pt")) and os.path.isfile(metrics)):
+        return 0
+    evals, _ = figures.read_metrics(metrics)
+    return max([0] + [r["iter"] for r in evals[-1:]])
+
+
 def seconds_left(study, todo, root):
     """(seconds, runs, steps, how): the wall time the runs of todo not yet done take, their count and
-    steps, at the seconds per step of the study's runs finished under root (their wall time over the
+    steps (with those of the trunks trained again for them: remake_steps), at the seconds per step of the study's runs finished under root (their wall time over the
     steps they trained, all attempts together, evaluations included), else at each arm's own measured
     seconds a step where the study gives it (step_s), else at DEFAULT_STEP_S; how says which."""
     finished, spent, trained = 0, 0.0, 0
@@ -249,16 +372,18 @@ def seconds_left(study, todo, root):
         if done and done["status"] == "finished":
             first, last = arm_steps(a)
             finished, spent, trained = finished + 1, spent + done["wall_s"], trained + last - first
-    left = [(run, a) for run, a, _ in todo if read_json(os.path.join(root, "runs", run, "done.json")) is None]
-    steps = {run: steps_left(os.path.join(root, "runs", run), a) for run, a in left}
+    left = [(run, a, seed) for run, a, seed in todo if read_json(os.path.join(root, "runs", run, "done.json")) is None]
+    # each run's steps, and those of the trunks trained again for them (remake_steps), with their arm
+    steps = {run: (steps_left(os.path.join(root, "runs", run), a), a) for run, a, _ in left}
+    steps.update(remake_steps(left, root))
     if trained:
-        seconds = sum(steps.values()) * spent / trained
+        seconds = sum(n for n, _ in steps.values()) * spent / trained
         how = f"the wall time per step of the {finished} finished run(s) here"
     else:
-        seconds = sum(n * a.get("step_s", DEFAULT_STEP_S) for (_, a), n in zip(left, steps.values()))
+        seconds = sum(n * a.get("step_s", DEFAULT_STEP_S) for n, a in steps.values())
         how = ("no run has finished here yet: each arm's measured time a step where its study gives one (step_s), "
                "else config/mini_gpt2.py's 0.75 s a step on a 2-core CPU")
-    return seconds, len(left), sum(steps.values()), how
+    return seconds, len(left), sum(n for n, _ in steps.values()), how
 
 
 def duration(seconds):

@@ -7,6 +7,8 @@ import io
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 
 import numpy as np
@@ -106,6 +108,75 @@ def test_a_forked_arm_is_the_trunk_until_its_switch(deploy, tmp_path):
         # the fork's evaluations also hold the trunk's at its kept steps, which the whole run does not make
         evals, whole_evals = computed(mine, "val/loss", start), computed(whole, "val/loss", start)
         assert {it: evals.get(it) for it in whole_evals} == whole_evals, a["kind"]
+
+
+def records_only(root, trunk, dest):
+    """The trunk's run directory as committed records keep it (studies/results): every file but its
+    checkpoints and locks, under dest/runs."""
+    to = os.path.join(dest, "runs", defs.run_name(trunk, 1))
+    shutil.copytree(run_dir(root, trunk), to, ignore=shutil.ignore_patterns("*.pt", "*lock"))
+    return to
+
+
+def run_arm(s, a, root):
+    """The runner on arm a alone (its trunk's records under root); (failed runs, what it printed)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        failed = runner.run_study("deploy", s, root, echo=False, only=f"^{re.escape(defs.run_name(a, 1))}$")
+    return failed, out.getvalue()
+
+
+def test_an_arm_whose_trunk_kept_only_its_records_forks_from_its_remade_checkpoint(deploy, tmp_path):
+    """A fresh clone holds a finished trunk's records but none of its checkpoints: the runner trains the
+    trunk again to the fork step beside its records, and, every loss equal to the recorded one, the arm
+    forks from the remade checkpoint and logs, step for step, the losses of the same arm forked from the
+    checkpoint the trunk kept when it first ran."""
+    root, s, _ = deploy
+    trunk = s["arms"][0]
+    a = next(a for a in s["arms"] if a.get("kind") == "STE phase")
+    step = a["overrides"]["pqt_start"]
+    trunk_dir = records_only(root, trunk, tmp_path)
+    failed, printed = run_arm(s, a, str(tmp_path))
+    assert failed == 0, printed
+    assert f"ckpt_{step}.pt remade, every loss to step {step} the trunk's own" in printed
+    assert os.path.isfile(os.path.join(trunk_dir, f"ckpt_{step}.pt"))
+    assert not os.path.exists(os.path.join(trunk_dir, "ckpt.pt"))  # the trunk's own records are left as they were
+    for kind in ("loss", "val/loss"):
+        assert computed(records(run_dir(str(tmp_path), a)), kind, step) == computed(records(run_dir(root, a)), kind,
+                                                                                     step), kind
+
+
+def test_a_dry_run_counts_the_steps_a_trunk_that_kept_only_its_records_trains_again(deploy, tmp_path, capsys):
+    """The STE phase trains its last 3 steps, and its trunk trains again to its fork step, 17: 20 steps."""
+    root, s, _ = deploy
+    a = next(a for a in s["arms"] if a.get("kind") == "STE phase")
+    records_only(root, s["arms"][0], tmp_path)
+    runner.dry_run("deploy", s, str(tmp_path), 1, f"^{re.escape(defs.run_name(a, 1))}$")
+    start = a["overrides"]["pqt_start"]
+    assert f"1 run(s), {(STEPS - start) + start} steps" in capsys.readouterr().out  # 3 + 17
+
+
+def test_a_remade_trunk_whose_losses_differ_from_its_records_forks_nothing(deploy, tmp_path):
+    """Another machine that rounds otherwise, as a record changed in its last bit stands for here: the
+    runner says where the remade trunk first differs, keeps no checkpoint for the arm, and does not run it."""
+    root, s, _ = deploy
+    trunk = s["arms"][0]
+    a = next(a for a in s["arms"] if a.get("kind") == "STE phase")
+    trunk_dir = records_only(root, trunk, tmp_path)
+    path = os.path.join(trunk_dir, "metrics.jsonl")
+    rows = records(trunk_dir)
+    i = next(k for k, r in enumerate(rows) if r["iter"] == 2 and "loss" in r)
+    recorded = rows[i]["loss"]
+    rows[i]["loss"] = float(np.nextafter(np.float32(recorded), np.float32(np.inf)))  # one float32 ulp above
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    failed, printed = run_arm(s, a, str(tmp_path))
+    assert failed == 1
+    line = next(line for line in printed.splitlines() if "not remade" in line)
+    assert f"at step 2 its loss is {recorded!r} where the trunk recorded {rows[i]['loss']!r}" in line
+    assert not any(name.endswith(".pt") for name in os.listdir(trunk_dir))
+    arm_dir = run_dir(str(tmp_path), a)  # the arm did not start: its directory holds the runner's lock alone
+    assert not [name for name in os.listdir(arm_dir) if not name.endswith("lock")]
 
 
 def test_the_table_holds_the_runs_own_figures_and_the_paired_differences(deploy):

@@ -581,6 +581,8 @@ def test_the_runners_eta_counts_the_steps_left_not_the_runs_left(tmp_path, capsy
     name = next(n for n, a, _ in defs.runs_of(defs.STUDIES["gguf"]) if "-bf16-" in n and n.endswith("-s1"))
     os.makedirs(tmp_path / "runs" / name)
     (tmp_path / "runs" / name / "done.json").write_text(json.dumps({"status": "finished", "wall_s": 6400.0}))
+    for step in defs.STUDIES["gguf"]["arms"][0]["keep"]:  # the checkpoints it kept for its forks (else it is
+        (tmp_path / "runs" / name / f"ckpt_{step}.pt").write_bytes(b"")  # trained again first: remake_steps)
     monkeypatch.setattr(runner, "train_one", train_one)
     with pytest.raises(Started):
         runner.run_study("gguf", defs.STUDIES["gguf"], str(tmp_path), only=only)
