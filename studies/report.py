@@ -41,9 +41,16 @@ def run_figures(run, done):
         "wall_s": done["wall_s"], "train_s": train_s,
         "b_t": {k: last_log[f"b_t/{k}"] for k in ("mean", "min", "max")} if "b_t/mean" in last_log else None,
         "method": config["method"], "seed": config["seed"], "torch": config.get("versions", {}).get("torch"),
-        "machine": config.get("versions", {}).get("machine"),
+        "machine": machine_of(config.get("versions", {})),
         "device": config.get("device"), "world_size": config.get("world_size"),
     }
+
+
+def machine_of(versions):
+    """The machine a run's config.json records: the CPU's name and cores, with its family, model and
+    stepping where recorded (two CPUs of one name may round otherwise: studies/README.md); None if none."""
+    m = versions.get("machine")
+    return f"{m} ({versions['cpu_id']})" if m and versions.get("cpu_id") else m
 
 
 def done_run(root, a, seed):

@@ -111,6 +111,8 @@ def test_the_machine_is_the_one_each_run_recorded(finished):
     here = f"{cpu_model()}, {os.cpu_count()} logical cores"
     for name in ("tiny-bf16-s1", "tiny-gaussws_all-s1"):
         assert json.load(open(os.path.join(root, "runs", name, "config.json")))["versions"]["machine"] == here
+    if util.cpu_id():  # and the CPU's family, model and stepping, which tell two CPUs of one name apart
+        here += f" ({util.cpu_id()})"
     assert json.load(open(os.path.join(root, "tiny", "results.json")))["machine"] == here
     assert f"Machine: {here};" in open(os.path.join(root, "tiny", "results.md")).read()
 
