@@ -171,19 +171,23 @@ def remake_kept(trunk_arm, seed, trunk_dir, step, nproc, echo):
               f"to step {step} in {scratch}, its losses checked against its records", flush=True)
         args = train_args(trunk_arm, seed, scratch)
         record = check_run_dir(scratch, args, trunk_arm["config"])
-        start = [f"--init_from={'resume' if os.path.exists(os.path.join(scratch, 'ckpt.pt')) else 'scratch'}"]
-        steps = [k for k in trunk_arm.get("keep", ()) if k <= step]
-        rc, tail, _ = train_segments(args, scratch, record, start, steps, nproc, echo)
-        if rc != 0:
-            print(f"  {trunk}: remaking ckpt_{step}.pt, train.py failed (exit {rc}): {tail[-1] if tail else ''}; "
-                  f"see {scratch}/train.log")
-            return None
-        differs = first_difference(scratch, trunk_dir, step)
-        if differs:
-            print(f"  {trunk}: not remade: {differs}, so its checkpoint would not be the trunk's (another machine, "
-                  f"thread count or torch); the arms that fork from it are not run (remove {scratch} and the "
-                  f"trunk's done.json to train the trunk again, and its arms after it)")
-            return None
+        resume = os.path.exists(os.path.join(scratch, "ckpt.pt"))
+        start = [f"--init_from={'resume' if resume else 'scratch'}"]
+        # first to the trunk's first logged step, checked before the long way to the fork step: a CPU or
+        # thread count that rounds otherwise is told in a minute, not hours later
+        probe = [] if resume else [min((i for i, _ in logged_losses(trunk_dir, step) if i > 0), default=step)]
+        for steps in (probe, [k for k in trunk_arm.get("keep", ()) if k <= step]):
+            rc, tail, start = train_segments(args, scratch, record, start, steps, nproc, echo)
+            if rc != 0:
+                print(f"  {trunk}: remaking ckpt_{step}.pt, train.py failed (exit {rc}): {tail[-1] if tail else ''}; "
+                      f"see {scratch}/train.log")
+                return None
+            differs = first_difference(scratch, trunk_dir, max(steps, default=0))
+            if differs:
+                print(f"  {trunk}: not remade: {differs}, so its checkpoint would not be the trunk's (another "
+                      f"machine, thread count or torch); the arms that fork from it are not run (remove {scratch} "
+                      f"and the trunk's done.json to train the trunk again, and its arms after it)")
+                return None
         try:
             ckpt_io.copy(os.path.join(scratch, f"ckpt_{step}.pt"), fork)
         except ckpt_io.CheckpointError as e:
@@ -207,12 +211,13 @@ def logged_losses(run_dir, step):
 
 def first_difference(remade, trunk_dir, step):
     """'' when the remade run logged every loss the trunk recorded up to step, each bit for bit equal;
-    else what differs first."""
+    else what differs first. (Its evaluations where it stopped to be checked are its own: an evaluation
+    changes no state.)"""
     try:
         made, kept = logged_losses(remade, step), logged_losses(trunk_dir, step)
     except (OSError, ValueError, KeyError) as e:
         return f"its metrics.jsonl could not be read ({e})"
-    for it, key in sorted(kept.keys() | made.keys()):
+    for it, key in sorted(kept):
         if made.get((it, key)) != kept.get((it, key)):
             return (f"at step {it} its {key} is {made.get((it, key))!r} where the trunk recorded "
                     f"{kept.get((it, key))!r}")

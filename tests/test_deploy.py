@@ -156,16 +156,18 @@ def test_a_dry_run_counts_the_steps_a_trunk_that_kept_only_its_records_trains_ag
     assert f"1 run(s), {(STEPS - start) + start} steps" in capsys.readouterr().out  # 3 + 17
 
 
-def test_a_remade_trunk_whose_losses_differ_from_its_records_forks_nothing(deploy, tmp_path):
+@pytest.mark.parametrize("at, stopped", [(1, 1), (2, 17)])
+def test_a_remade_trunk_whose_losses_differ_from_its_records_forks_nothing(deploy, tmp_path, at, stopped):
     """Another machine that rounds otherwise, as a record changed in its last bit stands for here: the
-    runner says where the remade trunk first differs, keeps no checkpoint for the arm, and does not run it."""
+    runner says where the remade trunk first differs, keeps no checkpoint for the arm, and does not run it.
+    A difference at the trunk's first logged step stops the remade run there, not at the fork step."""
     root, s, _ = deploy
     trunk = s["arms"][0]
     a = next(a for a in s["arms"] if a.get("kind") == "STE phase")
     trunk_dir = records_only(root, trunk, tmp_path)
     path = os.path.join(trunk_dir, "metrics.jsonl")
     rows = records(trunk_dir)
-    i = next(k for k, r in enumerate(rows) if r["iter"] == 2 and "loss" in r)
+    i = next(k for k, r in enumerate(rows) if r["iter"] == at and "loss" in r)
     recorded = rows[i]["loss"]
     rows[i]["loss"] = float(np.nextafter(np.float32(recorded), np.float32(np.inf)))  # one float32 ulp above
     with open(path, "w") as f:
@@ -173,8 +175,9 @@ def test_a_remade_trunk_whose_losses_differ_from_its_records_forks_nothing(deplo
     failed, printed = run_arm(s, a, str(tmp_path))
     assert failed == 1
     line = next(line for line in printed.splitlines() if "not remade" in line)
-    assert f"at step 2 its loss is {recorded!r} where the trunk recorded {rows[i]['loss']!r}" in line
+    assert f"at step {at} its loss is {recorded!r} where the trunk recorded {rows[i]['loss']!r}" in line
     assert not any(name.endswith(".pt") for name in os.listdir(trunk_dir))
+    assert max(r["iter"] for r in records(os.path.join(trunk_dir, runner.REMADE))) == stopped
     arm_dir = run_dir(str(tmp_path), a)  # the arm did not start: its directory holds the runner's lock alone
     assert not [name for name in os.listdir(arm_dir) if not name.endswith("lock")]
 
