@@ -112,15 +112,16 @@ def launch(name, a, seed, run_dir, nproc, echo):
     return finish(name, a, run_dir, record, rc, tail)
 
 
-def train_segments(args, run_dir, record, start, steps, nproc, echo):
-    """train.py to each step of steps in turn from start, each one's checkpoint kept as ckpt_<step>.pt
-    (a step already kept is not trained again). Returns (exit status, output's tail, the start of what
-    follows): the status of the segment that failed, else 0."""
+def train_segments(args, run_dir, record, start, steps, nproc, echo, env=None):
+    """train.py (in env) to each step of steps in turn from start, each one's checkpoint kept as
+    ckpt_<step>.pt (a step already kept is not trained again). Returns (exit status, output's tail, the
+    start of what follows): the status of the segment that failed, else 0."""
     for step in steps:
         kept_ckpt = os.path.join(run_dir, f"ckpt_{step}.pt")
         if os.path.exists(kept_ckpt):
             continue
-        rc, tail = run_train(launcher(nproc) + args + [f"--max_iters={step}"] + start, nproc, run_dir, record, echo)
+        rc, tail = run_train(launcher(nproc) + args + [f"--max_iters={step}"] + start, nproc, run_dir, record, echo,
+                             env)
         if rc != 0:
             return rc, tail, start
         try:
@@ -136,8 +137,9 @@ def train_segments(args, run_dir, record, start, steps, nproc, echo):
 # machine, a finished trunk lacks the ckpt_<step>.pt its arms fork from. The runner then trains the trunk
 # again to that step, beside its records (TRUNK/remade), and lets the arm fork from the result only if
 # every loss it logged on the way is bit for bit the one the trunk recorded: a resumed or repeated run
-# repeats an uninterrupted one, so equal losses say the remade checkpoint is the trunk's; any other
-# machine, thread count or torch that changes a bit is refused, and the arm is not run.
+# repeats an uninterrupted one, so equal losses say the remade checkpoint is the trunk's. It runs on the
+# trunk's recorded number of threads; any other kind of CPU or torch that changes a bit is refused, and
+# the arm is not run.
 REMADE = "remade"
 
 
@@ -167,8 +169,12 @@ def remake_kept(trunk_arm, seed, trunk_dir, step, nproc, echo):
     with held:
         if os.path.exists(fork):
             return fork
+        # on the trunk's own number of threads, which its sums depend on (its config.json's record)
+        threads = (read_json(os.path.join(trunk_dir, "config.json")) or {}).get("versions", {}).get("threads")
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
         print(f"  {trunk} finished without keeping {os.path.basename(fork)} (its records only): training it again "
-              f"to step {step} in {scratch}, its losses checked against its records", flush=True)
+              f"to step {step} in {scratch}{f' on its {threads} thread(s)' if threads else ''}, its losses checked "
+              f"against its records", flush=True)
         args = train_args(trunk_arm, seed, scratch)
         record = check_run_dir(scratch, args, trunk_arm["config"])
         resume = os.path.exists(os.path.join(scratch, "ckpt.pt"))
@@ -177,7 +183,7 @@ def remake_kept(trunk_arm, seed, trunk_dir, step, nproc, echo):
         # thread count that rounds otherwise is told in a minute, not hours later
         probe = [] if resume else [min((i for i, _ in logged_losses(trunk_dir, step) if i > 0), default=step)]
         for steps in (probe, [k for k in trunk_arm.get("keep", ()) if k <= step]):
-            rc, tail, start = train_segments(args, scratch, record, start, steps, nproc, echo)
+            rc, tail, start = train_segments(args, scratch, record, start, steps, nproc, echo, env)
             if rc != 0:
                 print(f"  {trunk}: remaking ckpt_{step}.pt, train.py failed (exit {rc}): {tail[-1] if tail else ''}; "
                       f"see {scratch}/train.log")
@@ -224,15 +230,15 @@ def first_difference(remade, trunk_dir, step):
     return ""
 
 
-def run_train(cmd, nproc, run_dir, record, echo):
-    """One train.py process, its output echoed and appended to train.log, the attempt recorded in
-    run.json. Returns (exit status, the last lines of its output)."""
+def run_train(cmd, nproc, run_dir, record, echo, env=None):
+    """One train.py process (in env, else this one's), its output echoed and appended to train.log, the
+    attempt recorded in run.json. Returns (exit status, the last lines of its output)."""
     attempt = {"command": shlex.join(["python", *cmd[1:]]), "nproc": nproc, "commit": git_commit(),
                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     t0, tail = time.time(), []
     with open(os.path.join(run_dir, "train.log"), "a") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         try:
             for line in proc.stdout:

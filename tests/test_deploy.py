@@ -156,6 +156,23 @@ def test_a_dry_run_counts_the_steps_a_trunk_that_kept_only_its_records_trains_ag
     assert f"1 run(s), {(STEPS - start) + start} steps" in capsys.readouterr().out  # 3 + 17
 
 
+def test_a_trunk_is_trained_again_on_the_number_of_threads_its_record_holds(deploy, tmp_path, monkeypatch):
+    """Its sums depend on it, whatever OMP_NUM_THREADS the runner was started with (torch takes no more
+    threads than the CPU has cores: one in the record, two for the runner)."""
+    root, s, _ = deploy
+    a = next(a for a in s["arms"] if a.get("kind") == "STE phase")
+    trunk_dir = records_only(root, s["arms"][0], tmp_path)
+    config = json.load(open(os.path.join(trunk_dir, "config.json")))
+    config["versions"]["threads"] = 1
+    with open(os.path.join(trunk_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    _, printed = run_arm(s, a, str(tmp_path))
+    assert "on its 1 thread(s)" in printed
+    remade = json.load(open(os.path.join(trunk_dir, runner.REMADE, "config.json")))
+    assert remade["versions"]["threads"] == 1
+
+
 @pytest.mark.parametrize("at, stopped", [(1, 1), (2, 17)])
 def test_a_remade_trunk_whose_losses_differ_from_its_records_forks_nothing(deploy, tmp_path, at, stopped):
     """Another machine that rounds otherwise, as a record changed in its last bit stands for here: the
