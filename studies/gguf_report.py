@@ -14,7 +14,8 @@ it, the same evaluation as every other figure): 1 is the unquantized model's los
 below 0 worse than llama.cpp. The same share over PyTorch's FP32 val loss of the trunk (train.py's) is
 given beside it, and the two denominators per seed. "For a user" (for_a_user) puts it as a user decides: per
 size, our lowest file against that best llama.cpp file, whether ours removes at least half of its loss (the
-interval too), and our lowest file of 2.6-3.2 bits against llama-quantize's Q3_K_M paired by seed. Records
+interval too), and our lowest file of 2.6-3.2 bits against llama-quantize's Q3_K_M paired by seed; the README
+puts the studies' tables side by side (readme_table; `python -m studies.gguf_report` prints it). Records
 made before the F32 file's loss and each file's per-tensor types were kept (gguf.json) are reported as lacking
 them.
 """
@@ -245,6 +246,50 @@ def for_a_user_markdown(user):
     return lines
 
 
+# The README's table (readme_table): the studies it puts side by side, as (study, what was trained)
+README_STUDIES = (("gguf_llama", "Llama, 8 tokens/param"), ("gguf", "GPT2, 8 tokens/param"),
+                  ("gguf_short", "GPT2, 2 tokens/param"))
+
+
+def readme_table(results):
+    """The README's table of the llama.cpp studies as a user decides: per size class (CLASSES' order) and study
+    (README_STUDIES' order), the best llama.cpp file of no more bytes and ours, both over llama.cpp's F32 file,
+    the share ours removes; then our file of SMALL bits per weight against SMALL_VERSUS. `results`: {study:
+    its results.json}. `python -m studies.gguf_report` prints it from the committed records."""
+    def short(b):
+        if b["arm"].startswith("llama.cpp "):
+            name = b["arm"].removeprefix("llama.cpp ")
+        else:
+            kinds = (("STE phase", "STE"), ("learned mix", "learned mix"), ("error mix", "error-ranked mix"))
+            name = next((f"{k}, `{b['spec']}`" for p, k in kinds if b["arm"].startswith(p)),
+                        called(b["arm"], b["spec"]))
+        return f"{name}, {b['bits_per_weight']:.2f} bits"
+    def pct(b):
+        return "-" if b["increase_f32_pct"] is None else f"{b['increase_f32_pct']:+.2f} %"
+    lines = ["| bits/w | model | best llama-quantize file of no more bytes | over F32 | ours | over F32 | "
+             "its loss removed (95 %) |", "|---|---|---|---|---|---|---|"]
+    for label, _, _ in CLASSES:
+        for name, what in README_STUDIES:
+            s = next((s for s in results[name]["for_a_user"]["sizes"] if s["class"] == label), None)
+            if s is None or s["reference"] is None or not s["removed"]["n"]:
+                continue
+            lines.append(f"| {label} | {what} | {short(s['reference'])} | {pct(s['reference'])} | "
+                         f"{short(s['ours'])} | {pct(s['ours'])} | {ci(s['removed'], 2)} |")
+    small = []
+    for name, what in README_STUDIES:
+        lead = results[name]["for_a_user"]["small"]
+        if lead is not None:
+            o, v = lead["ours"], lead["versus"]
+            small.append(f"{what}: {called(o['arm'], o['spec'])} at {o['bits_per_weight']:.2f} bits minus "
+                         f"{v['spec']} at {v['bits_per_weight']:.2f} bits, {ci(lead['minus_versus'])}")
+    if small:
+        lines += ["", f"Our lowest file of {SMALL[0]}-{SMALL[1]} bits against llama-quantize's {SMALL_VERSUS} "
+                  "(val loss, paired by seed): " + "; ".join(small) + "."]
+    records = ", ".join(f"[{n}](studies/results/{n}/results.md) {results[n]['runs_finished']} of "
+                        f"{results[n]['runs_total']} runs" for n, _ in README_STUDIES)
+    return lines + ["", f"Records: {records}; `python -m studies.gguf_report` prints this table from them."]
+
+
 def d_verdict(lead):
     """What the small file's paired difference to SMALL_VERSUS says: at least as good in the mean, or not, and
     whether the seeds tell the two apart."""
@@ -459,3 +504,10 @@ def write_gguf(name, study, root):
     if any(r["seeds"] for r in rows):
         written.append(plot_gguf(rows, os.path.join(out, "plots", "gguf.png")))
     return written
+
+
+if __name__ == "__main__":
+    import json
+    from studies.definitions import REPO
+    print("\n".join(readme_table({n: json.load(open(os.path.join(REPO, "studies", "results", n, "results.json")))
+                                   for n, _ in README_STUDIES})))

@@ -1,5 +1,6 @@
 """What the docs can get wrong mechanically: every file, module attribute and test they name exists,
-and every exit status they state is the one the code returns.
+every exit status they state is the one the code returns, and the README's table of the gguf studies is
+their committed records'.
 
 The docs are README.md, docs/*.md and studies/README.md. A name in backticks that looks like a file
 (`checkpoint.py`, `data/common.py`, `studies/runner.py`) is a file of the repository; `module.name`
@@ -218,3 +219,15 @@ def test_the_install_pins_every_package_at_the_version_the_suite_passed_on():
     for name, spec in {**main, **test}.items():
         assert name in pins, f"constraints.txt pins no version of {name}"
         assert pins[name][2:] in SpecifierSet(spec), f"{name}{pins[name]} is not {name}{spec}"
+
+
+def test_the_readme_table_of_the_gguf_studies_is_their_committed_records():
+    """The README's table of trained GGUF files against llama-quantize is the one the committed results of
+    the studies it names give, so that no figure of it outlives a report written again."""
+    import json
+    from studies.gguf_report import README_STUDIES, readme_table
+    results = {n: json.loads(text(os.path.join(ROOT, "studies", "results", n, "results.json")))
+               for n, _ in README_STUDIES}
+    table = "\n".join(readme_table(results))
+    assert table in text(os.path.join(ROOT, "README.md")), \
+        "README.md's table of the gguf studies is not their committed records': `python -m studies.gguf_report` prints it"
