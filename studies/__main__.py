@@ -5,6 +5,7 @@
     python -m studies fig1b --nproc=2     # each run on 2 processes (torchrun --standalone); same losses
     python -m studies fig1b --report      # its tables and plots from the runs done so far; trains nothing
     python -m studies deploy --only=n3200 # only the runs whose name matches a regular expression
+    python -m studies --readme_table      # the README's table of the gguf studies, from their committed results
     python -m studies                     # the options and the studies (as --help)
 
 Run from the repository's root. studies/README.md says how a study is run, resumed and reported, and
@@ -17,6 +18,7 @@ import sys
 
 import configurator
 from studies.definitions import REPO, STUDIES, runs_of
+from studies.gguf_report import committed_readme_table
 from studies.records import StudyError
 from studies.runner import check_root, dry_run, run_study, write_results
 from util import cli
@@ -27,12 +29,14 @@ DEFAULTS = dict(
     nproc=1,  # each run on this many processes (torchrun --standalone): the same losses
     root="out/study",  # where the runs (ROOT/runs) and the results (ROOT/NAME) go
     only="",  # only the runs whose name matches this regular expression
+    readme_table=False,  # print the README's table of the gguf studies from their committed results; runs nothing
 )
 
 
 def usage():
     """--help's head: the command, then each study with its count of runs and what it compares."""
     lines = ["usage: python -m studies NAME [--dry_run] [--report] [--nproc=N] [--root=DIR] [--only=REGEX]",
+             "       python -m studies --readme_table",
              "studies (NAME; none: this help):"]
     lines += [f"  {n:6s} {len(runs_of(s)):3d} runs  {s['about']}" for n, s in STUDIES.items()]
     return "\n".join(lines)
@@ -65,6 +69,9 @@ def main(argv):
     signal.signal(signal.SIGINT, _interrupted)
     signal.signal(signal.SIGTERM, _interrupted)
     name, c = options(argv)
+    if c["readme_table"]:
+        print("\n".join(committed_readme_table()))
+        return 0
     if name is None:
         print(configurator.help_text(c, DEFAULTS, __file__, __doc__, usage()))
         return 0

@@ -15,7 +15,7 @@ below 0 worse than llama.cpp. The same share over PyTorch's FP32 val loss of the
 given beside it, and the two denominators per seed. "For a user" (for_a_user) puts it as a user decides: per
 size, our lowest file against that best llama.cpp file, whether ours removes at least half of its loss (the
 interval too), and our lowest file of 2.6-3.2 bits against llama-quantize's Q3_K_M paired by seed; the README
-puts the studies' tables side by side (readme_table; `python -m studies.gguf_report` prints it). Records
+puts the studies' tables side by side (readme_table; `python -m studies --readme_table` prints it). Records
 made before the F32 file's loss and each file's per-tensor types were kept (gguf.json) are reported as lacking
 them.
 """
@@ -255,7 +255,7 @@ def readme_table(results):
     """The README's table of the llama.cpp studies as a user decides: per size class (CLASSES' order) and study
     (README_STUDIES' order), the best llama.cpp file of no more bytes and ours, both over llama.cpp's F32 file,
     the share ours removes; then our file of SMALL bits per weight against SMALL_VERSUS. `results`: {study:
-    its results.json}. `python -m studies.gguf_report` prints it from the committed records."""
+    its results.json}. `python -m studies --readme_table` prints it from the committed records."""
     def short(b):
         if b["arm"].startswith("llama.cpp "):
             name = b["arm"].removeprefix("llama.cpp ")
@@ -287,7 +287,7 @@ def readme_table(results):
                   "(val loss, paired by seed): " + "; ".join(small) + "."]
     records = ", ".join(f"[{n}](studies/results/{n}/results.md) {results[n]['runs_finished']} of "
                         f"{results[n]['runs_total']} runs" for n, _ in README_STUDIES)
-    return lines + ["", f"Records: {records}; `python -m studies.gguf_report` prints this table from them."]
+    return lines + ["", f"Records: {records}; `python -m studies --readme_table` prints this table from them."]
 
 
 def d_verdict(lead):
@@ -506,8 +506,12 @@ def write_gguf(name, study, root):
     return written
 
 
-if __name__ == "__main__":
+def committed_readme_table():
+    """readme_table of the committed results of README_STUDIES (studies/results/NAME/results.json)."""
     import json
     from studies.definitions import REPO
-    print("\n".join(readme_table({n: json.load(open(os.path.join(REPO, "studies", "results", n, "results.json")))
-                                   for n, _ in README_STUDIES})))
+    results = {}
+    for name, _ in README_STUDIES:
+        with open(os.path.join(REPO, "studies", "results", name, "results.json")) as f:
+            results[name] = json.load(f)
+    return readme_table(results)
