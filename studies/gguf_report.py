@@ -19,9 +19,10 @@ puts the studies' tables side by side (readme_table; `python -m studies --readme
 made before the F32 file's loss and each file's per-tensor types were kept (gguf.json) are reported as lacking
 them.
 """
+import json
 import os
 
-from studies.definitions import arm_label, run_name
+from studies.definitions import REPO, arm_label, run_name
 from studies.exports import F32_SPEC, llama_cpp_files, sensitivity, trained_files
 from studies.gguf_tensors import chosen_markdown, chosen_types, sensitivity_markdown, sensitivity_ranks
 from studies.plots import plot_gguf
@@ -508,8 +509,6 @@ def write_gguf(name, study, root):
 
 def committed_readme_table():
     """readme_table of the committed results of README_STUDIES (studies/results/NAME/results.json)."""
-    import json
-    from studies.definitions import REPO
     results = {}
     for name, _ in README_STUDIES:
         with open(os.path.join(REPO, "studies", "results", name, "results.json")) as f:
